@@ -1,0 +1,75 @@
+"""The ledger: durable, WAL, refuses a newer schema, a locked writer is a clear error."""
+
+import sqlite3
+import time
+
+import pytest
+
+from toolkit.errors import LedgerError
+from toolkit.ledger import Ledger, Run
+
+
+def make_run(run_id="r1"):
+    now = time.time()
+    return Run(run_id=run_id, spec_path="/s.yaml", spec_name="s", site="local", site_path="/l.yaml",
+               partition="default", run_dir="/runs/r1", workdir="/w", state="running", reason="", created=now, updated=now)
+
+
+def test_runs_and_attempts_round_trip(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.add_run(make_run())
+        led.add_attempt("r1", 1, {"micro_batch": 8}, "/runs/r1/attempt-1", "default")
+        led.update_attempt("r1", 1, state="submitting")
+        led.update_attempt("r1", 1, job_id="42", state="PENDING", submitted=1.0)
+        led.update_attempt("r1", 1, state="COMPLETED", metrics={"peak_rss_mib": 10.5}, exit_code=0)
+        led.set_run_state("r1", "succeeded")
+    with Ledger(path) as led:  # reopened: everything is still there
+        (a,) = led.attempts("r1")
+        assert (a.job_id, a.state, a.plan, a.metrics, a.exit_code) == ("42", "COMPLETED", {"micro_batch": 8}, {"peak_rss_mib": 10.5}, 0)
+        assert led.run("r1").state == "succeeded"
+        whats = [w for _, _, w in led.events("r1")]
+        assert whats[0] == "run created" and "attempt state=submitting" in whats and whats[-1] == "run succeeded"
+        assert led.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_unknown_run_and_duplicate_attempt(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as led:
+        with pytest.raises(LedgerError, match="no run 'nope'"):
+            led.run("nope")
+        led.add_run(make_run())
+        led.add_attempt("r1", 1, {}, "/a", "p")
+        with pytest.raises(sqlite3.IntegrityError):
+            led.add_attempt("r1", 1, {}, "/a", "p")
+        assert len(led.attempts("r1")) == 1
+
+
+def test_newer_schema_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.add_run(make_run())
+        led.db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(LedgerError, match="newer than this hpcmem"):
+        Ledger(path)
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
+
+
+def test_a_held_write_lock_is_a_clear_error(tmp_path):
+    path = tmp_path / "l.sqlite"
+    Ledger(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(LedgerError, match="locked"):
+            Ledger(path, timeout_s=0.2)
+    finally:
+        holder.execute("ROLLBACK")
+
+
+def test_garbage_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "l.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(LedgerError):
+        Ledger(path)
+    assert path.read_bytes().startswith(b"this is not a database")

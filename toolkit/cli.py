@@ -1,0 +1,183 @@
+"""The ``hpcmem`` command line. Thin: parse, call the modules, format.
+
+Every reporting command takes ``--json``. An ``HpcmemError`` becomes one line on
+stderr and a non-zero exit; anything else keeps its traceback (it is a bug).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__, render, runs
+from .errors import HpcmemError
+from .jobspec import load_spec
+from .plan import parse_sets
+from .sites import all_sites, load_site
+
+
+def _emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpcmem")
+@click.option("--sites-dir", "sites_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="Extra directory of site profiles (searched before HPCMEM_SITES and the shipped ones).")
+@click.pass_context
+def main(ctx: click.Context, sites_dirs) -> None:
+    """hpcmem: get GPU training jobs on Slurm past CUDA out-of-memory."""
+    ctx.obj = {"sites_dirs": tuple(sites_dirs)}
+
+
+def _target(ctx, job, site, partition, sets):
+    spec = load_spec(job)
+    site_obj = load_site(site, ctx.obj["sites_dirs"])
+    part = site_obj.partition(partition)
+    plan = spec.first_plan(part, parse_sets(sets))
+    return spec, site_obj, part, plan
+
+
+_site_opt = click.option("--site", default="local", show_default=True, help="Site profile name.")
+_partition_opt = click.option("--partition", "-p", default=None, help="Partition of the site (optional if it has one).")
+_set_opt = click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", help="Override a plan knob (repeatable).")
+_json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@main.command()
+@_json_opt
+@click.pass_context
+def sites(ctx, as_json) -> None:
+    """List sites and partitions with their memory and capabilities."""
+    found = all_sites(ctx.obj["sites_dirs"])
+    if as_json:
+        _emit_json([s.to_dict() for s in found])
+        return
+    for s in found:
+        click.echo(f"{s.name} ({s.scheduler}) {s.path}")
+        for p in s.partitions.values():
+            gpu = f"{p.gpus_per_node}x {p.gpu_model} {p.gpu_mem_gib:g} GiB" if p.has_gpu else "CPU only"
+            caps = ",".join(c for c, ok in (("bf16", p.bf16), ("tf32", p.tf32), ("flash", p.flash_attention)) if ok) or "-"
+            click.echo(f"  {p.name:<12} {gpu:<40} cpus={p.cpus_per_node:<4} host={p.host_mem_gib:g}GiB "
+                       f"nvme={p.nvme_gib:g}GiB caps={caps} max={p.max_time}")
+
+
+@main.command("render")
+@click.argument("job")
+@_site_opt
+@_partition_opt
+@_set_opt
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
+@_json_opt
+@click.pass_context
+def render_cmd(ctx, job, site, partition, sets, out_dir, as_json) -> None:
+    """Write job.sbatch, plan.json (and ds_config.json) for JOB without submitting."""
+    spec, _, part, plan = _target(ctx, job, site, partition, sets)
+    attempt = render.render_attempt(spec, part, plan, Path(out_dir))
+    files = [str(p) for p in (attempt.script, attempt.plan_json, attempt.ds_config) if p]
+    if as_json:
+        _emit_json({"dir": str(attempt.dir), "files": files, "plan": plan.to_dict()})
+    else:
+        click.echo("\n".join(files))
+
+
+@main.command()
+@click.argument("job")
+@_site_opt
+@_partition_opt
+@_set_opt
+@click.option("--wait", is_flag=True, help="Follow the run to its end; exit 0 only on success.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between polls with --wait.")
+@_json_opt
+@click.pass_context
+def submit(ctx, job, site, partition, sets, wait, interval, as_json) -> None:
+    """Submit JOB (a spec file or a shipped spec name) as a new run."""
+    spec, site_obj, part, plan = _target(ctx, job, site, partition, sets)
+    with runs.open_ledger() as ledger:
+        run = runs.start_run(ledger, spec, site_obj, part, plan)
+        if not as_json:
+            click.echo(f"run {run.run_id}: {run.run_dir}")
+        if wait:
+            run = runs.follow(ledger, run.run_id, interval_s=interval,
+                              on_change=None if as_json else _status_printer())
+            if not as_json:
+                click.echo()
+                click.echo(f"run {run.run_id} {run.state}" + (f": {run.reason}" if run.reason else ""))
+        if as_json:
+            _emit_json(runs.run_view(ledger, run.run_id))
+    if wait and run.state != "succeeded":
+        sys.exit(1)
+
+
+def _status_printer():
+    """A live status line: rewritten in place on a terminal, one line per change otherwise."""
+    tty = sys.stdout.isatty()
+    last = [""]
+
+    def show(run, attempts):
+        line = runs.status_line(run, attempts)
+        if tty:
+            click.echo("\r\033[K" + line, nl=False)
+        elif line != last[0]:
+            click.echo(line)
+        last[0] = line
+    return show
+
+
+@main.command("runs")
+@click.argument("run_id", required=False)
+@_json_opt
+def runs_cmd(run_id, as_json) -> None:
+    """Show runs and their attempts (refreshing unfinished ones once)."""
+    with runs.open_ledger() as ledger:
+        ids = [run_id] if run_id else [r.run_id for r in ledger.runs()]
+        views = []
+        for rid in ids:
+            runs.refresh(ledger, rid)
+            views.append(runs.run_view(ledger, rid))
+    if as_json:
+        _emit_json(views[0] if run_id else views)
+        return
+    for v in views:
+        click.echo(f"{v['run_id']}  {v['state']:<10} {v['spec']} on {v['site']}:{v['partition']}"
+                   + (f"  ({v['reason']})" if v["reason"] else ""))
+        for a in v["attempts"]:
+            peak = (a["metrics"] or {}).get("peak_rss_mib")
+            click.echo(f"  attempt {a['n']}: job {a['job_id'] or '-'} {a['state']}"
+                       + (f" peak_rss={peak:.0f}MiB" if peak else "") + f"  {a['attempt_dir']}")
+
+
+@main.command()
+@click.argument("run_id")
+@_json_opt
+def cancel(run_id, as_json) -> None:
+    """Cancel a run: its job in flight is cancelled and it is not retried."""
+    with runs.open_ledger() as ledger:
+        run = runs.cancel_run(ledger, run_id)
+        view = runs.run_view(ledger, run.run_id)
+    if as_json:
+        _emit_json(view)
+    else:
+        click.echo(f"run {run_id} {view['state']}")
+
+
+def entry() -> None:
+    """Console-script entry: HpcmemError -> one line and a non-zero exit."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except HpcmemError as exc:
+        click.echo(f"hpcmem: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    entry()

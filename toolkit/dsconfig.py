@@ -1,0 +1,91 @@
+"""The DeepSpeed JSON config for a plan (pure).
+
+Batch fields come straight from the plan, so DeepSpeed's own check
+``train_batch_size == micro * accum * world`` holds by the plan's invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .plan import Plan
+
+# Buffers DeepSpeed stages parameters through when they live on NVMe. One buffer
+# must hold the largest single parameter: 2e8 elements covers the embedding of
+# 7B-class decoders (32000 x 4096 = 1.3e8) and GPT-2 (50257 x 1600 = 8e7).
+NVME_PARAM_BUFFER_ELEMENTS = 200_000_000
+NVME_PARAM_BUFFERS = 5
+# Parameters kept in CPU memory at once when the rest is on NVMe (elements).
+NVME_MAX_IN_CPU = 1_000_000_000
+
+# Used when the config owns the optimizer (ZeRO-Offload): DeepSpeed then builds
+# its CPU Adam, much faster than torch's AdamW stepping on the host.
+ADAMW_PARAMS = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+
+
+def deepspeed_config(plan: Plan, nvme_path: str | None = None, gpu: bool = True) -> dict[str, Any]:
+    """The ds_config.json dict for ``plan``.
+
+    ``nvme_path`` is the partition's NVMe scratch directory (needed when anything is
+    offloaded to NVMe); ``gpu`` says whether the ranks have GPUs (pinned host memory
+    only makes sense with one).
+    """
+    cfg: dict[str, Any] = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+        "zero_optimization": _zero_section(plan, nvme_path, gpu),
+    }
+    if plan.precision == "fp16-mixed":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    elif plan.precision in ("bf16-mixed", "bf16-true"):
+        cfg["bf16"] = {"enabled": True}
+    if plan.offload_optimizer != "none":
+        if plan.optimizer == "adamw":
+            cfg["optimizer"] = {"type": "AdamW", "params": dict(ADAMW_PARAMS)}
+        else:
+            # The training code brings its own optimizer (8-bit AdamW, Adafactor, SGD).
+            cfg["zero_force_ds_cpu_optimizer"] = False
+    if "nvme" in (plan.offload_optimizer, plan.offload_params):
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                      "single_submit": False, "overlap_events": True}
+    if plan.checkpointing:
+        cfg["activation_checkpointing"] = {"partition_activations": plan.zero_stage == 3 and plan.world_size > 1,
+                                           "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False,
+                                           "synchronize_checkpoint_boundary": False}
+    return cfg
+
+
+def _zero_section(plan: Plan, nvme_path: str | None, gpu: bool) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": plan.zero_stage}
+    if plan.zero_stage == 0:
+        return zero
+    zero.update({"contiguous_gradients": True, "overlap_comm": gpu,
+                 "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000})
+    if plan.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": 50_000_000,
+                     "stage3_param_persistence_threshold": 100_000,
+                     "stage3_max_live_parameters": 1_000_000_000,
+                     "stage3_gather_16bit_weights_on_model_save": True})
+    if plan.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(plan.offload_optimizer, nvme_path, gpu, buffers=4)
+    if plan.offload_params != "none":
+        zero["offload_param"] = _offload(plan.offload_params, nvme_path, gpu, buffers=NVME_PARAM_BUFFERS)
+        if plan.offload_params == "nvme":
+            zero["offload_param"].update({"buffer_size": NVME_PARAM_BUFFER_ELEMENTS, "max_in_cpu": NVME_MAX_IN_CPU})
+    return zero
+
+
+def _offload(device: str, nvme_path: str | None, gpu: bool, buffers: int) -> dict[str, Any]:
+    section: dict[str, Any] = {"device": device, "pin_memory": gpu}
+    if device == "nvme":
+        if not nvme_path:
+            from .errors import PlanError
+            raise PlanError("offload to nvme needs the partition's nvme_path")
+        section.update({"nvme_path": nvme_path, "buffer_count": buffers})
+    return section

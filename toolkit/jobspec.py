@@ -1,0 +1,168 @@
+"""Job specs: what the user wants to train (``jobs/<name>.yaml``).
+
+A spec names the command (a module or script, its arguments), the launcher and
+shape (nodes, ranks per node, time), the model (for estimation) and the training
+settings, from which the first Plan of a run is made. A spec is found by path,
+or by name among the shipped ``jobs/`` (so ``hpcmem submit quickstart`` works from
+any install).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError, PlanError, UnknownNameError
+from .plan import Plan, with_changes
+from .resources import data_dir
+from .schema import load_schema, load_yaml, validate
+from .sites import Partition, parse_minutes
+
+DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "zero", "offload", "nvme", "mem",
+                 "workers")
+"""Retry moves allowed when a spec says nothing: all that keep what is learned and the resources asked."""
+DEFAULT_MAX_ATTEMPTS = 6
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+PATH_PLACEHOLDERS = ("plan_json", "ds_config", "attempt_dir", "spec_dir")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A loaded, checked job spec."""
+
+    name: str
+    path: Path
+    module: str | None
+    script: Path | None
+    args: tuple[str, ...]
+    plan_args: str
+    python: str | None
+    training: Mapping[str, Any]
+    launcher: str = "torchrun"
+    nodes: int = 1
+    gpus_per_node: int = 1
+    time_min: int = 30
+    mem_mib: int | None = None
+    model: Mapping[str, Any] = field(default_factory=dict)
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    allow: tuple[str, ...] = DEFAULT_ALLOW
+    retry_transient: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+    description: str = ""
+
+    @property
+    def spec_dir(self) -> Path:
+        return self.path.parent
+
+    def first_plan(self, partition: Partition, overrides: Mapping[str, Any] | None = None) -> Plan:
+        """The plan of attempt 1: the spec's settings, then ``--set`` overrides, checked against the partition."""
+        t = dict(self.training)
+        base = {
+            "launcher": self.launcher, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+            "global_batch": t["global_batch"], "seq_len": t.get("seq_len", 128), "time_min": self.time_min,
+            "mem_mib": self.mem_mib,
+            **{k: t[k] for k in ("precision", "optimizer", "checkpointing", "attention", "zero_stage",
+                                 "offload_optimizer", "offload_params", "alloc_conf", "workers") if k in t},
+        }
+        world = base["nodes"] * base["gpus_per_node"]
+        micro = t.get("micro_batch", max(1, t["global_batch"] // world))
+        base["micro_batch"] = micro
+        if t["global_batch"] % (micro * world):
+            raise PlanError(f"{self.path}: training.global_batch {t['global_batch']} is not a multiple of "
+                            f"micro_batch {micro} x world_size {world}")
+        base["grad_accum"] = t["global_batch"] // (micro * world)
+        plan = with_changes(Plan(**base), overrides or {})
+        partition.check_plan(plan)
+        return plan
+
+    def argv(self, plan: Plan, paths: Mapping[str, str]) -> list[str]:
+        """The user's program and arguments for one attempt, placeholders filled in.
+
+        ``paths`` gives ``plan_json``, ``ds_config``, ``attempt_dir`` (absolute paths).
+        """
+        values = {**{k: _text(v) for k, v in plan.to_dict().items()}, **paths, "spec_dir": str(self.spec_dir)}
+        args = [fill_placeholders(a, values, self.path) for a in self.args]
+        if self.plan_args == "hf-trainer":
+            args += hf_trainer_args(plan, paths.get("ds_config"))
+        head = ["-m", self.module] if self.module else [str(self.script)]
+        return head + args
+
+
+def fill_placeholders(text: str, values: Mapping[str, str], where: Path | str) -> str:
+    """Replace ``{name}`` by its value; an unknown name is an error naming it."""
+    def sub(m: re.Match) -> str:
+        if m.group(1) not in values:
+            raise ConfigError(f"{where}: command.args: unknown placeholder {{{m.group(1)}}} "
+                              f"(valid: {', '.join(sorted(values))})")
+        return values[m.group(1)]
+    return _PLACEHOLDER.sub(sub, text)
+
+
+_HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+
+
+def hf_trainer_args(plan: Plan, ds_config: str | None) -> list[str]:
+    """Hugging Face Trainer command-line flags that carry the plan."""
+    args = ["--per_device_train_batch_size", str(plan.micro_batch),
+            "--gradient_accumulation_steps", str(plan.grad_accum),
+            "--optim", _HF_OPTIM[plan.optimizer]]
+    if plan.checkpointing:
+        args.append("--gradient_checkpointing")
+    if plan.precision == "fp16-mixed":
+        args.append("--fp16")
+    elif plan.precision.startswith("bf16"):
+        args.append("--bf16")
+    if plan.uses_deepspeed and ds_config:
+        args += ["--deepspeed", ds_config]
+    return args
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)
+
+
+def find_spec(ref: str | Path) -> Path:
+    """A spec by path, or by name among the shipped jobs (``quickstart`` -> jobs/quickstart.yaml)."""
+    path = Path(ref)
+    if path.is_file():
+        return path
+    shipped = data_dir("jobs")
+    for candidate in (shipped / f"{ref}.yaml", shipped / str(ref)):
+        if candidate.is_file():
+            return candidate
+    if path.suffix in (".yaml", ".yml") or "/" in str(ref):
+        raise ConfigError(f"{ref}: no such job spec file")
+    raise UnknownNameError("job spec", str(ref), [p.stem for p in shipped.glob("*.yaml")])
+
+
+def load_spec(ref: str | Path) -> JobSpec:
+    """Load and check a job spec."""
+    path = find_spec(ref).resolve()
+    doc = load_yaml(path)
+    validate(doc, load_schema(data_dir("jobs") / "schema.json"), str(path))
+    cmd = doc["command"]
+    if ("module" in cmd) == ("script" in cmd):
+        raise ConfigError(f"{path}: command: give exactly one of module or script")
+    script = None
+    if "script" in cmd:
+        script = Path(cmd["script"])
+        script = script if script.is_absolute() else (path.parent / script)
+    retry = doc.get("retry", {})
+    spec = JobSpec(
+        name=doc["name"], path=path, module=cmd.get("module"), script=script,
+        args=tuple(str(a) if not isinstance(a, bool) else _text(a) for a in cmd.get("args", ())),
+        plan_args=cmd.get("plan_args", "none"), python=cmd.get("python"), training=doc["training"],
+        launcher=doc.get("launcher", "torchrun"), nodes=doc.get("nodes", 1), gpus_per_node=doc.get("gpus_per_node", 1),
+        time_min=parse_minutes(doc.get("time", "00:30:00")), mem_mib=doc.get("mem_mib"), model=doc.get("model", {}),
+        max_attempts=retry.get("max_attempts", DEFAULT_MAX_ATTEMPTS), allow=tuple(retry.get("allow", DEFAULT_ALLOW)),
+        retry_transient=retry.get("retry_transient", False),
+        env=tuple((k, _text(v)) for k, v in doc.get("env", {}).items()), description=doc.get("description", ""),
+    )
+    for arg in spec.args:  # an unknown placeholder is a spec error, found at load time
+        fill_placeholders(arg, {k: "" for k in (*Plan().to_dict(), *PATH_PLACEHOLDERS)}, path)
+    return spec

@@ -1,0 +1,192 @@
+"""Plan: the knobs of one attempt.
+
+A plan is what the controller changes between attempts and what the job runtime
+applies. Its field names are the knob names everywhere: ``--set knob=value``,
+plan.json, the ledger, the estimator. Invariant:
+``micro_batch * grad_accum * world_size == global_batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from .errors import PlanError, UnknownNameError
+
+LAUNCHERS = ("torchrun", "deepspeed")
+PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
+OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+ATTENTIONS = ("eager", "sdpa", "flash")
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The knobs of one attempt (sizes in samples, memory in MiB, time in minutes)."""
+
+    launcher: str = "torchrun"
+    """Process launcher: ``torchrun`` or ``deepspeed`` (DeepSpeed engine, ZeRO)."""
+    nodes: int = 1
+    """Nodes of the allocation."""
+    gpus_per_node: int = 1
+    """Ranks per node: GPUs on a GPU partition, processes on a CPU partition."""
+    global_batch: int = 8
+    """Samples per optimizer step over all ranks (the effective batch; never changed by retries)."""
+    micro_batch: int = 8
+    """Samples per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    precision: str = "fp32"
+    """fp32, fp16-mixed (loss scaling), bf16-mixed or bf16-true (bf16 weights, no fp32 master copy)."""
+    optimizer: str = "adamw"
+    """adamw, adamw-8bit, adafactor or sgd."""
+    checkpointing: bool = False
+    """Activation (gradient) checkpointing."""
+    attention: str = "sdpa"
+    """eager (stores the attention matrix), sdpa or flash."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (needs the deepspeed launcher when > 0)."""
+    offload_optimizer: str = "none"
+    """Optimizer state offload: none, cpu or nvme (needs ZeRO >= 1; nvme needs ZeRO 3)."""
+    offload_params: str = "none"
+    """Parameter offload: none, cpu or nvme (needs ZeRO 3)."""
+    mem_mib: int | None = None
+    """Host memory requested per node (Slurm --mem) in MiB; None: the partition's default."""
+    time_min: int = 30
+    """Wall-clock limit in minutes (Slurm --time)."""
+    alloc_conf: str = ""
+    """PYTORCH_CUDA_ALLOC_CONF for the job ("" leaves the allocator default)."""
+    workers: int = 0
+    """Data-loader worker processes per rank."""
+
+    def __post_init__(self):
+        _check_choice("launcher", self.launcher, LAUNCHERS)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("attention", self.attention, ATTENTIONS)
+        _check_choice("offload_optimizer", self.offload_optimizer, OFFLOADS)
+        _check_choice("offload_params", self.offload_params, OFFLOADS)
+        for name in ("nodes", "gpus_per_node", "global_batch", "micro_batch", "grad_accum", "seq_len", "time_min"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.workers < 0:
+            raise PlanError(f"workers must be >= 0, got {self.workers}")
+        if self.mem_mib is not None and self.mem_mib < 1:
+            raise PlanError(f"mem_mib must be at least 1, got {self.mem_mib}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.micro_batch * self.grad_accum * self.world_size != self.global_batch:
+            raise PlanError(
+                f"micro_batch {self.micro_batch} x grad_accum {self.grad_accum} x world_size {self.world_size} "
+                f"= {self.micro_batch * self.grad_accum * self.world_size}, not global_batch {self.global_batch}"
+            )
+        if self.launcher == "torchrun" and (self.zero_stage or self.offload_optimizer != "none" or self.offload_params != "none"):
+            raise PlanError("zero_stage and offload need launcher=deepspeed (torchrun runs plain DDP)")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise PlanError("offload_optimizer needs zero_stage >= 1")
+        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+            raise PlanError("offload_optimizer=nvme needs zero_stage=3 (ZeRO-Infinity)")
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise PlanError("offload_params needs zero_stage=3")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: nodes x gpus_per_node."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.launcher == "deepspeed"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The knobs as plan.json holds them, with the derived ``world_size``."""
+        out = dataclasses.asdict(self)
+        out["world_size"] = self.world_size
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """Read plan.json (``world_size`` is derived, so it is checked, not taken)."""
+        data = dict(data)
+        world = data.pop("world_size", None)
+        unknown = set(data) - set(KNOBS)
+        if unknown:
+            raise UnknownNameError("knob", sorted(unknown)[0], KNOBS)
+        plan = cls(**data)
+        if world is not None and world != plan.world_size:
+            raise PlanError(f"world_size {world} does not match nodes x gpus_per_node = {plan.world_size}")
+        return plan
+
+    def replace(self, **changes) -> "Plan":
+        """A new plan with some knobs changed (checked like any other)."""
+        return dataclasses.replace(self, **changes)
+
+
+KNOBS = tuple(f.name for f in fields(Plan))
+_TYPES = {f.name: f.type for f in fields(Plan)}
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise PlanError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def parse_knob(name: str, text: str) -> Any:
+    """Turn ``--set name=text`` into the knob's typed value; unknown names list the valid ones."""
+    if name not in _TYPES:
+        raise UnknownNameError("knob", name, KNOBS)
+    kind = _TYPES[name]
+    low = text.strip().lower()
+    if kind == "bool":
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise PlanError(f"--set {name}: expected true or false, got {text!r}")
+    if kind in ("int", "int | None"):
+        if kind == "int | None" and low in ("", "none", "null"):
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise PlanError(f"--set {name}: expected an integer, got {text!r}") from None
+    return text
+
+
+def parse_sets(pairs) -> dict[str, Any]:
+    """Parse ``["knob=value", ...]`` into a dict of typed knob values."""
+    out = {}
+    for pair in pairs or ():
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise PlanError(f"--set expects knob=value, got {pair!r}")
+        out[name.strip()] = parse_knob(name.strip(), value)
+    return out
+
+
+def with_changes(plan: Plan, changes: Mapping[str, Any]) -> Plan:
+    """Apply knob changes, re-deriving what must follow to keep the batch invariant.
+
+    When ``micro_batch``, ``nodes`` or ``gpus_per_node`` change and ``grad_accum``
+    is not given, accumulation is recomputed so the global batch stays the same.
+    """
+    changes = dict(changes)
+    shape_changed = {"micro_batch", "nodes", "gpus_per_node"} & set(changes)
+    if shape_changed and "grad_accum" not in changes and "global_batch" not in changes:
+        merged = {**plan.to_dict(), **changes}
+        per_step = merged["micro_batch"] * merged["nodes"] * merged["gpus_per_node"]
+        if per_step and plan.global_batch % per_step == 0:
+            changes["grad_accum"] = plan.global_batch // per_step
+    if "global_batch" in changes and "grad_accum" not in changes:
+        merged = {**plan.to_dict(), **changes}
+        per_step = merged["micro_batch"] * merged["nodes"] * merged["gpus_per_node"]
+        if per_step and merged["global_batch"] % per_step == 0:
+            changes["grad_accum"] = merged["global_batch"] // per_step
+    return plan.replace(**changes)

@@ -1,0 +1,180 @@
+"""Render one attempt: plan + spec + partition -> job.sbatch, plan.json, ds_config.json.
+
+Python decides everything here (``job_context`` is pure); the templates only lay
+the values out. Every value that reaches a shell line goes through the ``q``
+filter (``shlex.quote``); ``#SBATCH`` values are checked by ``sbatch_value``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from . import __version__
+from .dsconfig import deepspeed_config
+from .errors import RenderError
+from .jobspec import JobSpec
+from .plan import Plan
+from .resources import data_dir
+from .sites import Partition, format_minutes
+
+TEMPLATES = {"torchrun": "torchrun.sbatch.j2", "deepspeed": "deepspeed.sbatch.j2"}
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Where one rendered attempt lives."""
+
+    dir: Path
+    script: Path
+    plan_json: Path
+    ds_config: Path | None
+
+
+def sbatch_value(value: Any) -> str:
+    """A value for an ``#SBATCH`` line: sbatch reads these itself, so no newlines and no quotes."""
+    text = str(value)
+    if any(c in text for c in "\n\r\"'") or not text.strip():
+        raise RenderError(f"value {text!r} cannot go on an #SBATCH line (newline, quote or empty)")
+    return shlex.quote(text) if re.search(r"\s", text) else text
+
+
+def job_name(name: str) -> str:
+    """The Slurm job name: the spec's name with anything but [A-Za-z0-9._+-] replaced by '_'."""
+    return _SAFE_NAME.sub("_", name)[:120] or "hpcmem"
+
+
+def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path) -> list[str]:
+    """The ``#SBATCH`` options of an attempt, in order."""
+    out = [f"--job-name={job_name(spec.name)}",
+           f"--partition={sbatch_value(partition.slurm_partition)}",
+           f"--nodes={plan.nodes}",
+           "--ntasks-per-node=1",
+           f"--cpus-per-task={cpus_per_task(partition, plan)}",
+           f"--time={format_minutes(plan.time_min)}",
+           f"--output={sbatch_value(attempt_dir / 'slurm-%j.out')}"]
+    if partition.has_gpu:
+        gres = f"{partition.gres_type}:{plan.gpus_per_node}" if partition.gres_type else str(plan.gpus_per_node)
+        out.append(f"--gpus-per-node={sbatch_value(gres)}")
+    mem = plan.mem_mib or partition.default_mem_mib
+    if mem:
+        out.append(f"--mem={mem}M")
+    for flag, value in (("account", partition.account), ("qos", partition.qos), ("constraint", partition.constraint)):
+        if value:
+            out.append(f"--{flag}={sbatch_value(value)}")
+    return out
+
+
+def cpus_per_task(partition: Partition, plan: Plan) -> int:
+    """CPUs for the one task per node: the GPUs' share of the node, or one per rank on a CPU partition."""
+    if partition.has_gpu:
+        return max(1, partition.cpus_per_node * plan.gpus_per_node // partition.gpus_per_node)
+    return min(partition.cpus_per_node, max(1, plan.gpus_per_node + plan.workers * plan.gpus_per_node))
+
+
+def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, str]) -> list[tuple[str, str]]:
+    """Environment variables exported by the script, in order (later wins)."""
+    env = [("HPCMEM_PLAN", paths["plan_json"]), ("HPCMEM_ATTEMPT_DIR", paths["attempt_dir"]),
+           ("PYTHONUNBUFFERED", "1")]
+    if plan.uses_deepspeed:
+        env.append(("HPCMEM_DS_CONFIG", paths["ds_config"]))
+    if partition.has_gpu:
+        env.append(("HPCMEM_GPU_MEM_GIB", f"{partition.gpu_mem_gib:g}"))
+    if plan.alloc_conf:
+        env.append(("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf))
+    env += list(partition.env) + list(spec.env)
+    for name, _ in env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise RenderError(f"environment variable name {name!r} is not valid")
+    return env
+
+
+def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, *, run_id: str = "-",
+                attempt: int = 1, workdir: Path | None = None, python: str | None = None) -> dict[str, Any]:
+    """Everything the templates need, computed (pure)."""
+    attempt_dir = Path(attempt_dir).resolve()
+    paths = {"plan_json": str(attempt_dir / "plan.json"), "attempt_dir": str(attempt_dir),
+             "ds_config": str(attempt_dir / "ds_config.json")}
+    program = spec.argv(plan, paths)
+    offload = ", ".join(f"{what} to {where}" for what, where in (("optimizer", plan.offload_optimizer),
+                                                                  ("params", plan.offload_params)) if where != "none")
+    return {
+        "version": __version__, "site": partition.site, "partition": partition.name, "run_id": run_id,
+        "attempt": attempt, "plan_summary": plan_summary(plan),
+        "directives": directives(spec, partition, plan, attempt_dir),
+        "setup": list(partition.setup), "env": job_env(spec, partition, plan, paths),
+        "workdir": str(workdir or Path.cwd()), "python": python or spec.python or sys.executable,
+        "nodes": plan.nodes, "nproc_per_node": plan.gpus_per_node, "program": program,
+        "deepspeed_program": ["--no_local_rank"] + (["--module"] + program[1:] if program[0] == "-m" else program),
+        "zero_stage": plan.zero_stage, "offload": offload, "ds_config": paths["ds_config"] if plan.uses_deepspeed else "",
+        "nvme_path": partition.nvme_path if "nvme" in (plan.offload_optimizer, plan.offload_params) else "",
+    }
+
+
+def plan_summary(plan: Plan) -> str:
+    """The plan in one line, for status lines and script headers."""
+    parts = [f"{plan.launcher} {plan.nodes}x{plan.gpus_per_node}", f"mb={plan.micro_batch}x{plan.grad_accum}",
+             f"gb={plan.global_batch}", plan.precision, plan.optimizer, plan.attention]
+    if plan.checkpointing:
+        parts.append("ckpt")
+    if plan.zero_stage:
+        parts.append(f"zero{plan.zero_stage}")
+    if plan.offload_optimizer != "none":
+        parts.append(f"opt->{plan.offload_optimizer}")
+    if plan.offload_params != "none":
+        parts.append(f"params->{plan.offload_params}")
+    if plan.alloc_conf:
+        parts.append(f"alloc={plan.alloc_conf}")
+    if plan.mem_mib:
+        parts.append(f"mem={plan.mem_mib}M")
+    return " ".join(parts)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["qjoin"] = lambda vs: " ".join(shlex.quote(str(v)) for v in vs)
+    return env
+
+
+def render_script(launcher: str, context: dict[str, Any]) -> str:
+    """The job script text for a launcher."""
+    try:
+        return _environment().get_template(TEMPLATES[launcher]).render(**context).rstrip("\n") + "\n"
+    except jinja2.TemplateError as exc:
+        raise RenderError(f"template {TEMPLATES[launcher]}: {exc}") from exc
+
+
+def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, **context_args) -> Attempt:
+    """Write job.sbatch, plan.json and (deepspeed) ds_config.json into ``attempt_dir``."""
+    attempt_dir = Path(attempt_dir).resolve()
+    attempt_dir.mkdir(parents=True, exist_ok=True)
+    partition.check_plan(plan)
+    context = job_context(spec, partition, plan, attempt_dir, **context_args)
+    ds_path = None
+    if plan.uses_deepspeed:
+        ds_path = attempt_dir / "ds_config.json"
+        cfg = deepspeed_config(plan, partition.nvme_path, gpu=partition.has_gpu)
+        write_atomic(ds_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_atomic(attempt_dir / "plan.json", plan.to_json())
+    script = attempt_dir / "job.sbatch"
+    write_atomic(script, render_script(plan.launcher, context))
+    script.chmod(0o755)
+    return Attempt(attempt_dir, script, attempt_dir / "plan.json", ds_path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file so that a reader sees the old or the new content, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

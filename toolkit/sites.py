@@ -1,0 +1,259 @@
+"""Site profiles: what a cluster offers, partition by partition.
+
+A site is one YAML file, ``<site>.yaml``, found in (first match wins):
+the ``--sites-dir`` directories, the ``HPCMEM_SITES`` directories (``:``-separated),
+then the shipped ``site_configs/``. Every file is checked against
+``site_configs/schema.json``; a bad key names itself and its file.
+GPU capabilities (bf16, tf32, flash attention) are derived from the GPU model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from . import detect
+from .errors import ConfigError, PlanError, UnknownNameError
+from .plan import Plan
+from .resources import data_dir
+from .schema import load_schema, load_yaml, validate
+
+# (substring of the GPU model, bf16, tf32, flash attention). Volta and Turing have
+# fp16 tensor cores only; Ampere and later add bf16 and tf32, and FlashAttention-2
+# needs sm80+. First match wins, so longer names come first.
+GPU_FAMILIES = (
+    ("V100", False, False, False),
+    ("P100", False, False, False),
+    ("T4", False, False, False),
+    ("RTX 20", False, False, False),
+    ("A100", True, True, True),
+    ("A800", True, True, True),
+    ("A10", True, True, True),
+    ("A30", True, True, True),
+    ("A40", True, True, True),
+    ("L40", True, True, True),
+    ("L4", True, True, True),
+    ("H100", True, True, True),
+    ("H200", True, True, True),
+    ("H800", True, True, True),
+    ("GH200", True, True, True),
+    ("B200", True, True, True),
+    ("RTX 30", True, True, True),
+    ("RTX 40", True, True, True),
+    ("RTX A", True, True, True),
+)
+
+
+# Share of this machine's memory a local job may use when nothing else is said.
+LOCAL_MEM_SHARE = 0.75
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition of a site (memory in GiB unless the name says MiB, time in minutes)."""
+
+    site: str
+    name: str
+    slurm_partition: str
+    gpu_model: str | None
+    """GPU model name; None on a CPU partition."""
+    gpu_mem_gib: float
+    gpus_per_node: int
+    cpus_per_node: int
+    host_mem_gib: float
+    nvme_path: str | None
+    nvme_gib: float
+    max_time_min: int
+    cuda_context_mib: float
+    """CUDA context + cuBLAS workspace per process, as measured on the partition."""
+    bf16: bool
+    tf32: bool
+    flash_attention: bool
+    gres_type: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    setup: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    default_mem_mib: int | None = None
+    description: str = ""
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpus_per_node > 0
+
+    @property
+    def max_time(self) -> str:
+        return format_minutes(self.max_time_min)
+
+    def check_plan(self, plan: Plan) -> None:
+        """Refuse a plan this partition cannot run, naming the knob and what would work."""
+        where = f"partition {self.site}:{self.name}"
+        if plan.precision.startswith("bf16") and not self.bf16:
+            raise PlanError(f"precision={plan.precision}: {where} ({self.gpu_model}) has no bf16; use precision=fp16-mixed")
+        if plan.attention == "flash" and not self.flash_attention:
+            what = self.gpu_model or "CPU"
+            raise PlanError(f"attention=flash: {where} ({what}) has no flash attention; use attention=sdpa")
+        if self.has_gpu and plan.gpus_per_node > self.gpus_per_node:
+            raise PlanError(f"gpus_per_node={plan.gpus_per_node}: {where} has {self.gpus_per_node} GPUs per node")
+        if not self.has_gpu and plan.gpus_per_node > self.cpus_per_node:
+            raise PlanError(f"gpus_per_node={plan.gpus_per_node} ranks: {where} has {self.cpus_per_node} CPUs per node")
+        if plan.time_min > self.max_time_min:
+            raise PlanError(f"time_min={plan.time_min}: {where} allows at most {self.max_time_min} minutes ({self.max_time})")
+        if plan.mem_mib is not None and plan.mem_mib > self.host_mem_gib * 1024:
+            raise PlanError(f"mem_mib={plan.mem_mib}: {where} nodes have {self.host_mem_gib:g} GiB")
+        if "nvme" in (plan.offload_optimizer, plan.offload_params) and not self.nvme_path:
+            raise PlanError(f"offload to nvme: {where} has no nvme_path")
+
+    def to_dict(self) -> dict:
+        """The public view (``hpcmem sites --json``)."""
+        return {
+            "name": self.name, "slurm_partition": self.slurm_partition, "gpu_model": self.gpu_model,
+            "gpu_mem_gib": self.gpu_mem_gib, "gpus_per_node": self.gpus_per_node,
+            "cpus_per_node": self.cpus_per_node, "host_mem_gib": self.host_mem_gib,
+            "nvme_path": self.nvme_path, "nvme_gib": self.nvme_gib, "bf16": self.bf16, "tf32": self.tf32,
+            "flash_attention": self.flash_attention, "cuda_context_mib": self.cuda_context_mib,
+            "max_time": self.max_time,
+        }
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    scheduler: str
+    path: Path
+    partitions: dict[str, Partition] = field(default_factory=dict)
+    description: str = ""
+
+    def partition(self, name: str | None) -> Partition:
+        """The partition called ``name`` (the only one when ``name`` is None and there is one)."""
+        if name is None:
+            if len(self.partitions) == 1:
+                return next(iter(self.partitions.values()))
+            raise ConfigError(f"site {self.name} has several partitions; choose one with --partition "
+                              f"({', '.join(sorted(self.partitions))})")
+        if name not in self.partitions:
+            raise UnknownNameError(f"partition of site {self.name}", name, self.partitions)
+        return self.partitions[name]
+
+    def to_dict(self) -> dict:
+        return {"site": self.name, "scheduler": self.scheduler,
+                "partitions": [p.to_dict() for p in self.partitions.values()]}
+
+
+def search_path(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """Directories searched for ``<site>.yaml``, first match wins."""
+    dirs = [Path(d) for d in extra]
+    dirs += [Path(d) for d in os.environ.get("HPCMEM_SITES", "").split(os.pathsep) if d]
+    dirs.append(data_dir("site_configs"))
+    return dirs
+
+
+def site_files(extra: Iterable[str | Path] = ()) -> dict[str, Path]:
+    """Every site name found on the search path, mapped to the file that wins."""
+    found: dict[str, Path] = {}
+    for directory in search_path(extra):
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*.yaml")):
+            if path.name.endswith(".calibration.yaml"):
+                continue
+            found.setdefault(path.stem, path)
+    return found
+
+
+def load_site(name: str, extra: Iterable[str | Path] = ()) -> Site:
+    """Load and check the site called ``name``."""
+    files = site_files(extra)
+    if name not in files:
+        raise UnknownNameError("site", name, files)
+    return load_site_file(files[name])
+
+
+def load_site_file(path: Path) -> Site:
+    """Load and check one site profile file."""
+    path = Path(path)
+    doc = load_yaml(path)
+    validate(doc, load_schema(data_dir("site_configs") / "schema.json"), str(path))
+    if doc["site"] != path.stem:
+        raise ConfigError(f"{path}: site: {doc['site']!r} must match the file name {path.stem!r}")
+    parts = {pname: _partition(doc["site"], pname, raw, path) for pname, raw in doc["partitions"].items()}
+    if not parts:
+        raise ConfigError(f"{path}: partitions: at least one partition is needed")
+    return Site(doc["site"], doc["scheduler"], path, parts, doc.get("description", ""))
+
+
+def all_sites(extra: Iterable[str | Path] = ()) -> list[Site]:
+    return [load_site_file(p) for p in site_files(extra).values()]
+
+
+def _partition(site: str, name: str, raw: dict, path: Path) -> Partition:
+    raw = _resolve_auto(raw, path, name)
+    where = f"{path}: partitions.{name}"
+    model = raw["gpu_model"]
+    gpus = raw["gpus_per_node"]
+    if (model is None) != (gpus == 0):
+        raise ConfigError(f"{where}: gpu_model must be null exactly when gpus_per_node is 0")
+    caps = dict(zip(("bf16", "tf32", "flash_attention"), capabilities(model, where)))
+    caps.update(raw.get("capabilities", {}))
+    return Partition(
+        site=site, name=name, slurm_partition=raw["slurm_partition"], gpu_model=model,
+        gpu_mem_gib=float(raw["gpu_mem_gib"]), gpus_per_node=gpus, cpus_per_node=raw["cpus_per_node"],
+        host_mem_gib=float(raw["host_mem_gib"]), nvme_path=raw["nvme_path"], nvme_gib=float(raw["nvme_gib"]),
+        max_time_min=parse_minutes(raw["max_time"]), cuda_context_mib=float(raw["cuda_context_mib"]),
+        gres_type=raw.get("gres_type"), account=raw.get("account"), qos=raw.get("qos"),
+        constraint=raw.get("constraint"), setup=tuple(raw.get("setup", ())),
+        env=tuple((k, str(v)) for k, v in raw.get("env", {}).items()),
+        default_mem_mib=raw.get("default_mem_mib"), description=raw.get("description", ""), **caps,
+    )
+
+
+def _resolve_auto(raw: dict, path: Path, name: str) -> dict:
+    """Fill ``auto`` values from this machine (the ``local`` site)."""
+    auto = [k for k, v in raw.items() if v == "auto"]
+    if not auto:
+        return raw
+    machine = detect.local_machine()
+    known = {"gpu_model": machine.gpu_model, "gpu_mem_gib": machine.gpu_mem_gib,
+             "gpus_per_node": machine.gpus, "cpus_per_node": machine.cpus, "host_mem_gib": machine.host_mem_gib,
+             "default_mem_mib": int(machine.host_mem_gib * 1024 * LOCAL_MEM_SHARE)}
+    out = dict(raw)
+    for key in auto:
+        if key not in known:
+            raise ConfigError(f"{path}: partitions.{name}.{key}: 'auto' is not supported for this key")
+        out[key] = known[key]
+    return out
+
+
+def capabilities(gpu_model: str | None, where: str) -> tuple[bool, bool, bool]:
+    """(bf16, tf32, flash_attention) for a GPU model; a CPU (None) has bf16 only."""
+    if gpu_model is None:
+        return True, False, False
+    upper = gpu_model.upper()
+    for family, bf16, tf32, flash in GPU_FAMILIES:
+        if family in upper:
+            return bf16, tf32, flash
+    raise ConfigError(f"{where}: gpu_model {gpu_model!r} is not a GPU hpcmem knows; "
+                      "state its capabilities: {bf16: ..., tf32: ..., flash_attention: ...}")
+
+
+_TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d)(?::(\d\d))?")
+
+
+def parse_minutes(text: str) -> int:
+    """Slurm ``[D-]HH:MM[:SS]`` as whole minutes (seconds round up)."""
+    m = _TIME.fullmatch(text.strip())
+    if not m:
+        raise ConfigError(f"time {text!r}: expected [D-]HH:MM[:SS]")
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+
+
+def format_minutes(minutes: int) -> str:
+    """Minutes as Slurm ``[D-]HH:MM:SS``."""
+    days, rest = divmod(int(minutes), 1440)
+    text = f"{rest // 60:02d}:{rest % 60:02d}:00"
+    return f"{days}-{text}" if days else text
