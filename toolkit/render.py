@@ -20,7 +20,7 @@ import jinja2
 
 from . import __version__
 from .dsconfig import deepspeed_config
-from .errors import RenderError
+from .errors import ConfigError, RenderError
 from .jobspec import JobSpec
 from .plan import Plan
 from .resources import data_dir
@@ -158,8 +158,9 @@ def render_script(launcher: str, context: dict[str, Any]) -> str:
 def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, **context_args) -> Attempt:
     """Write job.sbatch, plan.json and (deepspeed) ds_config.json into ``attempt_dir``."""
     attempt_dir = Path(attempt_dir).resolve()
-    attempt_dir.mkdir(parents=True, exist_ok=True)
     partition.check_plan(plan)
+    check_program(spec)
+    attempt_dir.mkdir(parents=True, exist_ok=True)
     context = job_context(spec, partition, plan, attempt_dir, **context_args)
     ds_path = None
     if plan.uses_deepspeed:
@@ -171,6 +172,12 @@ def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir:
     write_atomic(script, render_script(plan.launcher, context))
     script.chmod(0o755)
     return Attempt(attempt_dir, script, attempt_dir / "plan.json", ds_path)
+
+
+def check_program(spec: JobSpec) -> None:
+    """Refuse a script that does not exist here (login nodes share the file system with compute nodes)."""
+    if spec.script is not None and not spec.script.is_file():
+        raise ConfigError(f"{spec.path}: command.script: {spec.script}: no such script")
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -41,6 +41,8 @@ def new_run_id() -> str:
 def start_run(ledger: Ledger, spec: JobSpec, site: Site, partition: Partition, plan: Plan, *,
               home: Path | None = None, workdir: Path | None = None) -> Run:
     """Record a new run and submit its first attempt with ``plan``."""
+    partition.check_plan(plan)  # refuse what cannot run before anything is recorded
+    render.check_program(spec)
     run_id = new_run_id()
     run_dir = (home or home_dir()) / "runs" / run_id
     run_dir.mkdir(parents=True)
@@ -62,7 +64,11 @@ def launch_attempt(ledger: Ledger, run: Run, n: int, spec: JobSpec, site: Site, 
     ``failed`` with the scheduler's message, then re-raises.
     """
     attempt_dir = Path(run.run_dir) / f"attempt-{n}"
-    render.render_attempt(spec, partition, plan, attempt_dir, run_id=run.run_id, attempt=n, workdir=Path(run.workdir))
+    try:
+        render.render_attempt(spec, partition, plan, attempt_dir, run_id=run.run_id, attempt=n, workdir=Path(run.workdir))
+    except HpcmemError as exc:
+        ledger.set_run_state(run.run_id, "failed", f"attempt {n} could not be rendered: {exc}")
+        raise
     ledger.add_attempt(run.run_id, n, plan.to_dict(), str(attempt_dir), partition.name)
     ledger.update_attempt(run.run_id, n, state="submitting")
     try:

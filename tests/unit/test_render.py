@@ -89,6 +89,7 @@ def test_hostile_name_path_and_argument_are_quoted(tmp_path):
         training: {{global_batch: 4, micro_batch: 4}}
         env: {{MY_VAR: {json.dumps(HOSTILE)}}}
         """))
+    (spec_path.parent / "train $(whoami).py").write_text("print('hi')\n")
     spec = jobspec.load_spec(spec_path)
     part = TC.partition("cpu")
     plan = spec.first_plan(part)
