@@ -1,0 +1,793 @@
+"""toolkit.classify on literal log texts: every kind, both PyTorch wordings, every unit, ranks, files."""
+
+import gzip
+import time
+from dataclasses import FrozenInstanceError
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from toolkit.classify import (
+    KINDS,
+    OOM_KINDS,
+    JobRecord,
+    Verdict,
+    classify,
+    classify_file,
+    classify_paths,
+    parse_size_to_mib,
+    split_prefix,
+)
+from toolkit.errors import HpcmemError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
+SIGKILL_REASON = "killed by SIGKILL, probably host memory; confirm with sacct"
+
+
+def new_oom(tried="20.00 MiB", gpu=0, total="79.15 GiB", free="3.12 MiB", processes=(), this="78.00 GiB",
+            allocated="77.50 GiB", unallocated="100.00 MiB", exc="torch.OutOfMemoryError", pools=None):
+    """A PyTorch >= 2.1 caching-allocator message."""
+    procs = "".join(f"Process {pid} has {size} memory in use. " for pid, size in processes)
+    own = f"Including non-PyTorch memory, this process has {this} memory in use. " if this else ""
+    pool = f"with {pools} allocated in private pools (e.g., CUDA Graphs), " if pools else ""
+    return (
+        f"{exc}: CUDA out of memory. Tried to allocate {tried}. GPU {gpu} has a total capacity of {total} of which "
+        f"{free} is free. {procs}{own}Of the allocated memory {allocated} is allocated by PyTorch, {pool}and "
+        f"{unallocated} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+        "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+        "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+def old_oom(tried="20.00 MiB", gpu=0, total="15.78 GiB", allocated="14.56 GiB", free="3.12 MiB",
+            reserved="14.60 GiB", exc="RuntimeError"):
+    """A PyTorch <= 2.0 caching-allocator message."""
+    return (
+        f"{exc}: CUDA out of memory. Tried to allocate {tried} (GPU {gpu}; {total} total capacity; {allocated} "
+        f"already allocated; {free} free; {reserved} reserved in total by PyTorch) If reserved memory is >> "
+        "allocated memory try setting max_split_size_mb to avoid fragmentation.  See documentation for Memory "
+        "Management and PYTORCH_CUDA_ALLOC_CONF"
+    )
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+# ------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize(
+    "text, mib",
+    [
+        ("0 bytes", 0.0),
+        ("1 byte", 1 / 2**20),
+        ("512 bytes", 512 / 2**20),
+        ("1024 B", 1 / 1024),
+        ("1.50 KiB", 1.5 / 1024),
+        ("4 KB", 4 / 1024),
+        ("20.00 MiB", 20.0),
+        ("100 MB", 100.0),
+        ("1024M", 1024.0),
+        ("1.50 GiB", 1536.0),
+        ("3 GB", 3072.0),
+        ("2 gib", 2048.0),
+        ("1.25 TiB", 1.25 * 2**20),
+    ],
+)
+def test_parse_size_to_mib(text, mib):
+    assert parse_size_to_mib(text) == pytest.approx(mib)
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "1.5", "one GiB", "1.5 GiBs", "-1 MiB"])
+def test_parse_size_rejects_non_sizes(text):
+    with pytest.raises(ValueError):
+        parse_size_to_mib(text)
+
+
+# ------------------------------------------------------------------ the Verdict
+
+
+def test_verdict_to_dict_and_is_oom():
+    v = Verdict("gpu_oom", {"tried_to_allocate_mib": 20.0}, 0, 3, ((7, "x"),), "r.")
+    assert v.to_dict() == {
+        "kind": "gpu_oom", "numbers": {"tried_to_allocate_mib": 20.0}, "gpu": 0, "rank": 3,
+        "evidence": [{"line": 7, "text": "x"}], "reason": "r.",
+    }
+    assert v.is_oom and not Verdict("not_oom").is_oom and not Verdict("unknown").is_oom
+    assert set(OOM_KINDS) | {"not_oom", "unknown"} == set(KINDS) and len(OOM_KINDS) == 7
+
+
+def test_verdict_is_frozen_and_checks_its_kind():
+    with pytest.raises(FrozenInstanceError):
+        Verdict("gpu_oom").kind = "host_oom"
+    with pytest.raises(ValueError):
+        Verdict("oom")
+
+
+# ------------------------------------------------------------------ PyTorch >= 2.1 wording
+
+
+def test_new_wording_all_numbers():
+    v = classify(None, new_oom(tried="2.00 GiB", total="79.15 GiB", free="1.06 GiB", this="78.08 GiB",
+                               allocated="76.50 GiB", unallocated="1.02 GiB", gpu=3))
+    assert v.kind == "gpu_oom" and v.gpu == 3 and v.rank is None
+    assert v.numbers == pytest.approx({
+        "tried_to_allocate_mib": 2048.0, "total_capacity_mib": 79.15 * 1024, "free_mib": 1.06 * 1024,
+        "process_in_use_mib": 78.08 * 1024, "allocated_by_pytorch_mib": 76.5 * 1024,
+        "reserved_unallocated_mib": 1.02 * 1024,
+    })
+    assert v.evidence == ((1, new_oom(tried="2.00 GiB", total="79.15 GiB", free="1.06 GiB", this="78.08 GiB",
+                                       allocated="76.50 GiB", unallocated="1.02 GiB", gpu=3)),)
+    assert "2.00 GiB" in v.reason and "GPU 3" in v.reason
+
+
+@pytest.mark.parametrize(
+    "tried, mib",
+    [("512 bytes", 512 / 2**20), ("1.50 KiB", 1.5 / 1024), ("20.00 MiB", 20.0), ("1.50 GiB", 1536.0), ("2 GiB", 2048.0)],
+)
+def test_new_wording_each_unit(tried, mib):
+    v = classify(None, new_oom(tried=tried, free="0 bytes", unallocated="1.00 KiB"))
+    assert v.numbers["tried_to_allocate_mib"] == pytest.approx(mib)
+    assert v.numbers["free_mib"] == 0.0 and v.numbers["reserved_unallocated_mib"] == pytest.approx(1 / 1024)
+
+
+@pytest.mark.parametrize("exc", ["torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError", "RuntimeError", "OutOfMemoryError"])
+def test_exception_name_does_not_matter(exc):
+    assert classify(None, new_oom(exc=exc)).kind == "gpu_oom"
+    assert classify(None, old_oom(exc=exc)).kind == "gpu_oom"
+
+
+def test_torch_2_1_0_typo_capacty_and_no_process_lines():
+    text = (
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 27.12 GiB. GPU 0 has a total capacty of "
+        "11.99 GiB of which 0 bytes is free. Of the allocated memory 16.16 GiB is allocated by PyTorch, and 144.59 MiB "
+        "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+        "max_split_size_mb to avoid fragmentation."
+    )
+    v = classify(None, text)
+    assert v.kind == "gpu_oom"
+    assert v.numbers["total_capacity_mib"] == pytest.approx(11.99 * 1024)
+    assert v.numbers["free_mib"] == 0.0 and "process_in_use_mib" not in v.numbers
+
+
+def test_private_pools_clause():
+    v = classify(None, new_oom(pools="1.00 GiB", allocated="8.00 GiB", unallocated="200.00 MiB"))
+    assert v.numbers["allocated_by_pytorch_mib"] == 8192.0 and v.numbers["reserved_unallocated_mib"] == 200.0
+
+
+def test_hip_out_of_memory():
+    assert classify(None, new_oom().replace("CUDA out of memory", "HIP out of memory")).kind == "gpu_oom"
+
+
+def test_message_only_mentioning_the_words_is_not_an_oom():
+    text = "hint: if you see CUDA out of memory, lower --batch-size\nall good\n"
+    assert classify(None, text).kind == "unknown"
+
+
+def test_message_wrapped_over_lines_of_the_same_rank():
+    text = "\n".join([
+        "[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 2 has a total",
+        "[rank0]: step 3",
+        "[rank2]: capacity of 39.39 GiB of which 50.00 MiB is free. Including non-PyTorch memory, this process has",
+        "[rank2]: 39.30 GiB memory in use. Of the allocated memory 30.00 GiB is allocated by PyTorch, and 8.00 GiB",
+        "[rank2]: is reserved by PyTorch but unallocated.",
+        "[rank2]: next thing",
+    ])
+    v = classify(None, text)
+    assert v.kind == "gpu_oom_fragmentation" and v.rank == 2 and v.gpu == 2
+    assert [n for n, _ in v.evidence] == [1, 3, 4, 5]
+    assert v.numbers["total_capacity_mib"] == pytest.approx(39.39 * 1024)
+    assert v.numbers["reserved_unallocated_mib"] == 8192.0
+
+
+# ------------------------------------------------------------------ PyTorch <= 2.0 wording
+
+
+def test_old_wording_all_numbers():
+    v = classify(None, old_oom(tried="148.00 MiB", gpu=1, total="2.00 GiB", allocated="959.93 MiB", free="96.16 MiB",
+                               reserved="1.03 GiB"))
+    assert v.kind == "gpu_oom" and v.gpu == 1
+    assert v.numbers == pytest.approx({
+        "tried_to_allocate_mib": 148.0, "total_capacity_mib": 2048.0, "already_allocated_mib": 959.93,
+        "free_mib": 96.16, "reserved_total_mib": 1.03 * 1024,
+    })
+
+
+@pytest.mark.parametrize(
+    "tried, mib", [("0 bytes", 0.0), ("1024.00 KiB", 1.0), ("2.00 MiB", 2.0), ("1.71 GiB", 1.71 * 1024)]
+)
+def test_old_wording_each_unit(tried, mib):
+    assert classify(None, old_oom(tried=tried)).numbers["tried_to_allocate_mib"] == pytest.approx(mib)
+
+
+def test_torch_1_x_cached_wording():
+    text = ("RuntimeError: CUDA out of memory. Tried to allocate 1024.00 KiB (GPU 0; 11.17 GiB total capacity; "
+            "10.90 GiB already allocated; 576.00 KiB free; 30.96 MiB cached)")
+    v = classify(None, text)
+    assert v.kind == "gpu_oom"
+    assert v.numbers == pytest.approx({
+        "tried_to_allocate_mib": 1.0, "total_capacity_mib": 11.17 * 1024, "already_allocated_mib": 10.90 * 1024,
+        "free_mib": 576 / 1024, "reserved_total_mib": 30.96,
+    })
+
+
+# ------------------------------------------------------------------ fragmentation and other processes
+
+
+def test_fragmentation_new_wording():
+    v = classify(None, new_oom(tried="2.00 GiB", total="79.15 GiB", unallocated="6.90 GiB"))
+    assert v.kind == "gpu_oom_fragmentation" and v.is_oom
+    assert "6.90 GiB" in v.reason and "fragmentation" in v.reason
+
+
+def test_fragmentation_old_wording():
+    v = classify(None, old_oom(tried="512.00 MiB", total="15.78 GiB", allocated="11.82 GiB", reserved="14.23 GiB"))
+    assert v.kind == "gpu_oom_fragmentation"
+
+
+def test_idle_reserved_smaller_than_the_request_is_not_fragmentation():
+    assert classify(None, new_oom(tried="8.00 GiB", total="79.15 GiB", unallocated="6.90 GiB")).kind == "gpu_oom"
+
+
+def test_idle_reserved_below_5_percent_of_the_card_is_not_fragmentation():
+    # 1.71 GiB idle >= 1.53 GiB asked, but under 5 % of 79.15 GiB (3.96 GiB)
+    v = classify(None, new_oom(tried="1.53 GiB", total="79.15 GiB", unallocated="1.71 GiB"))
+    assert v.kind == "gpu_oom"
+
+
+def test_another_process_holds_the_gpu():
+    v = classify(None, new_oom(tried="4.00 GiB", total="79.15 GiB", free="1.00 GiB",
+                               processes=[(4242, "30.00 GiB")], this="48.00 GiB", allocated="46.00 GiB",
+                               unallocated="500.00 MiB"))
+    assert v.kind == "gpu_oom_other_process"
+    assert v.numbers["other_process_mib"] == 30 * 1024 and v.numbers["process_in_use_mib"] == 48 * 1024
+    assert "other processes hold 30.00 GiB" in v.reason
+
+
+def test_other_process_wins_over_fragmentation():
+    v = classify(None, new_oom(tried="4.00 GiB", total="79.15 GiB", processes=[(1, "20.00 GiB"), (2, "12.00 GiB")],
+                               unallocated="10.00 GiB"))
+    assert v.kind == "gpu_oom_other_process" and v.numbers["other_process_mib"] == 32 * 1024
+
+
+def test_small_other_process_is_reported_but_not_blamed():
+    v = classify(None, new_oom(tried="4.00 GiB", total="79.15 GiB", processes=[(7, "500.00 MiB")]))
+    assert v.kind == "gpu_oom" and v.numbers["other_process_mib"] == 500.0
+    assert "other processes hold 500.00 MiB" in v.reason
+
+
+def test_other_process_not_blamed_when_the_request_would_not_fit_anyway():
+    v = classify(None, new_oom(tried="60.00 GiB", total="79.15 GiB", free="1.00 GiB", processes=[(7, "10.00 GiB")]))
+    assert v.kind == "gpu_oom"
+
+
+def test_container_lists_this_process_by_pid_only():
+    # no "this process" clause (pid namespace): the process holding PyTorch's reserved memory is this one
+    v = classify(None, new_oom(tried="20.00 MiB", total="14.75 GiB", processes=[(24345, "14.74 GiB")], this=None,
+                               allocated="14.56 GiB", unallocated="11.13 MiB"))
+    assert v.kind == "gpu_oom" and "other_process_mib" not in v.numbers and "process_in_use_mib" not in v.numbers
+
+
+def test_container_with_a_second_process():
+    v = classify(None, new_oom(tried="2.00 GiB", total="79.15 GiB", free="0 bytes", this=None,
+                               processes=[(100, "40.00 GiB"), (200, "39.00 GiB")], allocated="38.00 GiB",
+                               unallocated="500.00 MiB"))
+    # this process: the smallest holding >= 38.49 GiB, i.e. 39 GiB; the other holds 40 GiB
+    assert v.kind == "gpu_oom_other_process" and v.numbers["other_process_mib"] == 40 * 1024
+
+
+# ------------------------------------------------------------------ GPU memory outside PyTorch's allocator
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "RuntimeError: CUDA error: out of memory",
+        "RuntimeError: CUDA driver error: out of memory",
+        "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "jaxlib.xla_extension.XlaRuntimeError: INTERNAL: CUDA_ERROR_OUT_OF_MEMORY: out of memory",
+    ],
+)
+def test_driver_oom(line):
+    text = f"Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\n{line}\n"
+    v = classify(None, text)
+    assert v.kind == "gpu_driver_oom" and v.evidence == ((3, line),)
+
+
+def test_cudnn_error_next_to_memory_pressure_is_driver_oom():
+    text = "\n".join([
+        "WARNING: cudaMalloc failed to allocate 2147483648 bytes, retrying with a smaller workspace",
+        "Traceback (most recent call last):",
+        '  File "t.py", line 9, in <module>',
+        "RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR",
+    ])
+    v = classify(None, text)
+    assert v.kind == "gpu_driver_oom"
+    assert [n for n, _ in v.evidence] == [1, 4]
+
+
+def test_cudnn_not_supported_alone_is_not_oom():
+    text = ("RuntimeError: cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
+            "non-contiguous input.\n")
+    v = classify({"state": "FAILED", "exit_code": 1}, text)
+    assert v.kind == "not_oom" and "CUDNN_STATUS_NOT_SUPPORTED" in v.reason
+
+
+def test_cudnn_internal_error_alone_is_unknown():
+    v = classify(None, "RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR\n")
+    assert v.kind == "unknown" and "CUDNN_STATUS_INTERNAL_ERROR" in v.reason
+
+
+# ------------------------------------------------------------------ NCCL
+
+
+def test_nccl_cuda_oom_fixture():
+    v = classify(None, fixture("nccl_cuda_oom.log"))
+    assert v.kind == "nccl_oom" and v.gpu == 3 and v.rank == 3
+    texts = [t for _, t in v.evidence]
+    assert any("NCCL WARN Cuda failure 'out of memory'" in t for t in texts)
+    assert any("DistBackendError" in t for t in texts)
+
+
+def test_nccl_shm_is_nccl_oom_not_disk_full():
+    v = classify(None, fixture("nccl_shm_full.log"))
+    assert v.kind == "nccl_oom" and v.gpu == 0
+    assert v.numbers == pytest.approx({"tried_to_allocate_mib": 9637892 / 2**20})
+    assert "/dev/shm" in v.reason
+
+
+def test_nccl_calloc_failure():
+    text = "node1:11:22 [1] include/alloc.h:36 NCCL WARN Failed to CUDA calloc 6291456 bytes\n"
+    v = classify(None, text)
+    assert v.kind == "nccl_oom" and v.gpu == 1 and v.numbers["tried_to_allocate_mib"] == 6.0
+
+
+def test_nccl_last_error_without_warn_lines():
+    text = ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'\n")
+    assert classify(None, text).kind == "nccl_oom"
+
+
+# ------------------------------------------------------------------ host memory
+
+
+OLD_CGROUP = ("slurmstepd: error: Detected 1 oom-kill event(s) in StepId=4711.batch. Some of your processes may have "
+              "been killed by the cgroup out-of-memory handler.")
+NEW_CGROUP = "slurmstepd: error: Detected 2 oom_kill events in StepId=4712.0. Some of the step tasks have been OOM Killed."
+
+
+@pytest.mark.parametrize("line", [OLD_CGROUP, NEW_CGROUP, "srun: error: cpu-node-3: task 0: Out Of Memory",
+                                  "slurmstepd: error: Job 77 exceeded memory limit (4300000 > 4194304), being killed"])
+def test_host_oom_lines(line):
+    v = classify({"state": "FAILED", "exit_code": 1}, f"step 1\n{line}\n")
+    assert v.kind == "host_oom" and v.evidence == ((2, line),)
+
+
+def test_srun_out_of_memory_names_the_task():
+    assert classify(None, "srun: error: cpu-node-3: task 5: Out Of Memory").rank == 5
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"state": "OUT_OF_MEMORY", "exit_code": 0, "signal": 125},
+        JobRecord("OUT_OF_MEMORY"),
+        JobRecord("OUT_OF_ME+"),
+        JobRecord(None, 0, 125),
+        {"state": "FAILED", "exit_code": "0:125"},
+        SimpleNamespace(state="OUT_OF_MEMORY", exit_code=0, signal=125, elapsed_s=3.0),
+    ],
+)
+def test_host_oom_from_the_record_alone(record):
+    v = classify(record, "")
+    assert v.kind == "host_oom" and v.evidence == ()
+    assert "OUT_OF_MEMORY" in v.reason or "0:125" in v.reason
+
+
+def test_cpu_partition_cgroup_kill_as_on_the_test_cluster():
+    text = f"epoch 0 step 3\n{OLD_CGROUP}\n"
+    v = classify({"state": "OUT_OF_MEMORY", "exit_code": 0, "signal": 125}, text)
+    assert v.kind == "host_oom" and v.evidence == ((2, OLD_CGROUP),)
+
+
+# ------------------------------------------------------------------ SIGKILL
+
+
+SIGKILL_LINES = [
+    "[2024-05-02 10:13:06,002] [ERROR] [launch.py:325:sigkill_handler] ['python', '-u', 'train.py', '--local_rank=0'] "
+    "exits with return code = -9",
+    "E0502 11:02:10.612000 51200 torch/distributed/elastic/multiprocessing/api.py:826] failed (exitcode: -9) "
+    "local_rank: 0 (pid: 51234) of binary: /usr/bin/python3",
+    "  traceback : Signal 9 (SIGKILL) received by PID 51234",
+    "subprocess.CalledProcessError: Command '['python', 'train.py']' died with <Signals.SIGKILL: 9>.",
+    "srun: error: cpu-node-1: task 0: Exited with exit code 137",
+    "Killed",
+    "/var/spool/slurmd/job00123/slurm_script: line 12: 45678 Killed                  python train.py",
+    "srun: error: cpu-node-1: task 1: Killed",
+    "RuntimeError: DataLoader worker (pid 9123) is killed by signal: Killed. ",
+]
+
+
+@pytest.mark.parametrize("line", SIGKILL_LINES)
+def test_sigkill_alone_is_unknown(line):
+    v = classify({"state": "FAILED", "exit_code": 1}, f"step 10 loss 2.0\n{line}\n")
+    assert v.kind == "unknown" and SIGKILL_REASON in v.reason
+    assert (2, line) in v.evidence
+
+
+@pytest.mark.parametrize("line", SIGKILL_LINES)
+def test_sigkill_confirmed_by_the_record_is_host_oom(line):
+    v = classify({"state": "OUT_OF_MEMORY", "exit_code": 0, "signal": 125}, f"{line}\n")
+    assert v.kind == "host_oom" and v.evidence == ((1, line),)
+
+
+def test_sigkill_confirmed_by_the_cgroup_line_is_host_oom():
+    v = classify(None, f"{SIGKILL_LINES[0]}\n{OLD_CGROUP}\n")
+    assert v.kind == "host_oom" and [n for n, _ in v.evidence] == [1, 2]
+
+
+def test_sigkill_in_the_record_alone_is_unknown():
+    v = classify(JobRecord("FAILED", 0, 9), "")
+    assert v.kind == "unknown" and SIGKILL_REASON in v.reason
+
+
+@pytest.mark.parametrize("state, label", [("TIMEOUT", "time limit"), ("CANCELLED by 1000", "cancelled")])
+def test_sigkill_explained_by_the_scheduler_is_not_oom(state, label):
+    v = classify({"state": state}, "srun: error: node1: task 0: Killed\n")
+    assert v.kind == "not_oom" and label in v.reason
+
+
+def test_bare_word_killed_inside_a_sentence_is_not_a_sigkill():
+    assert classify(None, "Killed 3 stale workers before start\n").kind == "unknown"
+    assert SIGKILL_REASON not in classify(None, "Killed 3 stale workers before start\n").reason
+
+
+# ------------------------------------------------------------------ host memory inside the process
+
+
+def test_cpu_allocator():
+    line = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 134217728 bytes. Error code 12 (Cannot allocate memory)")
+    v = classify(None, f"Traceback (most recent call last):\n{line}\n")
+    assert v.kind == "cpu_alloc_oom" and v.numbers == {"tried_to_allocate_mib": 128.0}
+    assert v.evidence == ((2, line),) and "128.00 MiB" in v.reason
+
+
+def test_cpu_allocator_not_enough_memory_wording():
+    line = "RuntimeError: [enforce fail at alloc_cpu.cpp:72] data. DefaultCPUAllocator: not enough memory: you tried to allocate 9663676416 bytes."
+    assert classify(None, line).numbers == {"tried_to_allocate_mib": 9216.0}
+
+
+def test_numpy_array_memory_error():
+    line = "numpy.core._exceptions._ArrayMemoryError: Unable to allocate 3.00 GiB for an array with shape (402653184,) and data type float64"
+    v = classify(None, line)
+    assert v.kind == "cpu_alloc_oom" and v.numbers == {"tried_to_allocate_mib": 3072.0}
+
+
+def test_plain_memory_error():
+    assert classify(None, "Traceback (most recent call last):\nMemoryError\n").kind == "cpu_alloc_oom"
+
+
+# ------------------------------------------------------------------ not OOM
+
+
+@pytest.mark.parametrize(
+    "text, label",
+    [
+        ("RuntimeError: CUDA error: an illegal memory access was encountered", "illegal memory access"),
+        ("RuntimeError: CUDA error: device-side assert triggered", "device-side assert"),
+        ("[rank0]:[E502 12:10:40.0 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout: "
+         "WorkNCCL(SeqNum=1203, OpType=ALLREDUCE) ran for 600071 milliseconds before timing out.", "NCCL watchdog timeout"),
+        ("slurmstepd: error: *** JOB 4720 ON gpu-node-09 CANCELLED AT 2024-05-02T12:30:00 DUE TO TIME LIMIT ***", "time limit"),
+        ("slurmstepd: error: *** STEP 4720.0 ON gpu-node-09 CANCELLED AT 2024-05-02T12:30:00 ***", "cancelled"),
+        ("slurmstepd: error: *** JOB 4721 ON n1 CANCELLED AT 2024-05-02T12:30:00 DUE TO PREEMPTION ***", "preempted"),
+        ("OSError: [Errno 28] No space left on device: '/scratch/ckpt/step_1000.pt'", "disk full"),
+        ("RuntimeError: [enforce fail at inline_container.cc:595] . unexpected pos 8192 vs 0: No space left on device", "disk full"),
+        ("OSError: [Errno 122] Disk quota exceeded", "disk quota"),
+        ("ModuleNotFoundError: No module named 'flash_attn'", "import error"),
+        ("ImportError: cannot import name 'LlamaConfig' from 'transformers'", "import error"),
+        ("/var/spool/slurmd/job00123/slurm_script: line 9: torchrun: command not found", "command not found"),
+        ("ValueError: micro_batch must divide global_batch", "ValueError"),
+        ("KeyboardInterrupt", "interrupted"),
+    ],
+)
+def test_not_oom(text, label):
+    log = f"Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n{text}\n"
+    v = classify({"state": "FAILED", "exit_code": 1}, log)
+    assert v.kind == "not_oom" and not v.is_oom
+    assert label in v.reason and (3, text) in v.evidence
+
+
+@pytest.mark.parametrize(
+    "state, label",
+    [("TIMEOUT", "time limit"), ("CANCELLED by 1000", "cancelled"), ("CANCELLED+", "cancelled"),
+     ("NODE_FAIL", "node failure"), ("PREEMPTED", "preempted"), ("COMPLETED", "completed")],
+)
+def test_not_oom_from_the_record(state, label):
+    v = classify({"state": state, "exit_code": 0, "signal": 0}, "step 1 loss 3.2\n")
+    assert v.kind == "not_oom" and label in v.reason
+
+
+def test_completed_with_a_logged_traceback_is_still_completed():
+    text = "Traceback (most recent call last):\nValueError: optional plot failed\nsaved model\n"
+    v = classify(JobRecord("COMPLETED", 0, 0), text)
+    assert v.kind == "not_oom" and "completed" in v.reason
+
+
+def test_illegal_memory_access_fixture_with_oom_looking_words():
+    v = classify({"state": "FAILED", "exit_code": 134}, fixture("illegal_memory_access.log"))
+    assert v.kind == "not_oom" and "illegal memory access" in v.reason and v.rank == 0
+
+
+def test_nothing_recognisable_is_unknown():
+    v = classify({"state": "FAILED", "exit_code": 2}, "starting\nstep 1\n")
+    assert v.kind == "unknown" and "FAILED" in v.reason and v.evidence == ()
+    assert classify(None, "").kind == "unknown"
+
+
+def test_wrappers_alone_do_not_make_a_cause():
+    text = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+            "subprocess.CalledProcessError: Command '['python']' returned non-zero exit status 1.\n")
+    assert classify(None, text).kind == "unknown"
+
+
+# ------------------------------------------------------------------ precedence
+
+
+def test_time_limit_after_an_oom_is_still_oom():
+    v = classify({"state": "TIMEOUT"}, fixture("time_limit_after_oom.log"))
+    assert v.kind == "gpu_oom" and v.rank == 1 and v.gpu == 1
+    assert "TIMEOUT" in v.reason
+
+
+def test_cancelled_record_after_an_oom_is_oom():
+    assert classify({"state": "CANCELLED by 0"}, new_oom()).kind == "gpu_oom"
+
+
+def test_user_cancellation_without_oom_is_not_oom():
+    text = "step 5\nslurmstepd: error: *** JOB 99 ON n1 CANCELLED AT 2024-05-02T12:30:00 ***\nsrun: error: n1: task 0: Killed\n"
+    v = classify({"state": "CANCELLED by 1000"}, text)
+    assert v.kind == "not_oom" and "cancelled" in v.reason
+
+
+def test_illegal_memory_access_before_an_oom_is_not_oom():
+    text = "[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered\n" + new_oom()
+    assert classify(None, text).kind == "not_oom"
+
+
+def test_oom_before_a_device_fault_is_oom():
+    text = new_oom() + "\n[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    assert classify(None, text).kind == "gpu_oom"
+
+
+def test_the_first_oom_in_the_log_decides():
+    text = f"{NEW_CGROUP}\n{new_oom()}\n"
+    assert classify(None, text).kind == "host_oom"
+    text = f"{new_oom()}\n{NEW_CGROUP}\n"
+    assert classify(None, text).kind == "gpu_oom"
+
+
+def test_gpu_oom_in_the_log_wins_over_a_completed_record():
+    v = classify(JobRecord("COMPLETED", 0, 0), new_oom())
+    assert v.kind == "gpu_oom" and "COMPLETED" in v.reason
+
+
+def test_sigkill_then_watchdog_timeout_is_the_sigkill():
+    text = f"{SIGKILL_LINES[1]}\n[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)\n"
+    assert classify(None, text).kind == "unknown"
+
+
+def test_a_specific_failure_beats_a_generic_exception():
+    text = "[rank1]: ValueError: bad\n[rank0]: RuntimeError: CUDA error: device-side assert triggered\n"
+    v = classify(None, text)
+    assert v.kind == "not_oom" and "device-side assert" in v.reason and v.rank == 0
+
+
+def test_peer_failure_errors_do_not_hide_the_real_exception():
+    text = ("[rank0]: torch.distributed.DistBackendError: NCCL error: remote process exited or there was a network error\n"
+            "[rank1]: ValueError: tokenizer has no pad token\n")
+    v = classify(None, text)
+    assert v.kind == "not_oom" and "ValueError" in v.reason and v.rank == 1
+
+
+# ------------------------------------------------------------------ ranks and prefixes
+
+
+@pytest.mark.parametrize(
+    "prefix, rank",
+    [("[rank3]: ", 3), ("[rank12]:", 12), ("[default3]:", 3), ("3: ", 3), (" 3: ", 3), ("[1,3]<stderr>:", 3),
+     ("[1,3]<stdout>: ", 3), ("0: [rank5]: ", 5), ("1: [default2]:", 2), ("", None)],
+)
+def test_rank_from_each_prefix_style(prefix, rank):
+    line = prefix + new_oom()
+    v = classify(None, f"{prefix}step 1\n{line}\n")
+    assert v.kind == "gpu_oom" and v.rank == rank and v.evidence == ((2, line),)
+
+
+def test_split_prefix():
+    assert split_prefix("[rank3]: x") == (3, "x")
+    assert split_prefix("12:34:56 x") == (None, "12:34:56 x")
+    assert split_prefix("[1,7]<stderr>:Traceback") == (7, "Traceback")
+
+
+def test_interleaved_ranks_report_the_first_oom():
+    text = "\n".join([
+        "[rank0]: step 7",
+        "[rank2]: Traceback (most recent call last):",
+        "[rank0]: Traceback (most recent call last):",
+        "[rank2]:   File \"train.py\", line 9, in <module>",
+        "[rank2]: " + new_oom(tried="1.00 GiB", gpu=2),
+        "[rank0]: " + new_oom(tried="2.00 GiB", gpu=0),
+        "[rank1]: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)",
+    ])
+    v = classify(None, text)
+    assert v.kind == "gpu_oom" and v.rank == 2 and v.gpu == 2
+    assert v.numbers["tried_to_allocate_mib"] == 1024.0
+    assert [n for n, _ in v.evidence] == [5, 6]
+
+
+@pytest.mark.parametrize("prefix", ["{r}: ", "[default{r}]:", "[1,{r}]<stderr>:"])
+def test_interleaved_ranks_each_prefix_style(prefix):
+    lines = []
+    for step in range(3):
+        for r in range(4):
+            lines.append(prefix.format(r=r) + f"step {step} loss 1.0")
+    lines.insert(7, prefix.format(r=3) + old_oom(gpu=3))
+    v = classify(None, "\n".join(lines))
+    assert v.kind == "gpu_oom" and v.rank == 3 and v.gpu == 3 and v.evidence[0][0] == 8
+
+
+def test_rank_written_in_the_text():
+    assert classify(None, "[Rank 6] " + new_oom()).rank == 6
+
+
+def test_torchrun_summary_rank():
+    v = classify(None, fixture("torchrun_sigkill_summary.log"))
+    assert v.kind == "unknown" and SIGKILL_REASON in v.reason
+    assert any("Signal 9 (SIGKILL)" in t for _, t in v.evidence)
+
+
+def test_evidence_is_capped():
+    text = "\n".join(f"[rank{r}]: " + new_oom(gpu=r % 8) for r in range(32))
+    v = classify(None, text)
+    assert len(v.evidence) == 10 and v.evidence[0] == (1, "[rank0]: " + new_oom(gpu=0)) and v.rank == 0
+
+
+def test_crlf_lines_are_stripped_in_evidence():
+    v = classify(None, "step 1\r\n" + new_oom() + "\r\n")
+    assert v.evidence == ((2, new_oom()),)
+
+
+# ------------------------------------------------------------------ realistic fixtures
+
+
+@pytest.mark.parametrize(
+    "name, record, kind, rank, gpu",
+    [
+        ("hf_trainer_gpu_oom_torch22.log", {"state": "FAILED", "exit_code": 1}, "gpu_oom", None, 0),
+        ("lightning_gpu_oom_torch113_fragmentation.log", {"state": "FAILED", "exit_code": 1}, "gpu_oom_fragmentation", None, 0),
+        ("torchrun_rank_oom_childfailed.log", {"state": "FAILED", "exit_code": 1}, "gpu_oom", 1, 1),
+        ("time_limit_after_oom.log", {"state": "TIMEOUT"}, "gpu_oom", 1, 1),
+        ("nccl_cuda_oom.log", None, "nccl_oom", 3, 3),
+        ("nccl_shm_full.log", None, "nccl_oom", None, 0),
+        ("deepspeed_launcher_sigkill.log", {"state": "FAILED", "exit_code": 9}, "unknown", None, None),
+        ("deepspeed_launcher_sigkill.log", {"state": "OUT_OF_MEMORY", "exit_code": 0, "signal": 125}, "host_oom", None, None),
+        ("deepspeed_cgroup_oom_slurm2205.log", {"state": "FAILED", "exit_code": 1}, "host_oom", None, None),
+        ("torchrun_sigkill_summary.log", None, "unknown", None, None),
+        ("torchrun_sigkill_cgroup_slurm2302.log", None, "host_oom", 0, None),
+        ("illegal_memory_access.log", None, "not_oom", 0, None),
+    ],
+)
+def test_fixture(name, record, kind, rank, gpu):
+    v = classify(record, fixture(name))
+    assert (v.kind, v.rank, v.gpu) == (kind, rank, gpu)
+    assert v.reason and v.reason.endswith(".")
+    lines = fixture(name).split("\n")
+    for n, text in v.evidence:
+        assert lines[n - 1] == text
+
+
+def test_hf_trainer_numbers():
+    v = classify(None, fixture("hf_trainer_gpu_oom_torch22.log"))
+    assert v.numbers == pytest.approx({
+        "tried_to_allocate_mib": 3.91 * 1024, "total_capacity_mib": 39.39 * 1024, "free_mib": 1.27 * 1024,
+        "process_in_use_mib": 38.11 * 1024, "allocated_by_pytorch_mib": 35.02 * 1024,
+        "reserved_unallocated_mib": 2.57 * 1024,
+    })
+    assert v.evidence[0][0] == 35
+
+
+def test_deepspeed_cgroup_evidence_has_both_lines():
+    v = classify(None, fixture("deepspeed_cgroup_oom_slurm2205.log"))
+    texts = [t for _, t in v.evidence]
+    assert any("exits with return code = -9" in t for t in texts) and any("oom-kill event" in t for t in texts)
+
+
+# ------------------------------------------------------------------ files
+
+
+def test_classify_file_plain(tmp_path):
+    path = tmp_path / "slurm-12.out"
+    path.write_text(fixture("torchrun_rank_oom_childfailed.log"))
+    v = classify_file(path)
+    assert v == classify(None, fixture("torchrun_rank_oom_childfailed.log"))
+
+
+def test_classify_file_gzip_numbers_lines_in_the_whole_file(tmp_path):
+    text = "".join(f"step {i}\n" for i in range(50_000)) + new_oom() + "\n"
+    path = tmp_path / "rank0.log.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    v = classify_file(path, max_bytes=4096)
+    assert v.kind == "gpu_oom" and v.evidence == ((50_001, new_oom()),)
+    assert "line numbers" not in v.reason
+
+
+def test_classify_file_truncated_gzip(tmp_path):
+    text = new_oom() + "\n" + "".join(f"step {i} loss 1.0\n" for i in range(100_000))
+    packed = gzip.compress(text.encode())
+    path = tmp_path / "cut.log.gz"
+    path.write_bytes(packed[: len(packed) // 2])
+    v = classify_file(path)
+    assert v.kind == "gpu_oom" and "damaged gzip" in v.reason
+
+
+def test_classify_file_binary_garbage(tmp_path):
+    path = tmp_path / "garbage.log"
+    path.write_bytes(bytes(range(256)) * 100 + b"\n" + new_oom().encode() + b"\n\x00\xff\xfe")
+    assert classify_file(path).kind == "gpu_oom"
+    path.write_bytes(bytes(range(256)) * 100)
+    assert classify_file(path).kind == "unknown"
+
+
+def test_classify_file_empty(tmp_path):
+    path = tmp_path / "empty.log"
+    path.write_bytes(b"")
+    assert classify_file(path).kind == "unknown"
+    assert classify_file(path, {"state": "OUT_OF_MEMORY"}).kind == "host_oom"
+
+
+def test_classify_file_missing_raises_hpcmem_error(tmp_path):
+    with pytest.raises(HpcmemError):
+        classify_file(tmp_path / "missing.log")
+
+
+def test_classify_file_2gb_sparse_log_reads_only_the_tail(tmp_path):
+    path = tmp_path / "huge.log"
+    with open(path, "wb") as f:
+        f.seek(2 * 2**30)
+        f.write(b"\n[rank7]: " + new_oom(gpu=7).encode() + b"\n")
+    start = time.monotonic()
+    v = classify_file(path)
+    assert time.monotonic() - start < 5.0
+    assert v.kind == "gpu_oom" and v.rank == 7 and v.gpu == 7
+    assert "line numbers count from the start of the last 8.00 MiB" in v.reason
+
+
+def test_classify_paths_one_file_per_rank(tmp_path):
+    (tmp_path / "rank0.log").write_text("[rank0]: step 1\n[rank0]: [Rank 0] Watchdog caught collective operation timeout: x\n")
+    (tmp_path / "rank1.log").write_text("step 1\nstep 2\n" + new_oom(gpu=1) + "\n")
+    v = classify_paths([tmp_path / "rank0.log", tmp_path / "rank1.log"])
+    assert v.kind == "gpu_oom" and v.gpu == 1
+    assert v.evidence == ((3, new_oom(gpu=1)),) and "rank1.log" in v.reason
+
+
+def test_classify_paths_record_and_sigkill_across_files(tmp_path):
+    (tmp_path / "a.log").write_text("step 1\n")
+    (tmp_path / "b.log").write_text("x\n" + SIGKILL_LINES[0] + "\n")
+    v = classify_paths([tmp_path / "a.log", tmp_path / "b.log"], {"state": "OUT_OF_MEMORY"})
+    assert v.kind == "host_oom" and v.evidence == ((2, SIGKILL_LINES[0]),)
+
+
+def test_classify_paths_nothing():
+    assert classify_paths([]).kind == "unknown"
+
+
+def test_classify_is_fast_on_a_full_8_mib_tail():
+    noise = "".join(f"[rank{i % 8}]: step {i} loss 2.{i % 97} lr 3e-4 grad_norm 0.8 tokens/s 41234\n" for i in range(120_000))
+    text = noise[-8 * 2**20:] + new_oom() + "\n"
+    start = time.monotonic()
+    v = classify(None, text)
+    assert time.monotonic() - start < 5.0 and v.kind == "gpu_oom"

@@ -1,0 +1,185 @@
+"""Read the end of a log file, plain or gzip, in bounded time and memory.
+
+A failed job's cause is at the end of its log, and logs can be many GB. ``read_tail``
+returns at most ``max_bytes`` bytes of text from the end of a file:
+
+- plain files: one ``seek`` to the last ``max_bytes`` and one read, so a 2 GB log costs the
+  same as a small one;
+- gzip files (recognised by their magic bytes, not their name): a gzip stream cannot be
+  entered in the middle, so it is decompressed once from the start, keeping only a ring buffer
+  of the last ``max_bytes`` decompressed bytes (memory stays below ``2 * max_bytes`` plus one
+  chunk, whatever the ratio; concatenated members are followed). Because every byte passes
+  through, the line number of the tail's first line is known for gzip;
+- a damaged or truncated gzip gives what could be decompressed, flagged ``damaged``;
+- bytes that are not UTF-8 (binary garbage, NULs of a sparse file) are decoded with
+  ``errors="replace"``: text, never an exception.
+
+When the tail starts inside the file, its first (partial) line is dropped so the text starts
+at a line boundary. A file that cannot be opened or read raises ``LogError``.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+from .errors import HpcmemError
+
+DEFAULT_MAX_BYTES = 8 * 2**20
+"""Bytes of the end of a log that are read by default (8 MiB)."""
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_READ_CHUNK = 2**20  # compressed bytes read per call
+_OUT_CHUNK = 2**20  # most decompressed bytes produced per call (guards against gzip bombs)
+
+
+class LogError(HpcmemError):
+    """A log file is missing or cannot be read."""
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The end of a log.
+
+    Unpacks as ``text, first_line, truncated = read_tail(path)``.
+    """
+
+    text: str
+    """Decoded text (invalid UTF-8 replaced by U+FFFD), starting at a line boundary."""
+    first_line: int | None
+    """1-based line number in the whole log of the first line of ``text``; None when unknown
+    (the head of a plain file was skipped)."""
+    truncated: bool
+    """True when ``text`` is not the whole log: its head was skipped or (gzip) its end is missing."""
+    damaged: bool = False
+    """True when a gzip stream ended early or was corrupt; ``text`` holds what could be decompressed."""
+
+    def __iter__(self) -> Iterator:
+        return iter((self.text, self.first_line, self.truncated))
+
+
+def read_tail(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Tail:
+    """Return at most the last ``max_bytes`` bytes (decompressed, for gzip) of ``path`` as text.
+
+    Raises ``LogError`` with a one-line message when the file is missing or unreadable.
+    """
+    if not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) == _GZIP_MAGIC:
+                f.seek(0)
+                return _gzip_tail(f, max_bytes)
+            return _plain_tail(f, max_bytes)
+    except OSError as e:
+        raise LogError(f"cannot read log {os.fspath(path)}: {e.strerror or e}") from e
+
+
+def _plain_tail(f, max_bytes: int) -> Tail:
+    """Tail of an uncompressed file: one seek, one read of at most ``max_bytes + 1`` bytes."""
+    size = os.fstat(f.fileno()).st_size
+    if size <= max_bytes:
+        f.seek(0)
+        return Tail(_decode(f.read(max_bytes)), 1, False)
+    # One byte more than asked: if it is a newline, the tail starts on a whole line.
+    f.seek(size - max_bytes - 1)
+    data = f.read(max_bytes + 1)
+    return Tail(_decode(_from_line_start(data)), None, True)
+
+
+def _from_line_start(data: bytes) -> bytes:
+    """Drop everything up to and including the first newline (the partial first line).
+
+    ``data[0]`` is the byte before the wanted tail. Text without any newline is kept whole, less
+    the UTF-8 continuation bytes of a character cut in two.
+    """
+    cut = data.find(b"\n")
+    if cut >= 0:
+        return data[cut + 1 :]
+    start = 1
+    while start < min(len(data), 4) and 0x80 <= data[start] < 0xC0:
+        start += 1
+    return data[start:]
+
+
+def _gzip_tail(f, max_bytes: int) -> Tail:
+    """Tail of a gzip file: decompress it all once, keeping a bounded ring buffer."""
+    buf = bytearray()
+    dropped_lines = 0  # newlines in the bytes dropped from the front of buf
+    dropped_any = False
+    last_dropped = b"\n"  # the byte just before buf[0]
+    damaged = False
+    for out in _gunzip_chunks(f):
+        if out is None:
+            damaged = True
+            break
+        buf += out
+        if len(buf) > 2 * max_bytes:  # trim rarely: amortised O(1) per byte
+            cut = len(buf) - max_bytes
+            dropped_lines += buf.count(b"\n", 0, cut)
+            last_dropped = bytes(buf[cut - 1 : cut])
+            dropped_any = True
+            del buf[:cut]
+    if len(buf) > max_bytes:
+        cut = len(buf) - max_bytes
+        dropped_lines += buf.count(b"\n", 0, cut)
+        last_dropped = bytes(buf[cut - 1 : cut])
+        dropped_any = True
+        del buf[:cut]
+    if dropped_any and last_dropped != b"\n":
+        nl = buf.find(b"\n")
+        if nl >= 0:
+            del buf[: nl + 1]
+            dropped_lines += 1
+    return Tail(_decode(bytes(buf)), dropped_lines + 1, dropped_any or damaged, damaged)
+
+
+def _gunzip_chunks(f) -> Iterator[bytes | None]:
+    """Yield decompressed chunks of at most ``_OUT_CHUNK`` bytes; yield None when damaged.
+
+    Follows concatenated gzip members; trailing NUL padding is ignored.
+    """
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    pending = b""
+    while True:
+        chunk = f.read(_READ_CHUNK)
+        if not chunk:
+            break
+        data = pending + chunk
+        pending = b""
+        while data:
+            if d.eof:  # a member ended: another member, padding, or garbage follows
+                if len(data) < 2:
+                    pending = data
+                    break
+                if data[:2] != _GZIP_MAGIC:
+                    if data.strip(b"\0"):
+                        yield None
+                        return
+                    break
+                d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            try:
+                out = d.decompress(data, _OUT_CHUNK)
+            except zlib.error:
+                yield None
+                return
+            if out:
+                yield out
+            data = d.unused_data if d.eof else d.unconsumed_tail
+    while not d.eof:  # output zlib still holds after the last input (max_length cut it off)
+        try:
+            out = d.decompress(b"", _OUT_CHUNK)
+        except zlib.error:
+            break
+        if not out:
+            break
+        yield out
+    if not d.eof or pending.strip(b"\0"):
+        yield None  # the stream stopped inside a member: a truncated file
+
+
+def _decode(data: bytes) -> str:
+    """UTF-8 with replacement characters: binary garbage becomes text, never an error."""
+    return data.decode("utf-8", errors="replace")
