@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from . import __version__, render, runs
+from .classify import classify_paths
 from .errors import HpcmemError
 from .jobspec import load_spec
 from .plan import parse_sets
@@ -162,6 +163,24 @@ def cancel(run_id, as_json) -> None:
         _emit_json(view)
     else:
         click.echo(f"run {run_id} {view['state']}")
+
+
+@main.command()
+@click.argument("logs", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@_json_opt
+def triage(logs, as_json) -> None:
+    """Say why a job died from its log file(s): plain or gzip, all ranks."""
+    verdict = classify_paths([Path(p) for p in logs])
+    if as_json:
+        _emit_json(verdict.to_dict())
+        return
+    click.echo(f"{verdict.kind}: {verdict.reason}")
+    for name, value in verdict.numbers.items():
+        click.echo(f"  {name:<26} {value:,.1f}")
+    if verdict.rank is not None or verdict.gpu is not None:
+        click.echo(f"  rank {verdict.rank if verdict.rank is not None else '?'}, GPU {verdict.gpu if verdict.gpu is not None else '?'}")
+    for line_no, text in verdict.evidence:
+        click.echo(f"  {line_no if line_no is not None else '?':>6}: {text}")
 
 
 def entry() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from . import render
 from .backends import get_backend
+from .classify import Verdict, classify, classify_paths
 from .errors import HpcmemError
 from .jobspec import JobSpec, load_spec
 from .ledger import AttemptRow, Ledger, Run
@@ -101,6 +102,7 @@ def refresh(ledger: Ledger, run_id: str) -> Run:
             metrics = read_metrics(Path(attempt.attempt_dir))
             if metrics is not None:
                 fields["metrics"] = metrics
+            fields["verdict"] = attempt_verdict(Path(attempt.attempt_dir), status).to_dict()
         ledger.update_attempt(run_id, attempt.n, **fields)
         if status.finished:
             if status.succeeded:
@@ -144,6 +146,14 @@ def run_view(ledger: Ledger, run_id: str) -> dict[str, Any]:
     return {"run_id": run.run_id, "run_dir": run.run_dir, "state": run.state, "reason": run.reason,
             "spec": run.spec_name, "site": run.site, "partition": run.partition,
             "attempts": [a.to_dict() for a in ledger.attempts(run_id)]}
+
+
+def attempt_verdict(attempt_dir: Path, status) -> Verdict:
+    """Why an attempt ended: the classifier over its logs and the scheduler's record."""
+    logs = sorted(attempt_dir.glob("slurm-*.out"))
+    if not logs:
+        return classify(status, "")
+    return classify_paths(logs, record=status)
 
 
 def read_metrics(attempt_dir: Path) -> dict | None:
