@@ -1,0 +1,364 @@
+"""The local backend (``--site local``): the same job script, run on this machine without Slurm.
+
+Contracts:
+
+- **Job ids** are ``local-<n>``, ``n`` from a counter under the backend's state
+  directory (``$HPCMEM_HOME/local``, default ``~/.hpcmem/local``), unique for that
+  home. ``jobs/<id>.json`` there maps an id to its attempt directory and runner, so
+  a later process (``hpcmem tick``) can poll and cancel it.
+- **The script's directives are the job's resources**, as under Slurm: the memory cap
+  is the script's ``#SBATCH --mem`` (``default_mem_mib`` when it has none; ``--mem=0``
+  means no cap) and becomes RLIMIT_AS of the job's processes. RLIMIT_AS is per
+  process, so each rank gets the whole cap (Slurm's cgroup caps their sum). A script
+  that asks for GPUs gets no address-space cap: CUDA reserves far more virtual
+  memory than it uses and would not start; there the runtime caps the CUDA memory
+  fraction instead. ``--time`` is enforced (TIMEOUT); ``--output`` is not read: the
+  log is always ``<attempt_dir>/slurm-<id>.out``, the name the templates give Slurm.
+- **Environment**: the caller's, without a calling Slurm job's variables, plus what a
+  one-node Slurm job sees (SLURM_JOB_ID, SLURM_JOB_NAME, SLURM_NNODES=1, SLURM_NODEID=0,
+  SLURM_PROCID=0, SLURM_JOB_NODELIST=localhost, SLURM_SUBMIT_DIR, SLURM_CPUS_ON_NODE,
+  SLURM_GPUS_ON_NODE and SLURM_MEM_PER_NODE when known) and MALLOC_ARENA_MAX=2 (fewer
+  malloc arenas keep a process's address space close to what it really uses).
+- **Files** in the attempt directory: ``slurm-<id>.out`` (the log), ``<id>.json`` (the
+  runner's result, written atomically), ``<id>.pid`` (the job's process group) and
+  ``<id>.cancel`` (a cancel request).
+- **States**: RUNNING while the runner lives and has not written its result (there is
+  no queue, so no PENDING); then the runner's COMPLETED / FAILED / TIMEOUT / CANCELLED;
+  a runner that vanished without a result is FAILED with a reason.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import toolkit
+
+from .. import proc
+from ..errors import SchedulerError
+from .base import CANCELLED, FAILED, PENDING, RUNNING, UNKNOWN, Backend, JobStatus
+from .slurm import clean_environment, gpus_requested, parse_mem_mib, parse_time_limit_s, read_directives
+
+# The runner is started as ``python -m toolkit.backends.local_runner`` from the directory
+# holding the package, so it imports this very hpcmem (checkout or installed).
+_PACKAGE_PARENT = Path(toolkit.__file__).resolve().parent.parent
+
+
+def result_path(attempt_dir: Path, job_id: str) -> Path:
+    """The runner's record of how the job ended."""
+    return Path(attempt_dir) / f"{job_id}.json"
+
+
+def pid_path(attempt_dir: Path, job_id: str) -> Path:
+    """The job's pid (= its process group), written once the script has started."""
+    return Path(attempt_dir) / f"{job_id}.pid"
+
+
+def cancel_path(attempt_dir: Path, job_id: str) -> Path:
+    """Present when the job was asked to stop; survives a lost signal."""
+    return Path(attempt_dir) / f"{job_id}.cancel"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` so readers see either nothing or all of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def now_iso(epoch: float | None = None) -> str:
+    return dt.datetime.fromtimestamp(time.time() if epoch is None else epoch).astimezone().isoformat(timespec="seconds")
+
+
+def default_state_dir() -> Path:
+    """``$HPCMEM_HOME/local`` (HPCMEM_HOME defaults to ``~/.hpcmem``)."""
+    return Path(os.environ.get("HPCMEM_HOME") or "~/.hpcmem").expanduser() / "local"
+
+
+class LocalBackend(Backend):
+    """Runs job scripts on this machine under a memory cap and a time limit."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path | None = None,
+        default_mem_mib: int | None = None,
+        kill_wait_s: float = 5.0,
+    ):
+        """``state_dir``: where ids and job records live (default ``default_state_dir()``);
+        ``default_mem_mib``: cap for scripts without ``--mem`` (None: no cap);
+        ``kill_wait_s``: grace between SIGTERM and SIGKILL on cancel and time limit."""
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.default_mem_mib = default_mem_mib
+        self.kill_wait_s = kill_wait_s
+
+    # -- submit
+
+    def submit(self, script: Path, attempt_dir: Path) -> str:
+        """Start ``bash script`` detached under the runner; return ``local-<n>`` at once."""
+        script, attempt_dir = Path(script).resolve(), Path(attempt_dir).resolve()
+        if not script.is_file():
+            raise SchedulerError(f"job script not found: {script}")
+        if not attempt_dir.is_dir():
+            raise SchedulerError(f"attempt directory not found: {attempt_dir}")
+        directives = read_directives(script.read_text(errors="replace"))
+        gpus = gpus_requested(directives)
+        mem_mib = self.mem_cap_mib(directives)
+        time_limit_s = _time_limit_s(directives)
+        cwd = Path(attempt_dir, directives.get("chdir") or ".").resolve()
+
+        job_id = self._next_id()
+        log = self.log_path(attempt_dir, job_id)
+        record = {
+            "job_id": job_id, "attempt_dir": str(attempt_dir), "script": str(script), "log": str(log),
+            "submitted": time.time(), "mem_cap_mib": mem_mib, "time_limit_s": time_limit_s,
+            "runner_pid": None, "runner_start": None,
+        }
+        self._write_record(record)
+        env = job_environment(
+            os.environ, job_id=job_id, job_name=directives.get("job-name") or script.name,
+            submit_dir=attempt_dir, gpus=gpus, mem_mib=mem_mib, partition=directives.get("partition"),
+        )
+        argv = [
+            sys.executable, "-m", "toolkit.backends.local_runner", "--job-id", job_id, "--script", str(script),
+            "--attempt-dir", str(attempt_dir), "--cwd", str(cwd), "--log", str(log),
+            "--kill-wait-s", str(self.kill_wait_s),
+        ]
+        if mem_mib is not None and not gpus:
+            argv += ["--mem-mib", str(mem_mib)]
+        if time_limit_s is not None:
+            argv += ["--time-limit-s", str(time_limit_s)]
+        pid = proc.spawn_detached(argv, env=env, cwd=_PACKAGE_PARENT, stdout_path=log)
+        self._write_record({**record, "runner_pid": pid, "runner_start": _start_ticks(pid)})
+        return job_id
+
+    def mem_cap_mib(self, directives: dict[str, str]) -> int | None:
+        """The job's memory cap in MiB: ``--mem`` (plain numbers are MB, as for sbatch), else the default."""
+        if "mem" not in directives:
+            return self.default_mem_mib
+        mib = parse_mem_mib(directives["mem"], default_unit="M")
+        if mib is None:
+            raise SchedulerError(f"cannot read #SBATCH --mem={directives['mem']}")
+        return int(mib) or None  # --mem=0: all of the node's memory
+
+    def test_only(self, script: Path) -> str:
+        """``bash -n`` the script and read its directives; return what a submit would do."""
+        script = Path(script).resolve()
+        done = proc.run(["bash", "-n", str(script)], timeout=30, check=False)
+        if done.returncode != 0:
+            raise SchedulerError(f"bash -n {script}: {(done.stderr.strip().splitlines() or ['syntax error'])[0]}")
+        directives = read_directives(script.read_text(errors="replace"))
+        mem = self.mem_cap_mib(directives)
+        limit = _time_limit_s(directives)
+        return (
+            f"local: job would run on localhost with "
+            f"{'no memory cap' if mem is None or gpus_requested(directives) else f'a {mem} MiB address-space cap'} "
+            f"and {'no time limit' if limit is None else f'a {limit:g} s time limit'}"
+        )
+
+    # -- poll
+
+    def poll(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        proc.reap_detached()  # leave no zombie runners in a long-lived caller
+        return {job_id: self._status(job_id) for job_id in dict.fromkeys(job_ids)}
+
+    def _status(self, job_id: str) -> JobStatus:
+        record = self._read_record(job_id)
+        if record is None:
+            return JobStatus(job_id, UNKNOWN, reason=f"no local job {job_id} under {self.state_dir}")
+        attempt_dir = Path(record["attempt_dir"])
+        done = _read_result(attempt_dir, job_id)
+        if done:
+            return done
+        if record["runner_pid"] is None:
+            return JobStatus(job_id, PENDING, node="localhost", reason="starting")
+        if _alive(record["runner_pid"], record["runner_start"]):
+            return JobStatus(job_id, RUNNING, elapsed_s=time.time() - record["submitted"], node="localhost")
+        done = _read_result(attempt_dir, job_id)  # it may have finished between the two looks
+        if done:
+            return done
+        if cancel_path(attempt_dir, job_id).exists():
+            return JobStatus(job_id, CANCELLED, node="localhost", reason="cancelled; the runner ended before recording it")
+        return JobStatus(
+            job_id, FAILED, node="localhost",
+            reason=f"the local runner (pid {record['runner_pid']}) ended without recording a result",
+        )
+
+    # -- cancel
+
+    def cancel(self, job_ids: list[str]) -> None:
+        """Ask each runner to stop its job (SIGTERM, SIGKILL after ``kill_wait_s``) and wait
+        until CANCELLED is recorded; a runner that does not answer is killed with its job."""
+        waiting = []
+        for job_id in dict.fromkeys(job_ids):
+            record = self._read_record(job_id)
+            if record is None or result_path(Path(record["attempt_dir"]), job_id).exists():
+                continue
+            write_atomically(cancel_path(Path(record["attempt_dir"]), job_id), f"{time.time()}\n")
+            if record["runner_pid"] and _alive(record["runner_pid"], record["runner_start"]):
+                _kill(record["runner_pid"], signal.SIGTERM)
+            waiting.append(record)
+        deadline = time.time() + self.kill_wait_s + 5.0
+        while waiting and time.time() < deadline:
+            proc.reap_detached()
+            waiting = [r for r in waiting if not _settled(r)]
+            time.sleep(0.1)
+        for record in waiting:
+            self._force_cancel(record)
+
+    def _force_cancel(self, record: dict) -> None:
+        """The runner did not record the cancel in time: kill it and its job, record it here."""
+        attempt_dir, job_id = Path(record["attempt_dir"]), record["job_id"]
+        if record["runner_pid"] and _alive(record["runner_pid"], record["runner_start"]):
+            _kill(record["runner_pid"], signal.SIGKILL)
+        try:
+            job_pid = int(pid_path(attempt_dir, job_id).read_text())
+        except (OSError, ValueError):
+            job_pid = None
+        if job_pid:
+            try:
+                os.killpg(job_pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        result = {
+            "job_id": job_id, "state": CANCELLED, "exit_code": None, "signal": signal.SIGKILL.value,
+            "start": None, "end": None, "elapsed_s": time.time() - record["submitted"], "max_rss_mib": None,
+            "reason": "cancelled; the runner did not answer and was killed", "node": "localhost",
+        }
+        tmp = attempt_dir / f".{job_id}.cancel.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            os.link(tmp, result_path(attempt_dir, job_id))  # never overwrite what the runner wrote
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    # -- the state directory
+
+    def _next_id(self) -> str:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        counter = self.state_dir / "last_id"
+        with open(self.state_dir / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                last = int(counter.read_text()) if counter.exists() else 0
+                write_atomically(counter, f"{last + 1}\n")
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return f"local-{last + 1}"
+
+    def _record_path(self, job_id: str) -> Path:
+        if not job_id.startswith("local-") or not job_id[len("local-"):].isdigit():
+            raise SchedulerError(f"not a local job id: {job_id!r}")
+        return self.state_dir / "jobs" / f"{job_id}.json"
+
+    def _write_record(self, record: dict) -> None:
+        path = self._record_path(record["job_id"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(record, indent=2) + "\n")
+
+    def _read_record(self, job_id: str) -> dict | None:
+        try:
+            return json.loads(self._record_path(job_id).read_text())
+        except FileNotFoundError:
+            return None
+
+
+def job_environment(
+    base, *, job_id: str, job_name: str, submit_dir: Path, gpus: int, mem_mib: int | None, partition: str | None,
+) -> dict[str, str]:
+    """The environment of a local job: ``base`` cleaned of a calling Slurm job, plus a one-node Slurm job's."""
+    env = clean_environment(base)
+    env.update(
+        SLURM_JOB_ID=job_id, SLURM_JOBID=job_id, SLURM_JOB_NAME=job_name,
+        SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0",
+        SLURM_JOB_NODELIST="localhost", SLURM_NODELIST="localhost", SLURMD_NODENAME="localhost",
+        SLURM_SUBMIT_DIR=str(submit_dir), SLURM_SUBMIT_HOST="localhost",
+        SLURM_CPUS_ON_NODE=str(len(os.sched_getaffinity(0))),
+    )
+    if gpus:
+        env["SLURM_GPUS_ON_NODE"] = str(gpus)
+    if mem_mib:
+        env["SLURM_MEM_PER_NODE"] = str(mem_mib)
+    if partition:
+        env["SLURM_JOB_PARTITION"] = partition
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    return env
+
+
+def _time_limit_s(directives: dict[str, str]) -> float | None:
+    if "time" not in directives:
+        return None
+    try:
+        return parse_time_limit_s(directives["time"])
+    except ValueError:
+        raise SchedulerError(f"cannot read #SBATCH --time={directives['time']}") from None
+
+
+def _read_result(attempt_dir: Path, job_id: str) -> JobStatus | None:
+    try:
+        text = result_path(attempt_dir, job_id).read_text()
+    except FileNotFoundError:
+        return None
+    data = json.loads(text)
+    return JobStatus(
+        job_id=job_id, state=data["state"], exit_code=data.get("exit_code"), signal=data.get("signal"),
+        elapsed_s=data.get("elapsed_s"), max_rss_mib=data.get("max_rss_mib"), node=data.get("node"),
+        reason=data.get("reason"), raw=text,
+    )
+
+
+def _settled(record: dict) -> bool:
+    """The runner has recorded the result, or is gone."""
+    attempt_dir = Path(record["attempt_dir"])
+    if result_path(attempt_dir, record["job_id"]).exists():
+        return True
+    return bool(record["runner_pid"]) and not _alive(record["runner_pid"], record["runner_start"])
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), to tell it from a later process with the same pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _alive(pid: int, start_ticks: int | None) -> bool:
+    """``pid`` is running (not a zombie) and is still the process we started."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

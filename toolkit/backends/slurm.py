@@ -1,0 +1,534 @@
+"""The Slurm backend, and Slurm's text formats.
+
+Three separate steps, as in submitit: ``*_command`` builds an argv, ``_query`` /
+``_submit`` run it through ``toolkit.proc`` (with bounded retries), and the
+``parse_*`` functions turn Slurm's output into ``JobStatus`` values. The parsers and
+the directive readers are pure and tested on literal text.
+
+Polling: one ``sacct -P -n -j ID,ID -o ...`` call *without* ``-X``, so that every job
+comes with its steps (``123.batch``, ``123.extern``, ``123.0``). The steps are folded
+into their job: the job line gives state, exit code, elapsed time, nodes and reason;
+MaxRSS is the largest over the job and its steps (with ``-X`` MaxRSS would be empty, as
+it is only measured on steps). When accounting is off or slurmdbd cannot be reached,
+or sacct does not know a fresh job yet, the controller is asked instead:
+``squeue`` for the jobs it still lists, then ``scontrol show job`` one by one; a job
+nobody knows is UNKNOWN.
+
+Retries: a query that fails with a non-zero exit or a timeout (socket timed out,
+controller unreachable, ...) is tried ``tries`` times with ``backoff_s``, 2x, 4x ...
+between tries, then raises ``SchedulerError``. ``sbatch`` is retried only when the
+controller could not be contacted at all: any other failure may have created the job,
+and submitting twice is worse than failing once.
+
+Environment: jobs started from inside another Slurm job must behave as from a login
+node, so every Slurm command runs without the caller's ``SLURM_*``, ``SBATCH_*``,
+``SRUN_*`` and ``SALLOC_*`` variables (``SLURM_CONF`` stays: it says where the cluster's
+configuration is, not what the calling job was).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from .. import proc
+from ..errors import CommandError, SchedulerError
+from .base import (
+    ACTIVE_STATES, CANCELLED, FAILED, OUT_OF_MEMORY, PENDING, RUNNING, STATES, UNKNOWN,
+    Backend, JobStatus,
+)
+
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "Elapsed", "MaxRSS", "NodeList", "Reason")
+SQUEUE_FORMAT = "%i|%T|%r|%N|%M"  # job id, long state, reason, nodes, time used
+
+# Slurm states that are not in the normalized vocabulary, and what they mean for us.
+_STATE_ALIASES = {
+    "REQUEUED": PENDING, "REQUEUE_FED": PENDING, "REQUEUE_HOLD": PENDING, "RESV_DEL_HOLD": PENDING,
+    "CONFIGURING": PENDING, "POWER_UP_NODE": PENDING,
+    "SUSPENDED": RUNNING, "STOPPED": RUNNING, "SIGNALING": RUNNING, "STAGE_OUT": RUNNING,
+    "RESIZING": RUNNING, "UPDATE_DB": RUNNING,
+    "REVOKED": CANCELLED, "SPECIAL_EXIT": FAILED,
+}
+_SLURM_STATES = tuple(s for s in STATES if s != UNKNOWN) + tuple(_STATE_ALIASES)
+
+# Messages that mean "ask the controller instead", not "try again".
+_ACCOUNTING_OFF = (
+    "accounting storage is disabled",
+    "problem talking to the database",
+    "slurmdbd",
+)
+_INVALID_JOB = "invalid job id specified"
+_ALREADY_DONE = ("already completing or completed", "job has already finished")
+# The only sbatch failure that certainly did not create a job.
+_SBATCH_NOT_CONNECTED = "unable to contact slurm controller"
+
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
+_ENV_KEEP = frozenset({"SLURM_CONF"})
+
+
+# ---------------------------------------------------------------- pure: values
+
+
+def normalize_state(text: str) -> str:
+    """Slurm's state text -> one of ``STATES``.
+
+    Handles ``CANCELLED by 1000``, fixed-width truncation (``OUT_OF_ME+``) and Slurm
+    states outside the vocabulary (REQUEUED -> PENDING, SUSPENDED -> RUNNING ...).
+    Anything unrecognised is UNKNOWN.
+    """
+    words = text.strip().upper().split()
+    if not words:
+        return UNKNOWN
+    word = words[0]
+    if word.endswith("+"):
+        prefix = word[:-1]
+        meanings = {_STATE_ALIASES.get(s, s) for s in _SLURM_STATES if s.startswith(prefix)}
+        return meanings.pop() if len(meanings) == 1 else UNKNOWN
+    if word in _STATE_ALIASES:
+        return _STATE_ALIASES[word]
+    return word if word in STATES else UNKNOWN
+
+
+def parse_exit_code(text: str) -> tuple[int | None, int | None]:
+    """``"code:signal"`` -> (code, signal); empty or malformed -> (None, None)."""
+    code, sep, sig = text.strip().partition(":")
+    try:
+        return int(code), int(sig) if sep else 0
+    except ValueError:
+        return None, None
+
+
+def parse_duration_s(text: str) -> float | None:
+    """Slurm elapsed time ``[D-][HH:]MM:SS[.mmm]`` -> seconds; empty/INVALID/UNLIMITED -> None."""
+    text = text.strip()
+    days = 0
+    if "-" in text:
+        day_text, _, text = text.partition("-")
+        if not day_text.isdigit():
+            return None
+        days = int(day_text)
+    parts = text.split(":")
+    if not 2 <= len(parts) <= 3:
+        return None
+    try:
+        numbers = [float(p) for p in parts]
+    except ValueError:
+        return None
+    seconds = 0.0
+    for number in numbers:
+        seconds = seconds * 60 + number
+    return days * 86400 + seconds
+
+
+def parse_mem_mib(text: str, default_unit: str = "B") -> float | None:
+    """A Slurm memory size -> MiB: ``1234K``, ``12.5M``, ``2G``, ``1T``; empty -> None.
+
+    A bare number is in ``default_unit``: bytes for sacct's MaxRSS, megabytes for
+    sbatch's ``--mem``.
+    """
+    text = text.strip().upper()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGTP]?)B?", text)
+    if not match:
+        return None
+    number, unit = float(match.group(1)), match.group(2) or default_unit.upper()
+    scale = {"B": 1 / 1024**2, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2, "P": 1024**3}[unit]
+    return number * scale
+
+
+def parse_time_limit_s(text: str) -> float | None:
+    """sbatch ``--time`` -> seconds; UNLIMITED/INFINITE/empty -> None.
+
+    Forms: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``.
+    """
+    text = text.strip()
+    if not text or text.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    days = 0
+    if "-" in text:
+        day_text, _, text = text.partition("-")
+        days = int(day_text)
+        parts = [int(p) for p in text.split(":")]
+        parts += [0] * (3 - len(parts))  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = parts
+    else:
+        parts = [int(p) for p in text.split(":")]
+        if len(parts) == 1:
+            hours, minutes, seconds = 0, parts[0], 0
+        elif len(parts) == 2:
+            hours, (minutes, seconds) = 0, parts
+        else:
+            hours, minutes, seconds = parts
+    return float(days * 86400 + hours * 3600 + minutes * 60 + seconds)
+
+
+def _none_if_empty(text: str) -> str | None:
+    text = text.strip()
+    return None if text in ("", "None", "(null)", "None assigned", "n/a") else text
+
+
+def _expand_job_ids(text: str) -> list[str]:
+    """``123``, ``123_4`` -> itself; a pending array ``123_[1-3,7%2]`` -> each task id."""
+    match = re.fullmatch(r"(\d+)_\[([\d,\-]+)(%\d+)?\]", text)
+    if not match:
+        return [text]
+    base, ids = match.group(1), []
+    for part in match.group(2).split(","):
+        low, _, high = part.partition("-")
+        ids += [f"{base}_{n}" for n in range(int(low), int(high or low) + 1)]
+    return ids
+
+
+def _status(job_id, state_text, *, exit_text="", elapsed_text="", rss_mib=None, node="", reason="", raw=""):
+    state = normalize_state(state_text)
+    code, sig = parse_exit_code(exit_text) if state not in ACTIVE_STATES else (None, None)
+    reason = _none_if_empty(reason)
+    by = re.match(r"CANCELLED by (\d+)", state_text.strip())
+    if by and reason is None:
+        reason = f"cancelled by uid {by.group(1)}"
+    return JobStatus(
+        job_id=job_id, state=state, exit_code=code, signal=sig, elapsed_s=parse_duration_s(elapsed_text),
+        max_rss_mib=rss_mib, node=_none_if_empty(node), reason=reason, raw=raw,
+    )
+
+
+# ---------------------------------------------------------------- pure: parsers
+
+
+def parse_sbatch(text: str) -> str:
+    """``sbatch --parsable`` output (``jobid[;cluster]``) -> the job id.
+
+    Warnings may precede the id; the id is the last non-empty line. The cluster
+    suffix is dropped (hpcmem talks to one cluster).
+    """
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    job_id = lines[-1].split(";")[0].strip() if lines else ""
+    if not _JOB_ID.match(job_id):
+        raise SchedulerError(f"sbatch printed no job id: {text.strip()!r}")
+    return job_id
+
+
+def parse_sacct(text: str) -> dict[str, JobStatus]:
+    """``sacct -P -n -o JobID,State,ExitCode,Elapsed,MaxRSS,NodeList,Reason`` -> status per job.
+
+    Step lines (``123.batch``, ``123.0``, ``123_4.extern``) are folded into their job:
+    MaxRSS is the largest of the job and its steps; a FAILED job with an
+    OUT_OF_MEMORY step is OUT_OF_MEMORY; a PENDING job with steps is RUNNING (slurmdbd
+    can lag behind the job's first step). Array tasks keep their ``123_4`` id.
+    """
+    jobs: dict[str, list[str]] = {}
+    steps: dict[str, list[list[str]]] = {}
+    raw: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|", len(SACCT_FIELDS) - 1)
+        fields += [""] * (len(SACCT_FIELDS) - len(fields))
+        job_id, _, step = fields[0].strip().partition(".")
+        for one in _expand_job_ids(job_id):
+            raw.setdefault(one, []).append(line)
+            if step:
+                steps.setdefault(one, []).append(fields)
+            else:
+                jobs[one] = fields
+    out = {}
+    for job_id, (_jid, state, exit_code, elapsed, rss, nodes, reason) in jobs.items():
+        rss_values = [parse_mem_mib(f[4]) for f in [jobs[job_id], *steps.get(job_id, [])]]
+        rss_values = [v for v in rss_values if v is not None]
+        status = _status(
+            job_id, state, exit_text=exit_code, elapsed_text=elapsed, rss_mib=max(rss_values, default=None),
+            node=nodes, reason=reason, raw="\n".join(raw[job_id]),
+        )
+        job_steps = steps.get(job_id, [])
+        oom_steps = [f[0] for f in job_steps if normalize_state(f[1]) == OUT_OF_MEMORY]
+        if status.state == FAILED and oom_steps:
+            status = replace(status, state=OUT_OF_MEMORY, reason=f"step {oom_steps[0]} ran out of memory")
+        elif status.state == PENDING and job_steps:
+            # slurmdbd records the job's start after its first step: a step means it runs.
+            status = replace(status, state=RUNNING, reason=None)
+        out[job_id] = status
+    return out
+
+
+def parse_squeue(text: str) -> dict[str, JobStatus]:
+    """``squeue -h -o '%i|%T|%r|%N|%M'`` -> status per job (no exit codes: squeue has none)."""
+    out = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        fields += [""] * (5 - len(fields))
+        job_id, state, reason, nodes, used = (f.strip() for f in fields[:5])
+        for one in _expand_job_ids(job_id):
+            out[one] = _status(one, state, elapsed_text=used, node=nodes, reason=reason, raw=line)
+    return out
+
+
+def parse_scontrol(text: str) -> dict[str, JobStatus]:
+    """``scontrol show job -o ID`` (one ``Key=Value ...`` line per job) -> status per job.
+
+    An array task is keyed ``ArrayJobId_ArrayTaskId`` like everywhere else.
+    """
+    out = {}
+    for line in text.splitlines():
+        pairs = parse_key_values(line)
+        if "JobId" not in pairs or "JobState" not in pairs:
+            continue
+        job_id = pairs["JobId"]
+        task = pairs.get("ArrayTaskId", "")
+        if task.isdigit() and pairs.get("ArrayJobId", "").isdigit():
+            job_id = f"{pairs['ArrayJobId']}_{task}"
+        out[job_id] = _status(
+            job_id, pairs["JobState"], exit_text=pairs.get("ExitCode", ""), elapsed_text=pairs.get("RunTime", ""),
+            node=pairs.get("NodeList", ""), reason=pairs.get("Reason", ""), raw=line.strip(),
+        )
+    return out
+
+
+def parse_key_values(line: str) -> dict[str, str]:
+    """scontrol's one-line ``Key=Value Key=Value`` -> dict.
+
+    A value may contain ``=`` (``TRES=cpu=1,mem=6G``) or spaces (``Command=/my runs/x``):
+    a word that does not start with ``Key=`` continues the previous value.
+    """
+    pairs: dict[str, str] = {}
+    key = None
+    for word in line.split():
+        match = re.match(r"([A-Za-z][A-Za-z0-9_/:]*)=(.*)", word)
+        if match:
+            key, value = match.groups()
+            pairs[key] = value
+        elif key is not None:
+            pairs[key] += " " + word
+    return pairs
+
+
+def first_error_line(text: str) -> str:
+    """Slurm's own message from a command's output: the first ``error:`` line, else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "error:" in line.lower():
+            return line
+    return lines[-1] if lines else ""
+
+
+# ---------------------------------------------------------------- pure: job scripts and environment
+
+
+_SHORT_OPTIONS = {
+    "-J": "job-name", "-t": "time", "-o": "output", "-e": "error", "-p": "partition", "-N": "nodes",
+    "-n": "ntasks", "-c": "cpus-per-task", "-G": "gpus", "-D": "chdir", "-A": "account", "-q": "qos",
+    "-C": "constraint",
+}
+
+
+def read_directives(script_text: str) -> dict[str, str]:
+    """The ``#SBATCH`` options of a job script, long names without dashes -> value.
+
+    Like sbatch, reading stops at the first line that is neither blank nor a comment.
+    ``--mem=4G``, ``--mem 4G``, ``-t 10`` and quoted values are understood; a flag
+    without a value maps to ``""``; a later option overrides an earlier one.
+    """
+    options: dict[str, str] = {}
+    for line in script_text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if not stripped.startswith("#"):
+            break
+        if not stripped.startswith("#SBATCH"):
+            continue
+        try:
+            words = shlex.split(stripped[len("#SBATCH"):], comments=True)
+        except ValueError:
+            continue
+        i = 0
+        while i < len(words):
+            word = words[i]
+            if word.startswith("--"):
+                name, sep, value = word[2:].partition("=")
+                if not sep and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                    value, i = words[i + 1], i + 1
+                options[name] = value
+            elif word[:2] in _SHORT_OPTIONS:
+                name, value = _SHORT_OPTIONS[word[:2]], word[2:]
+                if not value and i + 1 < len(words):
+                    value, i = words[i + 1], i + 1
+                options[name] = value.lstrip("=")
+            i += 1
+    return options
+
+
+def gpus_requested(directives: Mapping[str, str]) -> int:
+    """GPUs per node a job script asks for (``--gpus-per-node``, ``--gres=gpu``, ``--gpus``); 0 if none."""
+    for key in ("gpus-per-node", "gpus"):
+        if key in directives:
+            count = directives[key].rsplit(":", 1)[-1]
+            return int(count) if count.isdigit() else 1
+    for gres in directives.get("gres", "").split(","):
+        parts = gres.split(":")
+        if parts[0] == "gpu":
+            return int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return 0
+
+
+def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without what a calling Slurm job leaves behind (see the module docstring)."""
+    return {k: v for k, v in environ.items() if k in _ENV_KEEP or not k.startswith(_ENV_PREFIXES)}
+
+
+# ---------------------------------------------------------------- pure: commands
+
+
+def sbatch_command(script: Path, *, test_only: bool = False) -> list[str]:
+    return ["sbatch", "--test-only" if test_only else "--parsable", os.fspath(script)]
+
+
+def sacct_command(job_ids: Iterable[str]) -> list[str]:
+    return ["sacct", "-P", "-n", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FIELDS)]
+
+
+def squeue_command(job_ids: Iterable[str]) -> list[str]:
+    return ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", SQUEUE_FORMAT]
+
+
+def scontrol_command(job_id: str) -> list[str]:
+    return ["scontrol", "show", "job", "-o", job_id]
+
+
+def scancel_command(job_ids: Iterable[str]) -> list[str]:
+    return ["scancel", *job_ids]
+
+
+# ---------------------------------------------------------------- the backend
+
+
+class SlurmBackend(Backend):
+    """Submits with sbatch, polls with sacct (or squeue/scontrol), cancels with scancel."""
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        *,
+        tries: int = 3,
+        backoff_s: float = 1.0,
+        timeout_s: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        """``tries``: attempts per query; ``backoff_s``: first pause between them (doubles);
+        ``timeout_s``: limit per command; ``sleep`` is replaceable to keep tests fast."""
+        if tries < 1:
+            raise ValueError(f"tries must be at least 1, got {tries}")
+        self.tries, self.backoff_s, self.timeout_s, self._sleep = tries, backoff_s, timeout_s, sleep
+
+    # -- submit
+
+    def submit(self, script: Path, attempt_dir: Path) -> str:
+        """``sbatch --parsable SCRIPT`` from ``attempt_dir`` (so SLURM_SUBMIT_DIR is the attempt)."""
+        done = self._sbatch(sbatch_command(Path(script).resolve()), Path(attempt_dir))
+        return parse_sbatch(done.stdout)
+
+    def test_only(self, script: Path) -> str:
+        """``sbatch --test-only``: Slurm's message (``sbatch: Job N to start at ... in partition P``)."""
+        script = Path(script).resolve()
+        done = self._sbatch(sbatch_command(script, test_only=True), script.parent)
+        lines = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        return lines[-1] if lines else "sbatch: job accepted"
+
+    def _sbatch(self, argv: list[str], cwd: Path) -> proc.Completed:
+        for attempt in range(1, self.tries + 1):
+            try:
+                return proc.run(argv, timeout=self.timeout_s, env=clean_environment(os.environ), cwd=cwd)
+            except proc.CommandNotFoundError:
+                raise
+            except proc.CommandTimeoutError as exc:
+                raise SchedulerError(
+                    f"sbatch did not answer within {self.timeout_s:g} s; the job may or may not have been "
+                    f"submitted (check squeue)"
+                ) from exc
+            except CommandError as exc:
+                message = first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
+                if _SBATCH_NOT_CONNECTED not in message.lower() or attempt == self.tries:
+                    raise SchedulerError(message) from exc
+                self._pause(attempt)
+        raise AssertionError("unreachable")
+
+    # -- poll
+
+    def poll(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        ids = _check_ids(job_ids)
+        if not ids:
+            return {}
+        found: dict[str, JobStatus] = {}
+        why_missing = "not known to sacct, squeue or scontrol"
+        try:
+            found = parse_sacct(self._query(sacct_command(ids)))
+        except _AccountingUnavailable as exc:
+            why_missing = f"accounting unavailable ({exc}) and the controller no longer lists it"
+        missing = [i for i in ids if i not in found]
+        if missing:
+            found.update(parse_squeue(self._query(squeue_command(missing))))
+        for job_id in [i for i in ids if i not in found]:
+            found.update(parse_scontrol(self._query(scontrol_command(job_id))))
+        return {i: found.get(i) or JobStatus(i, UNKNOWN, reason=why_missing) for i in ids}
+
+    def _query(self, argv: list[str]) -> str:
+        """Run a read-only Slurm command with bounded retries; an unknown job id is empty output."""
+        for attempt in range(1, self.tries + 1):
+            try:
+                return proc.run(argv, timeout=self.timeout_s, env=clean_environment(os.environ)).stdout
+            except proc.CommandNotFoundError:
+                raise
+            except CommandError as exc:
+                message = first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
+                low = message.lower()
+                if _INVALID_JOB in low:
+                    return ""
+                if argv[0] == "sacct" and any(m in low for m in _ACCOUNTING_OFF):
+                    raise _AccountingUnavailable(message) from exc
+                if attempt == self.tries:
+                    raise SchedulerError(f"{argv[0]} failed {self.tries} times: {message}") from exc
+                self._pause(attempt)
+        raise AssertionError("unreachable")
+
+    # -- cancel
+
+    def cancel(self, job_ids: list[str]) -> None:
+        ids = _check_ids(job_ids)
+        if not ids:
+            return
+        for attempt in range(1, self.tries + 1):
+            try:
+                proc.run(scancel_command(ids), timeout=self.timeout_s, env=clean_environment(os.environ))
+                return
+            except proc.CommandNotFoundError:
+                raise
+            except CommandError as exc:
+                message = first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
+                low = message.lower()
+                if _INVALID_JOB in low or any(m in low for m in _ALREADY_DONE):
+                    return  # finished (or forgotten) jobs need no cancelling
+                if attempt == self.tries:
+                    raise SchedulerError(f"scancel failed {self.tries} times: {message}") from exc
+                self._pause(attempt)
+
+    def _pause(self, attempt: int) -> None:
+        self._sleep(self.backoff_s * 2 ** (attempt - 1))
+
+
+class _AccountingUnavailable(Exception):
+    """sacct cannot answer because accounting is off or slurmdbd is unreachable."""
+
+
+def _check_ids(job_ids: Iterable[str]) -> list[str]:
+    ids = list(dict.fromkeys(str(i) for i in job_ids))
+    for job_id in ids:
+        if not _JOB_ID.match(job_id):
+            raise SchedulerError(f"not a Slurm job id: {job_id!r}")
+    return ids
