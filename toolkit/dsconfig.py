@@ -11,9 +11,10 @@ from typing import Any
 from .plan import Plan
 
 # Buffers DeepSpeed stages parameters through when they live on NVMe. One buffer
-# must hold the largest single parameter: 2e8 elements covers the embedding of
-# 7B-class decoders (32000 x 4096 = 1.3e8) and GPT-2 (50257 x 1600 = 8e7).
-NVME_PARAM_BUFFER_ELEMENTS = 200_000_000
+# must hold the largest single parameter; they are allocated up front (count x size
+# x element bytes per rank), so they are sized to the model when it is known.
+NVME_PARAM_BUFFER_DEFAULT = 100_000_000  # DeepSpeed's own default, when the model is unknown
+NVME_PARAM_BUFFER_MIN = 1_000_000
 NVME_PARAM_BUFFERS = 5
 # Parameters kept in CPU memory at once when the rest is on NVMe (elements).
 NVME_MAX_IN_CPU = 1_000_000_000
@@ -23,12 +24,14 @@ NVME_MAX_IN_CPU = 1_000_000_000
 ADAMW_PARAMS = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
 
-def deepspeed_config(plan: Plan, nvme_path: str | None = None, gpu: bool = True) -> dict[str, Any]:
+def deepspeed_config(plan: Plan, nvme_path: str | None = None, gpu: bool = True,
+                     largest_param: int | None = None) -> dict[str, Any]:
     """The ds_config.json dict for ``plan``.
 
     ``nvme_path`` is the partition's NVMe scratch directory (needed when anything is
     offloaded to NVMe); ``gpu`` says whether the ranks have GPUs (pinned host memory
-    only makes sense with one).
+    only makes sense with one); ``largest_param`` (elements) sizes the NVMe parameter
+    buffers.
     """
     cfg: dict[str, Any] = {
         "train_batch_size": plan.global_batch,
@@ -37,7 +40,7 @@ def deepspeed_config(plan: Plan, nvme_path: str | None = None, gpu: bool = True)
         "gradient_clipping": 1.0,
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
-        "zero_optimization": _zero_section(plan, nvme_path, gpu),
+        "zero_optimization": _zero_section(plan, nvme_path, gpu, largest_param),
     }
     if plan.precision == "fp16-mixed":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
@@ -61,7 +64,7 @@ def deepspeed_config(plan: Plan, nvme_path: str | None = None, gpu: bool = True)
     return cfg
 
 
-def _zero_section(plan: Plan, nvme_path: str | None, gpu: bool) -> dict[str, Any]:
+def _zero_section(plan: Plan, nvme_path: str | None, gpu: bool, largest_param: int | None) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": plan.zero_stage}
     if plan.zero_stage == 0:
         return zero
@@ -77,8 +80,15 @@ def _zero_section(plan: Plan, nvme_path: str | None, gpu: bool) -> dict[str, Any
     if plan.offload_params != "none":
         zero["offload_param"] = _offload(plan.offload_params, nvme_path, gpu, buffers=NVME_PARAM_BUFFERS)
         if plan.offload_params == "nvme":
-            zero["offload_param"].update({"buffer_size": NVME_PARAM_BUFFER_ELEMENTS, "max_in_cpu": NVME_MAX_IN_CPU})
+            zero["offload_param"].update({"buffer_size": nvme_buffer_elements(largest_param), "max_in_cpu": NVME_MAX_IN_CPU})
     return zero
+
+
+def nvme_buffer_elements(largest_param: int | None) -> int:
+    """One NVMe parameter buffer: the largest parameter, rounded up to a million elements."""
+    if not largest_param:
+        return NVME_PARAM_BUFFER_DEFAULT
+    return max(NVME_PARAM_BUFFER_MIN, -(-int(largest_param) // 1_000_000) * 1_000_000)
 
 
 def _offload(device: str, nvme_path: str | None, gpu: bool, buffers: int) -> dict[str, Any]:

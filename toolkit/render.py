@@ -20,8 +20,10 @@ import jinja2
 
 from . import __version__
 from .dsconfig import deepspeed_config
-from .errors import ConfigError, RenderError
-from .jobspec import JobSpec
+from .errors import ConfigError, HpcmemError, RenderError
+from .modelshape import largest_param_numel
+from .models import load_model_config
+from .jobspec import JobSpec, fill_placeholders
 from .plan import Plan
 from .resources import data_dir
 from .sites import Partition, format_minutes
@@ -114,7 +116,6 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
         "setup": list(partition.setup), "env": job_env(spec, partition, plan, paths),
         "workdir": str(workdir or Path.cwd()), "python": python or spec.python or sys.executable,
         "nodes": plan.nodes, "nproc_per_node": plan.gpus_per_node, "program": program,
-        "deepspeed_program": ["--no_local_rank"] + (["--module"] + program[1:] if program[0] == "-m" else program),
         "zero_stage": plan.zero_stage, "offload": offload, "ds_config": paths["ds_config"] if plan.uses_deepspeed else "",
         "nvme_path": partition.nvme_path if "nvme" in (plan.offload_optimizer, plan.offload_params) else "",
     }
@@ -165,13 +166,24 @@ def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir:
     ds_path = None
     if plan.uses_deepspeed:
         ds_path = attempt_dir / "ds_config.json"
-        cfg = deepspeed_config(plan, partition.nvme_path, gpu=partition.has_gpu)
+        cfg = deepspeed_config(plan, partition.nvme_path, gpu=partition.has_gpu, largest_param=largest_param(spec))
         write_atomic(ds_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_atomic(attempt_dir / "plan.json", plan.to_json())
     script = attempt_dir / "job.sbatch"
     write_atomic(script, render_script(plan.launcher, context))
     script.chmod(0o755)
     return Attempt(attempt_dir, script, attempt_dir / "plan.json", ds_path)
+
+
+def largest_param(spec: JobSpec) -> int | None:
+    """Elements of the model's largest weight, when the spec names a config hpcmem can read."""
+    name = spec.model.get("config")
+    if not name:
+        return None
+    try:
+        return largest_param_numel(load_model_config(fill_placeholders(name, {"spec_dir": str(spec.spec_dir)}, spec.path)))
+    except (HpcmemError, KeyError, TypeError, ValueError):
+        return None  # an unknown model leaves DeepSpeed's default buffer size
 
 
 def check_program(spec: JobSpec) -> None:

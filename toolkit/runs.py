@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from . import render
 from .backends import get_backend
+from .backends.base import FINISHED_STATES
 from .classify import Verdict, classify, classify_paths
 from .errors import HpcmemError
 from .jobspec import JobSpec, load_spec
@@ -170,8 +171,8 @@ def load_site_for(run: Run) -> Site:
 
 
 def _finished(state: str) -> bool:
-    return state not in ("rendered", "submitting", "PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED",
-                         "RESIZING", "SUSPENDED", "UNKNOWN")
+    """An attempt state that will not change any more (ledger-only states count as unfinished)."""
+    return state in FINISHED_STATES or state == "submit_failed"
 
 
 def status_line(run: Run, attempts: list[AttemptRow]) -> str:
