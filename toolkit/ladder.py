@@ -1,0 +1,916 @@
+"""The ladder: the next plan after an attempt ran out of memory, or why there is none.
+
+``next_plan(plan, verdict, partition, allow=..., tried=..., attempts_made=..., max_attempts=..., bigger=...)``
+is pure: it reads the failed attempt's plan, its Verdict (``toolkit.classify``) and the partition it ran on, and
+returns a ``Decision``: ``retry`` with a new plan (and the partition to run it on), ``give_up`` (an OOM with no
+move left, or no attempts left) or ``stop`` (not a memory failure: no memory move is the answer).
+Every move keeps what is learned: ``global_batch``, ``seq_len`` and the model never change; precision only
+goes to mixed precision (fp32 master weights kept, never bf16-true); the optimizer changes only where the spec
+allows ``optimizer`` and then only to 8-bit AdamW or Adafactor.
+
+Rules, in the order they are applied
+    1. ``not_oom`` / ``unknown``: stop, no plan (a transient retry is the controller's business).
+    2. ``gpu_oom_other_process``: stop: another process holds the GPU; not a memory move.
+    3. ``attempts_made >= max_attempts``: give up, listing what was tried.
+    4. ``gpu_oom_fragmentation``: ``alloc_conf`` gains ``expandable_segments:True`` (if allowed and not
+       there yet), then, when the numbers say that is not enough, the GPU ladder goes on from there.
+       With the setting already there (or not allowed) it is a plain ``gpu_oom``.
+    5. ``gpu_oom``, ``gpu_driver_oom``, ``nccl_oom`` (device side): the GPU ladder below. An ``nccl_oom``
+       about ``/dev/shm`` is host shared memory: the host ladder.
+    6. ``host_oom``, ``cpu_alloc_oom``: the host ladder below.
+    A plan in ``tried`` (in attempt order; same knobs apart from ``time_min``, on the same partition) is
+    never returned: the ladder skips to the next option or rung. Every plan returned passes
+    ``Partition.check_plan``; a rung whose plan does not (a ``PlanError``) is skipped. When nothing is
+    left: give up, saying what was tried and why.
+
+GPU ladder (cheapest in lost throughput first; each rung only when its ``allow`` name is given and the
+partition can do it; options within a rung go from mild to strong)
+    precision      fp32 -> bf16-mixed where ``partition.bf16``, else fp16-mixed (loss scaling)
+    attention      eager -> flash where ``partition.flash_attention`` and not fp32, else sdpa
+    micro_batch    down to a divisor of ``global_batch / world_size``, ``grad_accum`` up (``with_changes``)
+    checkpointing  activation checkpointing on
+    optimizer      adamw -> adamw-8bit -> adafactor (not while the optimizer is offloaded)
+    zero           ZeRO stage up, 0 -> 1 -> 2 -> 3 (launcher torchrun -> deepspeed)
+    offload        optimizer state to CPU (ZeRO >= 1; from ZeRO 0 to 2 when ``zero`` is allowed),
+                   then parameters to CPU (ZeRO 3, raised to it when ``zero`` is allowed)
+    nvme           what is still on the GPU to ``partition.nvme_path`` (ZeRO-Infinity, ZeRO 3)
+    gpus           more GPUs per node, up to the partition's, global batch kept (``grad_accum`` follows)
+    partition      the first of ``bigger`` with more GPU memory (plan adapted: fp16 where no bf16, sdpa
+                   where no flash, GPUs per node within the partition's)
+    A rung the memory model says saves nothing is never taken (e.g. ZeRO or more GPUs on one GPU with
+    plain data parallelism, NVMe offload of what is already on the CPU).
+
+Using the numbers (GPU ladder)
+    When the verdict states ``tried_to_allocate_mib`` and how much was in use (``process_in_use_mib``,
+    or ``total_capacity_mib - free_mib``, or what PyTorch had allocated and reserved), the ladder predicts
+    each plan's peak with ``Footprint`` (below) and climbs, in one decision, as many rungs as the prediction
+    needs to come under ``(capacity - other processes) * (1 - MARGIN)``: at each rung the mildest option that
+    fits is taken; otherwise its strongest option is kept and the next rung is added on top. A later rung may
+    make an earlier one unnecessary: of the fitting plan and its variants without the checkpointing or
+    optimizer move, each with the largest micro-batch that fits, the one with the least ``slowdown`` wins
+    (then the fewest moves). When nothing fits on this partition, the ``bigger`` partitions are tried from
+    the original plan; when nothing fits anywhere, the strongest plan allowed is tried (the model is rough)
+    and the next failure gives up. Without numbers (driver, NCCL and most host failures), one rung per
+    failure: the mildest option of the first rung that applies.
+
+The memory model (``footprint``, ``predicted_peak_mib``, ``predicted_saving_mib``; replace it by passing
+``saving=`` to ``next_plan``; sizes per GPU in MiB)
+    demand  = memory in use + the failed request (a lower bound: the step may have needed more after it).
+    fixed   = non-PyTorch memory (CUDA context, cuBLAS, NCCL): ``in use - allocated - reserved-unallocated``
+              when stated, else ``total - free - reserved in total``, else the partition's ``cuda_context_mib``.
+              Unchanged by every move.
+    idle    = reserved but unallocated (``reserved in total - already allocated`` in the old wording);
+              unchanged, except that ``expandable_segments:True`` gives it back.
+    tensors = demand - fixed - idle, split into activations and model states. Nothing in an OOM message
+              says how the tensors split, so the split is a range: for the run's first plan (the first of
+              ``tried``, else the failed plan) taken without checkpointing, ZeRO and offload, with AdamW,
+              activations are ``ACTIVATION_SHARES`` (30 % to 70 %) of the tensors; the split of the failed
+              plan follows from the scalings below (after fp16 and a micro-batch of 1, say, little is left
+              to activations, so the next failure goes to the model-state rungs). A plan is predicted to
+              fit only if it fits at both ends of the range (the peak is linear in the share), so
+              ``predicted_saving_mib`` is the smaller of the two savings. Simulated against jobs that
+              follow these scalings and fail at their peak, the first retry fits for a true share from 25 %
+              to 95 %; with 5-20 % activations the second (rarely the third) does.
+    activations scale with ``micro_batch`` x precision (fp32 1, 16-bit 0.5) x attention (eager keeps the
+              ``5·a·s/h`` term of Korthikanti et al. next to the 34 it shares with sdpa/flash, with the head
+              size ``h/a = HEAD_DIM``) x checkpointing (keeps ``CHECKPOINT_KEEPS`` of them: layer inputs, one
+              layer being recomputed, the logits).
+    model states scale with bytes per parameter on the GPU: weights (4 fp32 / 2 mixed) + gradients (4 / 2)
+              + fp32 master weights (4 in mixed precision) + optimizer state (``OPTIMIZER_STATE_BYTES``: AdamW
+              8, 8-bit AdamW 2, Adafactor 0.5, SGD 4); ZeRO 1 divides master and optimizer by the world size,
+              ZeRO 2 also gradients, ZeRO 3 also weights; optimizer offload takes master and optimizer state
+              off the GPU (12 of 16 bytes), parameter offload the weights. More GPUs change only the ZeRO
+              shares (plain data parallelism replicates the model states, and the micro-batch is per GPU).
+
+Host ladder (reverse pressure; host memory per node, ``mem_mib`` being Slurm's ``--mem``)
+    nvme           offload on ``cpu`` -> ``nvme`` where the partition has ``nvme_path`` (ZeRO 3)
+    mem            more ``--mem``: double it, or to what the failed request needs (``(limit + tried) x
+                   (1 + MARGIN)``), capped at ``host_mem_gib x (1 - HOST_RESERVE_SHARE)``; an unknown
+                   default goes to the cap. When the cap is short of what the message asks, the next
+                   host rung is added in the same decision.
+    workers        fewer data-loader workers (halved)
+    micro_batch    on a CPU partition (activations live in host memory): micro-batch halved
+    checkpointing  on a CPU partition
+    zero           on a CPU partition with several ranks: ZeRO stage up (model states partitioned)
+    offload        on a GPU partition: less CPU offload (parameters back first, then optimizer state)
+    partition      the first of ``bigger`` with more host memory
+
+Time
+    Every retry scales ``time_min`` by the slowdown of its moves (``slowdown``): accumulation
+    ``ACCUM_PER_HALVING`` per halving of the micro-batch, checkpointing ``CHECKPOINTING_SLOWDOWN``, the
+    optimizer, ZeRO stage and offload costs in ``OPTIMIZER_COST``, ``ZERO_COST``, ``OFFLOAD_COST`` (taken
+    as ratios, optimizer and parameter offload each), ``WORKERS_PER_HALVING``; precision, attention,
+    the allocator, ``--mem``, more GPUs and a partition change cost nothing. The time never shrinks and
+    is capped at the partition's ``max_time_min``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Mapping, Sequence, Union
+
+from .classify import Verdict
+from .errors import PlanError, UnknownNameError
+from .plan import Plan, with_changes
+from .sites import Partition
+
+ALLOW_NAMES = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "optimizer", "zero",
+               "offload", "nvme", "gpus", "partition", "mem", "workers")
+"""The moves a job spec may allow (``retry.allow``)."""
+
+GPU_KINDS = ("gpu_oom", "gpu_oom_fragmentation", "gpu_driver_oom", "nccl_oom")
+HOST_KINDS = ("host_oom", "cpu_alloc_oom")
+EXPANDABLE = "expandable_segments:True"
+
+# --- memory model (see the module docstring)
+MARGIN = 0.10
+"""A plan fits when its predicted peak is at most (1 - MARGIN) of the usable GPU memory."""
+ACTIVATION_SHARES = (0.3, 0.7)
+"""The range assumed for the share of PyTorch's memory that is activations (for the run's first plan without
+checkpointing, ZeRO, offload): a plan is predicted to fit only if it fits for every share in it."""
+HEAD_DIM = 64
+"""Attention head size h/a assumed when weighing the eager attention matrix (5·a·s/h = 5·s/HEAD_DIM)."""
+CHECKPOINT_KEEPS = 0.25
+"""Share of the activations activation checkpointing keeps (layer inputs, one recomputed layer, logits)."""
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw-8bit": 2.0, "adafactor": 0.5, "sgd": 4.0}
+"""Optimizer state in bytes per parameter (fp32 AdamW moments; 8-bit AdamW; factored Adafactor; SGD momentum)."""
+HOST_RESERVE_SHARE = 0.05
+"""Share of a node's memory never asked for with --mem (the OS, Slurm, page cache)."""
+
+# --- slowdown factors (see slowdown())
+ACCUM_PER_HALVING = 1.05
+CHECKPOINTING_SLOWDOWN = 1.33
+OPTIMIZER_COST = {"adamw": 1.0, "sgd": 1.0, "adamw-8bit": 1.05, "adafactor": 1.10}
+ZERO_COST = {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.15}
+OFFLOAD_COST = {"none": 1.0, "cpu": 1.5, "nvme": 2.0}
+WORKERS_PER_HALVING = 1.10
+
+TriedItem = Union[Plan, "tuple[Plan, Partition | str]"]
+SavingModel = Callable[[Plan, Plan, Mapping[str, float], float], "float | None"]
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after a failed attempt."""
+
+    action: str
+    """``retry`` (run ``plan`` on ``partition``), ``give_up`` (an OOM with no move left) or ``stop`` (not a
+    memory failure)."""
+    plan: Plan | None
+    """The next plan (None unless retrying)."""
+    partition: Partition
+    """The partition to run it on (the same one unless a ``partition:`` move was made)."""
+    moves: tuple[str, ...] = ()
+    """Short names of the moves from the failed plan, e.g. ``("precision:fp16-mixed", "micro_batch:32->8")``."""
+    reason: str = ""
+    """One sentence for a person: why this move, or why not."""
+    predicted_peak_mib: float | None = None
+    """The memory model's predicted GPU peak of ``plan`` (MiB), when the verdict stated numbers."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready: action, plan (knobs or None), site, partition (name), moves, reason, predicted_peak_mib."""
+        return {
+            "action": self.action,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "site": self.partition.site,
+            "partition": self.partition.name,
+            "moves": list(self.moves),
+            "reason": self.reason,
+            "predicted_peak_mib": None if self.predicted_peak_mib is None else round(self.predicted_peak_mib, 1),
+        }
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A failed plan's GPU memory at the failure, in MiB per GPU, split the way moves change it."""
+
+    plan: Plan
+    fixed_mib: float
+    """Non-PyTorch memory (CUDA context, cuBLAS, NCCL); no move changes it."""
+    idle_mib: float
+    """Reserved but unallocated by PyTorch's caching allocator."""
+    states_mib: float
+    """Model states: weights, gradients, master weights, optimizer state."""
+    activations_mib: float
+    """Activations (and the temporaries that scale with them)."""
+    usable_mib: float | None
+    """GPU memory this process could have had (capacity minus other processes), when stated."""
+
+    @property
+    def demand_mib(self) -> float:
+        return self.fixed_mib + self.idle_mib + self.states_mib + self.activations_mib
+
+
+# --------------------------------------------------------------------------- memory model
+
+
+def activation_units(plan: Plan) -> float:
+    """Activation memory per GPU in arbitrary units (only ratios between plans mean anything)."""
+    precision = 1.0 if plan.precision == "fp32" else 0.5
+    attention = 34.0 + (5.0 * plan.seq_len / HEAD_DIM if plan.attention == "eager" else 0.0)
+    keep = CHECKPOINT_KEEPS if plan.checkpointing else 1.0
+    return plan.micro_batch * precision * attention * keep
+
+
+def state_bytes_per_param(plan: Plan) -> float:
+    """Model-state bytes per parameter held on one GPU (REFERENCE "Memory arithmetic")."""
+    fp32 = plan.precision == "fp32"
+    weights, grads = (4.0, 4.0) if fp32 else (2.0, 2.0)
+    master = 4.0 if plan.precision in ("fp16-mixed", "bf16-mixed") else 0.0
+    optimizer = OPTIMIZER_STATE_BYTES[plan.optimizer] / (2.0 if plan.precision == "bf16-true" else 1.0)
+    n = plan.world_size
+    if plan.zero_stage >= 1:
+        master, optimizer = master / n, optimizer / n
+    if plan.zero_stage >= 2:
+        grads /= n
+    if plan.zero_stage >= 3:
+        weights /= n
+    if plan.offload_optimizer != "none":
+        master = optimizer = 0.0
+    if plan.offload_params != "none":
+        weights = 0.0
+    return weights + grads + master + optimizer
+
+
+def _activation_share(plan: Plan, anchor: Plan | None = None, share: float = 0.5) -> float:
+    """The share of tensor memory that is activations for ``plan`` when it is ``share`` for ``anchor``
+    (default: ``plan``) without checkpointing, ZeRO, offload, with AdamW (scaled to ``plan`` by the model)."""
+    ref = (anchor or plan).replace(launcher="torchrun", zero_stage=0, offload_optimizer="none",
+                                   offload_params="none", checkpointing=False, optimizer="adamw")
+    act = share * activation_units(plan) / activation_units(ref)
+    states = (1.0 - share) * state_bytes_per_param(plan) / state_bytes_per_param(ref)
+    return act / (act + states)
+
+
+def footprint(plan: Plan, numbers: Mapping[str, float], context_mib: float = 0.0,
+              anchor: Plan | None = None, share: float = 0.5) -> Footprint | None:
+    """Split the failed plan's memory from a verdict's numbers (MiB); None when they do not say enough.
+
+    Needs ``tried_to_allocate_mib`` and the memory in use: ``process_in_use_mib``, or
+    ``total_capacity_mib`` and ``free_mib``, or ``allocated_by_pytorch_mib``, or ``reserved_total_mib``.
+    ``context_mib`` stands in for the non-PyTorch memory when the numbers do not show it. ``anchor``:
+    the plan whose activation share is ``share`` (the run's first plan; default ``plan``).
+    """
+    n = {k: float(v) for k, v in numbers.items() if v is not None}
+    tried = n.get("tried_to_allocate_mib")
+    total = n.get("total_capacity_mib")
+    other = n.get("other_process_mib", 0.0)
+    idle = n.get("reserved_unallocated_mib")
+    if idle is None and "reserved_total_mib" in n and "already_allocated_mib" in n:
+        idle = n["reserved_total_mib"] - n["already_allocated_mib"]
+    idle = max(idle or 0.0, 0.0)
+    if tried is None:
+        return None
+    if "process_in_use_mib" in n:
+        in_use = n["process_in_use_mib"]
+    elif total is not None and "free_mib" in n:
+        in_use = total - n["free_mib"] - other
+    elif "allocated_by_pytorch_mib" in n:
+        in_use = n["allocated_by_pytorch_mib"] + idle + context_mib
+    elif "reserved_total_mib" in n:
+        in_use = n["reserved_total_mib"] + context_mib
+    else:
+        return None
+    if "process_in_use_mib" in n and "allocated_by_pytorch_mib" in n:
+        fixed = n["process_in_use_mib"] - n["allocated_by_pytorch_mib"] - idle
+    elif total is not None and "free_mib" in n and "reserved_total_mib" in n:
+        fixed = total - n["free_mib"] - other - n["reserved_total_mib"]
+    else:
+        fixed = context_mib
+    fixed = min(max(fixed, 0.0), in_use)
+    idle = min(idle, in_use - fixed)
+    tensors = max(in_use + tried - fixed - idle, 1.0)
+    share = _activation_share(plan, anchor, share)
+    usable = total - other if total is not None else None
+    return Footprint(plan, fixed, idle, tensors * (1.0 - share), tensors * share, usable)
+
+
+def predicted_peak_mib(fp: Footprint, new_plan: Plan) -> float:
+    """The peak ``new_plan`` is predicted to need on one GPU (MiB), scaled from the failed plan's footprint."""
+    old = fp.plan
+    idle = 0.0 if EXPANDABLE in new_plan.alloc_conf and EXPANDABLE not in old.alloc_conf else fp.idle_mib
+    states = fp.states_mib * _ratio(state_bytes_per_param(new_plan), state_bytes_per_param(old))
+    acts = fp.activations_mib * _ratio(activation_units(new_plan), activation_units(old))
+    return fp.fixed_mib + idle + states + acts
+
+
+def predicted_saving_mib(plan: Plan, new_plan: Plan, numbers: Mapping[str, float],
+                         context_mib: float = 0.0, anchor: Plan | None = None) -> float | None:
+    """GPU memory (MiB) ``new_plan`` is predicted to save against the failed ``plan`` whatever the split
+    within ``ACTIVATION_SHARES`` (the smallest saving); None without numbers.
+
+    The seam an estimator replaces (``next_plan(..., saving=...)``, called with the first four arguments).
+    """
+    prints = [footprint(plan, numbers, context_mib, anchor, share) for share in ACTIVATION_SHARES]
+    if prints[0] is None:
+        return None
+    return min(fp.demand_mib - predicted_peak_mib(fp, new_plan) for fp in prints)
+
+
+def _ratio(new: float, old: float) -> float:
+    return new / old if old > 0 else (0.0 if new <= 0 else 1.0)
+
+
+# A stand-in footprint for "does this move save anything at all?" when no numbers are stated.
+def _nominal(plan: Plan) -> Footprint:
+    share = _activation_share(plan)
+    return Footprint(plan, 0.0, 100.0, 900.0 * (1 - share), 900.0 * share, None)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def slowdown(before: Plan, after: Plan) -> float:
+    """Expected wall-time factor of running ``after`` instead of ``before`` (>= 1; see the docstring)."""
+    factor = 1.0
+    if after.grad_accum > before.grad_accum:
+        factor *= ACCUM_PER_HALVING ** math.log2(after.grad_accum / before.grad_accum)
+    if after.checkpointing and not before.checkpointing:
+        factor *= CHECKPOINTING_SLOWDOWN
+    factor *= OPTIMIZER_COST[after.optimizer] / OPTIMIZER_COST[before.optimizer]
+    factor *= ZERO_COST[after.zero_stage] / ZERO_COST[before.zero_stage]
+    factor *= OFFLOAD_COST[after.offload_optimizer] / OFFLOAD_COST[before.offload_optimizer]
+    factor *= OFFLOAD_COST[after.offload_params] / OFFLOAD_COST[before.offload_params]
+    if after.workers < before.workers:
+        factor *= WORKERS_PER_HALVING ** math.log2(before.workers / (after.workers or 0.5))  # 1 -> 0: one halving
+    return max(factor, 1.0)
+
+
+def scale_time(before: Plan, after: Plan, partition: Partition) -> Plan:
+    """``after`` with ``time_min`` = before's x slowdown, rounded up, at most the partition's limit."""
+    minutes = math.ceil(before.time_min * slowdown(before, after) - 1e-9)
+    return after.replace(time_min=max(1, min(minutes, partition.max_time_min)))
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every rung and check needs: where, what is allowed, what was tried, how memory is predicted."""
+
+    home: Partition
+    """The partition the failed plan ran on."""
+    partition: Partition
+    """The partition being planned for (``home`` unless trying a bigger one)."""
+    allow: frozenset
+    tried: frozenset
+    numbers: Mapping[str, float]
+    kind: str
+    fp: Footprint | None = None
+    target_mib: float | None = None
+    saving: SavingModel | None = None
+    anchor: Plan | None = None
+    """The run's first plan, where the activation share is assumed."""
+
+    def allows(self, name: str) -> bool:
+        return name in self.allow
+
+    def on(self, partition: Partition) -> "_Ctx":
+        """The same decision, planned for another partition (its whole GPU is the target)."""
+        target = None if self.fp is None else partition.gpu_mem_gib * 1024 * (1 - MARGIN)
+        return replace(self, partition=partition, target_mib=target)
+
+    def was_tried(self, plan: Plan) -> bool:
+        return (_knobs(plan), self.partition.name) in self.tried
+
+    def make(self, plan: Plan, **changes) -> Plan | None:
+        """``plan`` with ``changes`` (batch invariant re-derived), or None when it is invalid here."""
+        try:
+            new = with_changes(plan, changes)
+            self.partition.check_plan(new)
+        except PlanError:
+            return None
+        if (new.global_batch, new.seq_len) != (plan.global_batch, plan.seq_len):
+            return None
+        return new
+
+    def peak(self, plan: Plan) -> float:
+        """Predicted peak GPU memory of ``plan`` (MiB; nominal units when no numbers were stated)."""
+        if self.fp is None:
+            return predicted_peak_mib(_nominal(plan), plan)
+        if self.saving is not None:
+            saved = self.saving(self.fp.plan, plan, self.numbers, self.home.cuda_context_mib)
+        else:
+            saved = predicted_saving_mib(self.fp.plan, plan, self.numbers, self.home.cuda_context_mib, self.anchor)
+        return self.fp.demand_mib - (saved or 0.0)
+
+    def saves(self, before: Plan, after: Plan) -> bool:
+        if self.fp is None:  # no numbers: does the move save anything at all in the model?
+            fp = _nominal(before)
+            return predicted_peak_mib(fp, after) < predicted_peak_mib(fp, before) - 1e-6
+        return self.peak(after) < self.peak(before) - 1e-6
+
+    def fits(self, plan: Plan) -> bool:
+        return self.fp is not None and self.peak(plan) <= self.target_mib
+
+
+def _knobs(plan: Plan) -> tuple:
+    """A plan's identity for "already tried": every knob but the time limit."""
+    return tuple(sorted((k, v) for k, v in plan.to_dict().items() if k != "time_min"))
+
+
+def _tried_set(tried: Iterable[TriedItem], partition: Partition) -> frozenset:
+    out = set()
+    for item in tried:
+        plan, where = item if isinstance(item, tuple) else (item, partition)
+        out.add((_knobs(plan), where if isinstance(where, str) else where.name))
+    return frozenset(out)
+
+
+# --------------------------------------------------------------------------- GPU rungs
+# Each rung: (plan, ctx) -> candidate plans, mildest first; [] when not allowed or not possible here.
+
+
+def _alloc_conf(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("alloc_conf") or EXPANDABLE in plan.alloc_conf:
+        return []
+    conf = f"{plan.alloc_conf},{EXPANDABLE}" if plan.alloc_conf else EXPANDABLE
+    return _valid([ctx.make(plan, alloc_conf=conf)])
+
+
+def _precision(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("precision") or plan.precision != "fp32":
+        return []
+    return _valid([ctx.make(plan, precision="bf16-mixed" if ctx.partition.bf16 else "fp16-mixed")])
+
+
+def _attention(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("attention") or plan.attention != "eager":
+        return []
+    flash = ctx.partition.flash_attention and plan.precision != "fp32"  # flash kernels are 16-bit only
+    return _valid([ctx.make(plan, attention="flash" if flash else "sdpa")])
+
+
+def _micro_batch(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("micro_batch"):
+        return []
+    per_rank = plan.global_batch // plan.world_size
+    return _valid([ctx.make(plan, micro_batch=d) for d in _divisors(per_rank, below=plan.micro_batch)])
+
+
+def _checkpointing(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("checkpointing") or plan.checkpointing:
+        return []
+    return _valid([ctx.make(plan, checkpointing=True)])
+
+
+def _optimizer(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("optimizer") or plan.offload_optimizer != "none":
+        return []
+    leaner = {"adamw": ("adamw-8bit", "adafactor"), "adamw-8bit": ("adafactor",)}.get(plan.optimizer, ())
+    return _valid([ctx.make(plan, optimizer=o) for o in leaner])
+
+
+def _zero(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("zero"):
+        return []
+    return _valid([ctx.make(plan, launcher="deepspeed", zero_stage=s) for s in range(plan.zero_stage + 1, 4)])
+
+
+def _offload(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """Optimizer state to the CPU (ZeRO-Offload, ZeRO 2 from 0), then parameters (ZeRO 3)."""
+    if not ctx.allows("offload"):
+        return []
+    return _offload_to(plan, ctx, "cpu", optimizer_stage=2 if plan.zero_stage == 0 else plan.zero_stage)
+
+
+def _nvme(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """What is still on the GPU to NVMe (ZeRO-Infinity, ZeRO 3)."""
+    if not ctx.allows("nvme") or not ctx.partition.nvme_path:
+        return []
+    return _offload_to(plan, ctx, "nvme", optimizer_stage=3)
+
+
+def _offload_to(plan: Plan, ctx: _Ctx, where: str, optimizer_stage: int) -> list[Plan]:
+    out, state = [], plan
+    if state.offload_optimizer == "none":
+        state = _with_zero(state, ctx, optimizer_stage, offload_optimizer=where)
+        out.append(state)
+    if state is not None and state.offload_params == "none":
+        out.append(_with_zero(state, ctx, 3, offload_params=where))
+    return _valid(out)
+
+
+def _more_gpus(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """More ranks per node, global batch kept (helps only where ZeRO partitions the model states)."""
+    if not ctx.allows("gpus"):
+        return []
+    most = ctx.partition.gpus_per_node if ctx.partition.has_gpu else ctx.partition.cpus_per_node
+    shapes = (_shape(plan, g) for g in range(plan.gpus_per_node + 1, most + 1))
+    return _valid([ctx.make(plan, **s) for s in shapes if s is not None])
+
+
+GPU_RUNGS = (_precision, _attention, _micro_batch, _checkpointing, _optimizer, _zero, _offload, _nvme, _more_gpus)
+"""The GPU ladder, cheapest in lost throughput first (the partition rung comes after them)."""
+
+
+def _with_zero(plan: Plan | None, ctx: _Ctx, stage: int, **changes) -> Plan | None:
+    """``changes`` that need ZeRO ``stage`` at least: raised to it only where ``zero`` is allowed."""
+    if plan is None:
+        return None
+    if plan.zero_stage < stage:
+        if not ctx.allows("zero"):
+            return None
+        changes.update(zero_stage=stage, launcher="deepspeed")
+    return ctx.make(plan, **changes)
+
+
+def _shape(plan: Plan, gpus: int) -> dict | None:
+    """Changes for ``gpus`` per node with the global batch kept: the largest micro-batch up to the current
+    one that divides the per-rank batch (grad_accum follows); None when the batch does not divide."""
+    world = plan.nodes * gpus
+    if plan.global_batch % world:
+        return None
+    micro = max(_divisors(plan.global_batch // world, below=plan.micro_batch + 1), default=None)
+    return None if micro is None else {"gpus_per_node": gpus, "micro_batch": micro}
+
+
+def _divisors(n: int, below: int) -> list[int]:
+    """Divisors of ``n`` smaller than ``below``, largest first."""
+    return [d for d in range(min(n, below - 1), 0, -1) if n % d == 0]
+
+
+def _valid(plans: Iterable[Plan | None]) -> list[Plan]:
+    return [p for p in plans if p is not None]
+
+
+# --------------------------------------------------------------------------- host rungs
+
+
+def _host_nvme(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """Offload on the CPU moves to NVMe (ZeRO 3)."""
+    on_cpu = {k: "nvme" for k in ("offload_optimizer", "offload_params") if getattr(plan, k) == "cpu"}
+    if not ctx.allows("nvme") or not ctx.partition.nvme_path or not on_cpu:
+        return []
+    return _valid([_with_zero(plan, ctx, 3, **on_cpu)])
+
+
+def _more_mem(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """More --mem: doubled, or what the failed request needs, within the node."""
+    if not ctx.allows("mem"):
+        return []
+    cap, current = _mem_cap(ctx.partition), _mem_now(plan, ctx.partition)
+    wanted = cap if current is None else max(2 * current, _mem_needed(current, ctx) or 0)
+    new = min(int(math.ceil(wanted)), cap)
+    if current is not None and new <= current:
+        return []
+    return _valid([ctx.make(plan, mem_mib=new)])
+
+
+def _fewer_workers(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    if not ctx.allows("workers") or plan.workers == 0:
+        return []
+    return _valid([ctx.make(plan, workers=plan.workers // 2)])
+
+
+def _on_cpu_partition(rung):
+    """A GPU rung that, on a CPU partition, also lowers host memory (activations and states live there):
+    its mildest option that saves anything."""
+    def host_rung(plan: Plan, ctx: _Ctx) -> list[Plan]:
+        if ctx.partition.has_gpu:
+            return []
+        return [p for p in rung(plan, ctx) if ctx.saves(plan, p)][:1]
+    host_rung.__name__ = f"_cpu{rung.__name__}"
+    return host_rung
+
+
+def _less_cpu_offload(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """On a GPU partition: parameters back from the CPU first, then the optimizer state."""
+    if not ctx.allows("offload") or not ctx.partition.has_gpu:
+        return []
+    if plan.offload_params == "cpu":
+        return _valid([ctx.make(plan, offload_params="none")])
+    if plan.offload_optimizer == "cpu":
+        return _valid([ctx.make(plan, offload_optimizer="none")])
+    return []
+
+
+HOST_RUNGS = (_host_nvme, _more_mem, _fewer_workers, _on_cpu_partition(_micro_batch),
+              _on_cpu_partition(_checkpointing), _on_cpu_partition(_zero), _less_cpu_offload)
+"""The host ladder (reverse pressure), in order (the partition rung comes after them)."""
+
+
+def _mem_cap(partition: Partition) -> int:
+    return int(partition.host_mem_gib * 1024 * (1 - HOST_RESERVE_SHARE))
+
+
+def _mem_now(plan: Plan, partition: Partition) -> int | None:
+    return plan.mem_mib or partition.default_mem_mib
+
+
+def _mem_needed(current: int, ctx: _Ctx) -> float | None:
+    """--mem (MiB) the failed request says is needed, when the message states it."""
+    tried = ctx.numbers.get("tried_to_allocate_mib")
+    return None if tried is None else (current + tried) * (1 + MARGIN)
+
+
+# --------------------------------------------------------------------------- the decision
+
+
+def next_plan(
+    plan: Plan,
+    verdict: Verdict,
+    partition: Partition,
+    *,
+    allow: Sequence[str],
+    tried: Iterable[TriedItem] = (),
+    attempts_made: int = 1,
+    max_attempts: int = 6,
+    bigger: Sequence[Partition] = (),
+    saving: SavingModel | None = None,
+) -> Decision:
+    """Decide what follows a failed attempt (the rules are in the module docstring).
+
+    ``plan`` failed on ``partition`` with ``verdict``. ``allow``: the move names the job spec allows
+    (``ALLOW_NAMES``). ``tried``: plans already run (a bare Plan means on ``partition``; a ``(plan,
+    partition or its name)`` pair says where); ``plan`` itself always counts as tried. ``attempts_made`` of
+    ``max_attempts`` are used up. ``bigger``: partitions the job may move to, in order of preference (needs
+    ``partition`` allowed). ``saving``: replaces ``predicted_saving_mib(plan, new_plan, numbers,
+    context_mib)`` (MiB saved; None when it cannot say).
+    """
+    unknown = sorted(set(allow) - set(ALLOW_NAMES))
+    if unknown:
+        raise UnknownNameError("retry move", unknown[0], ALLOW_NAMES)
+    tried = list(tried)
+    if not verdict.is_oom:
+        what = "the failure was not identified" if verdict.kind == "unknown" else "this is not a memory failure"
+        return Decision("stop", None, partition, reason=f"No memory move: {what} ({verdict.kind}){_said(verdict)}.")
+    if verdict.kind == "gpu_oom_other_process":
+        return Decision("stop", None, partition,
+                        reason=f"Another process holds the GPU; not a memory move{_said(verdict)}.")
+    if attempts_made >= max_attempts:
+        return _give_up(plan, partition, tried, f"{attempts_made} of {max_attempts} allowed attempts are used up")
+    first = (tried[0] if isinstance(tried[0], Plan) else tried[0][0]) if tried else plan
+    ctx = _Ctx(partition, partition, frozenset(allow), _tried_set([plan, *tried], partition),
+               dict(verdict.numbers), verdict.kind, saving=saving, anchor=first)
+    if verdict.kind in HOST_KINDS or _shm(verdict):
+        return _host_decision(plan, ctx, bigger, tried)
+    return _gpu_decision(plan, ctx, bigger, tried)
+
+
+def _said(verdict: Verdict) -> str:
+    return f": {verdict.reason.rstrip('.')}" if verdict.reason else ""
+
+
+def _shm(verdict: Verdict) -> bool:
+    """An nccl_oom about /dev/shm is host shared memory, not the GPU's."""
+    text = " ".join([verdict.reason, *(line for _, line in verdict.evidence)])
+    return verdict.kind == "nccl_oom" and "/dev/shm" in text
+
+
+# --------------------------------------------------------------------------- GPU ladder
+
+
+def _gpu_decision(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: list) -> Decision:
+    rungs = GPU_RUNGS
+    if ctx.kind == "gpu_oom_fragmentation" and _alloc_conf(plan, ctx):
+        rungs = (_alloc_conf, *GPU_RUNGS)
+    ctx = _with_numbers(plan, ctx)
+    if ctx.fp is None:
+        return _one_rung(plan, ctx, rungs, bigger, tried)
+    reached, fits = _climb(plan, rungs, ctx)
+    if fits:
+        return _retry(plan, reached, ctx, _gap_text(ctx))
+    for big in _bigger(ctx, bigger, gpu=True):
+        big_ctx = ctx.on(big)
+        start = _adapt(plan, big_ctx)
+        if start is None:
+            continue
+        if big_ctx.fits(start) and not big_ctx.was_tried(start):
+            return _retry(plan, start, big_ctx, _gap_text(ctx))
+        got, fits = _climb(start, rungs, big_ctx)
+        if fits:
+            return _retry(plan, got, big_ctx, _gap_text(ctx))
+    if reached != plan and not ctx.was_tried(reached):
+        short = _mib(ctx.peak(reached) - ctx.target_mib)
+        return _retry(plan, reached, ctx, f"{_gap_text(ctx)}; no allowed plan is predicted to fit (the strongest "
+                                          f"is {short} short), so the strongest is tried")
+    return _give_up(plan, ctx.partition, tried, f"{_gap_text(ctx)}, and {_left_out(ctx)}")
+
+
+def _with_numbers(plan: Plan, ctx: _Ctx) -> _Ctx:
+    """``ctx`` with the failed plan's footprint and the target peak, when the verdict's numbers say enough."""
+    fp = footprint(plan, ctx.numbers, ctx.partition.cuda_context_mib, ctx.anchor)
+    if fp is None:
+        return ctx
+    usable = fp.usable_mib if fp.usable_mib is not None else ctx.partition.gpu_mem_gib * 1024
+    target = min(usable * (1 - MARGIN), fp.demand_mib - 1.0)  # always ask for some saving
+    return replace(ctx, fp=fp, target_mib=target)
+
+
+def _climb(start: Plan, rungs, ctx: _Ctx) -> tuple[Plan, bool]:
+    """Add rungs in order until a plan is predicted to fit: (the plan reached, whether it fits).
+
+    At each rung the mildest option that fits and was not tried wins; otherwise the rung's strongest
+    option is kept and the next rung goes on top of it.
+    """
+    state = start
+    for rung in rungs:
+        options = [o for o in rung(state, ctx) if ctx.saves(state, o)]
+        for option in options:
+            if ctx.fits(option) and not ctx.was_tried(option):
+                return _cheapest_variant(option, start, ctx), True
+        if options:
+            state = options[-1]
+    return state, False
+
+
+def _cheapest_variant(plan: Plan, start: Plan, ctx: _Ctx) -> Plan:
+    """Among ``plan`` and its variants that still fit, the one with the least slowdown.
+
+    A later rung may have made an earlier one unnecessary: variants drop checkpointing and the optimizer
+    change again where they were added, each with the largest micro-batch (up to the failed plan's) that fits.
+    """
+    per_rank = plan.global_batch // plan.world_size
+    variants = [plan]
+    for checkpointing in dict.fromkeys((plan.checkpointing, start.checkpointing)):
+        for optimizer in dict.fromkeys((plan.optimizer, start.optimizer)):
+            base = ctx.make(plan, checkpointing=checkpointing, optimizer=optimizer)
+            for micro in _divisors(per_rank, below=start.micro_batch + 1) if base is not None else ():
+                candidate = ctx.make(base, micro_batch=micro)
+                if candidate is not None and ctx.fits(candidate) and not ctx.was_tried(candidate):
+                    variants.append(candidate)
+                    break
+    return min(variants, key=lambda v: (round(slowdown(start, v), 6), len(move_names(start, v)), -v.micro_batch))
+
+
+def _one_rung(plan: Plan, ctx: _Ctx, rungs, bigger: Sequence[Partition], tried: list) -> Decision:
+    """Without numbers: the mildest untried option of the first rung that has one, else a bigger partition."""
+    for rung in rungs:
+        for option in rung(plan, ctx):
+            if ctx.saves(plan, option) and not ctx.was_tried(option):
+                return _retry(plan, option, ctx, f"{_kind_text(ctx)}, no numbers stated: the cheapest move left")
+    return _to_bigger(plan, ctx, bigger, tried, gpu=True)
+
+
+def _to_bigger(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: list, gpu: bool) -> Decision:
+    """The plan as it is on the first bigger partition that can run it, else give up."""
+    for big in _bigger(ctx, bigger, gpu=gpu):
+        big_ctx = ctx.on(big)
+        moved = _adapt(plan, big_ctx)
+        if moved is not None and not big_ctx.was_tried(moved):
+            return _retry(plan, moved, big_ctx, f"{_kind_text(ctx)}: no move is left on {ctx.home.name}")
+    return _give_up(plan, ctx.home, tried, f"{_kind_text(ctx)}, and {_left_out(ctx)}")
+
+
+# --------------------------------------------------------------------------- host ladder
+
+
+def _host_decision(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: list) -> Decision:
+    """One host rung (two when more --mem cannot reach what the message asks for)."""
+    for i, rung in enumerate(HOST_RUNGS):
+        for option in rung(plan, ctx):
+            if ctx.was_tried(option):
+                continue
+            why = f"{_kind_text(ctx)}: the cheapest host-memory move left"
+            if rung is _more_mem and _mem_short(plan, option, ctx):
+                option = _also_next(option, HOST_RUNGS[i + 1:], ctx)
+                why = f"{_kind_text(ctx)}: the node's --mem limit is short of the failed request, so one more move"
+            return _retry(plan, option, ctx, why)
+    return _to_bigger(plan, ctx, bigger, tried, gpu=False)
+
+
+def _mem_short(plan: Plan, option: Plan, ctx: _Ctx) -> bool:
+    current = _mem_now(plan, ctx.partition)
+    needed = _mem_needed(current, ctx) if current is not None else None
+    return needed is not None and option.mem_mib < needed
+
+
+def _also_next(plan: Plan, rungs, ctx: _Ctx) -> Plan:
+    for rung in rungs:
+        for option in rung(plan, ctx):
+            if not ctx.was_tried(option):
+                return option
+    return plan
+
+
+# --------------------------------------------------------------------------- partitions
+
+
+def _bigger(ctx: _Ctx, bigger: Sequence[Partition], gpu: bool) -> list[Partition]:
+    """The partitions of ``bigger`` with more GPU (or host) memory than home, when ``partition`` is allowed."""
+    if not ctx.allows("partition"):
+        return []
+    if gpu:
+        return [p for p in bigger if p.has_gpu and p.gpu_mem_gib > ctx.home.gpu_mem_gib]
+    return [p for p in bigger if p.host_mem_gib > ctx.home.host_mem_gib]
+
+
+def _adapt(plan: Plan, ctx: _Ctx) -> Plan | None:
+    """``plan`` made runnable on ``ctx.partition``: fp16 without bf16, sdpa without flash, its GPUs per node,
+    --mem and time within its limits; None when the global batch cannot be kept there."""
+    part = ctx.partition
+    changes = {"time_min": min(plan.time_min, part.max_time_min)}
+    if plan.precision.startswith("bf16") and not part.bf16:
+        changes["precision"] = "fp16-mixed"
+    if plan.attention == "flash" and not part.flash_attention:
+        changes["attention"] = "sdpa"
+    most = part.gpus_per_node if part.has_gpu else part.cpus_per_node
+    if plan.gpus_per_node > most:
+        shape = _shape(plan, most)
+        if shape is None:
+            return None
+        changes.update(shape)
+    if plan.mem_mib is not None and plan.mem_mib > part.host_mem_gib * 1024:
+        changes["mem_mib"] = _mem_cap(part)
+    return ctx.make(plan, **changes)
+
+
+# --------------------------------------------------------------------------- results and words
+
+
+def _retry(before: Plan, after: Plan, ctx: _Ctx, why: str) -> Decision:
+    final = scale_time(before, after, ctx.partition)
+    ctx.partition.check_plan(final)  # each rung was checked; the time is capped: this cannot fail
+    moves = move_names(before, final)
+    if ctx.partition.name != ctx.home.name or ctx.partition.site != ctx.home.site:
+        moves += (f"partition:{ctx.partition.name}",)
+    peak = ctx.peak(final) if ctx.fp is not None else None
+    predicted = f", predicted peak {_mib(peak)}" if peak is not None else ""
+    return Decision("retry", final, ctx.partition, moves, f"{why}: {', '.join(moves)}{predicted}.", peak)
+
+
+def _give_up(plan: Plan, partition: Partition, tried: list, why: str) -> Decision:
+    """Give up, saying why and what was tried: the first plan, the moves made since, the partitions used."""
+    runs = [(item, partition) if isinstance(item, Plan) else item for item in (*tried, (plan, partition))]
+    first, last = runs[0][0], plan
+    places = list(dict.fromkeys(p if isinstance(p, str) else p.name for _, p in runs))
+    count = len({(_knobs(p), w if isinstance(w, str) else w.name) for p, w in runs})
+    since = move_names(first, last)
+    what = f"; moves made since: {', '.join(since)}" if since else ""
+    return Decision("give_up", None, partition, reason=f"Giving up: {why}; tried {count} plan(s) on "
+                                                       f"{', '.join(places)}, starting from {describe(first)}{what}.")
+
+
+def move_names(before: Plan, after: Plan) -> tuple[str, ...]:
+    """Short names of what changed from ``before`` to ``after`` (grad_accum, launcher and time follow)."""
+    b, a = before, after
+    out = []
+    if a.alloc_conf != b.alloc_conf:
+        out.append(f"alloc_conf:{a.alloc_conf or 'default'}")
+    out += [f"{k}:{getattr(a, k)}" for k in ("precision", "attention") if getattr(a, k) != getattr(b, k)]
+    if a.micro_batch != b.micro_batch:
+        out.append(f"micro_batch:{b.micro_batch}->{a.micro_batch}")
+    if a.checkpointing != b.checkpointing:
+        out.append("checkpointing" if a.checkpointing else "no-checkpointing")
+    if a.optimizer != b.optimizer:
+        out.append(f"optimizer:{a.optimizer}")
+    if a.zero_stage != b.zero_stage:
+        out.append(f"zero:{b.zero_stage}->{a.zero_stage}")
+    out += [f"{k}:{getattr(a, k)}" for k in ("offload_optimizer", "offload_params") if getattr(a, k) != getattr(b, k)]
+    out += [f"{k}:{getattr(b, k)}->{getattr(a, k)}" for k in ("nodes", "gpus_per_node", "workers")
+            if getattr(a, k) != getattr(b, k)]
+    if a.mem_mib != b.mem_mib:
+        out.append(f"mem_mib:{b.mem_mib or 'default'}->{a.mem_mib or 'default'}")
+    return tuple(out)
+
+
+def describe(plan: Plan) -> str:
+    """A plan in a few words, for reasons and status lines."""
+    parts = [plan.precision, f"micro {plan.micro_batch}x{plan.grad_accum} on {plan.world_size}", plan.attention,
+             plan.optimizer]
+    if plan.checkpointing:
+        parts.append("checkpointing")
+    if plan.zero_stage:
+        parts.append(f"ZeRO {plan.zero_stage}")
+    parts += [f"{what} on {where}" for what, where in (("optimizer", plan.offload_optimizer),
+                                                       ("params", plan.offload_params)) if where != "none"]
+    if plan.mem_mib:
+        parts.append(f"--mem {plan.mem_mib}M")
+    if plan.workers:
+        parts.append(f"{plan.workers} workers")
+    if EXPANDABLE in plan.alloc_conf:
+        parts.append("expandable segments")
+    return "(" + ", ".join(parts) + ")"
+
+
+_KIND_TEXT = {
+    "gpu_oom": "CUDA out of memory", "gpu_oom_fragmentation": "CUDA out of memory from fragmentation",
+    "gpu_driver_oom": "GPU memory ran out outside PyTorch's allocator", "nccl_oom": "NCCL ran out of memory",
+    "host_oom": "Host memory ran out", "cpu_alloc_oom": "Host memory ran out inside the process",
+}
+
+
+def _kind_text(ctx: _Ctx) -> str:
+    return _KIND_TEXT.get(ctx.kind, ctx.kind)
+
+
+def _gap_text(ctx: _Ctx) -> str:
+    fp = ctx.fp
+    return (f"{_kind_text(ctx)} needing about {_mib(fp.demand_mib)} against a target of {_mib(ctx.target_mib)} "
+            f"({MARGIN:.0%} margin), {_mib(fp.demand_mib - ctx.target_mib)} to save")
+
+
+def _left_out(ctx: _Ctx) -> str:
+    off = [name for name in ALLOW_NAMES if name not in ctx.allow]
+    return "no memory move is left (every allowed one is used up or impossible here" + (
+        f"; not allowed: {', '.join(off)})" if off else ")")
+
+
+def _mib(mib: float) -> str:
+    return f"{mib / 1024:.2f} GiB" if abs(mib) >= 1024 else f"{mib:.0f} MiB"
