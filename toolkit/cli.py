@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from . import __version__, render, runs
+from . import __version__, controller, render, runs
+from .detach import detach as detach_run
 from .classify import classify_paths
 from .errors import HpcmemError
 from .jobspec import load_spec
@@ -90,27 +91,46 @@ def render_cmd(ctx, job, site, partition, sets, out_dir, as_json) -> None:
 @_site_opt
 @_partition_opt
 @_set_opt
-@click.option("--wait", is_flag=True, help="Follow the run to its end; exit 0 only on success.")
+@click.option("--wait", is_flag=True, help="Follow the run (retrying OOMs) to its end; exit 0 only on success.")
+@click.option("--detach", is_flag=True, help="Hand the run's controller loop to a job that outlives this session.")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between polls with --wait.")
 @_json_opt
 @click.pass_context
-def submit(ctx, job, site, partition, sets, wait, interval, as_json) -> None:
-    """Submit JOB (a spec file or a shipped spec name) as a new run."""
+def submit(ctx, job, site, partition, sets, wait, detach, interval, as_json) -> None:
+    """Submit JOB (a spec file or a shipped spec name) as a new run.
+
+    Without --wait or --detach the run advances whenever `hpcmem tick` (cron) or
+    `hpcmem watch RUN` runs.
+    """
+    if wait and detach:
+        raise click.UsageError("--wait and --detach exclude each other")
     spec, site_obj, part, plan = _target(ctx, job, site, partition, sets)
     with runs.open_ledger() as ledger:
-        run = runs.start_run(ledger, spec, site_obj, part, plan)
+        run = controller.start(ledger, spec, site_obj, part, plan)
         if not as_json:
             click.echo(f"run {run.run_id}: {run.run_dir}")
-        if wait:
-            run = runs.follow(ledger, run.run_id, interval_s=interval,
-                              on_change=None if as_json else _status_printer())
+        if detach:
+            where = detach_run(run, site_obj, runs.home_dir())
+            ledger.add_event(run.run_id, None, f"controller detached: {where}")
             if not as_json:
-                click.echo()
-                click.echo(f"run {run.run_id} {run.state}" + (f": {run.reason}" if run.reason else ""))
+                click.echo(f"controller detached ({where}); follow with: hpcmem watch {run.run_id}")
+        elif wait:
+            run = _follow(ledger, run.run_id, interval, quiet=as_json)
+        elif not as_json:
+            click.echo(f"follow with: hpcmem watch {run.run_id}   (or run `hpcmem tick` from cron)")
         if as_json:
             _emit_json(runs.run_view(ledger, run.run_id))
     if wait and run.state != "succeeded":
         sys.exit(1)
+
+
+def _follow(ledger, run_id, interval, quiet=False):
+    run = controller.follow(ledger, run_id, interval_s=interval, on_change=None if quiet else _status_printer())
+    if not quiet:
+        if sys.stdout.isatty():
+            click.echo()
+        click.echo(f"run {run.run_id} {run.state}" + (f": {run.reason}" if run.reason else ""))
+    return run
 
 
 def _status_printer():
@@ -128,17 +148,41 @@ def _status_printer():
     return show
 
 
+@main.command()
+@click.argument("run_id")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between polls.")
+@click.option("--quiet", is_flag=True, help="No status line (for a detached controller).")
+def watch(run_id, interval, quiet) -> None:
+    """Follow a run to its end (taking its steps: resubmitting after an OOM); exit 0 only on success."""
+    with runs.open_ledger() as ledger:
+        run = _follow(ledger, run_id, interval, quiet=quiet)
+    if run.state != "succeeded":
+        sys.exit(1)
+
+
+@main.command()
+@_json_opt
+def tick(as_json) -> None:
+    """Advance every unfinished run by one step and exit (safe from cron, safe to run twice at once)."""
+    with runs.open_ledger() as ledger:
+        done = controller.tick_all(ledger)
+        views = [runs.run_view(ledger, r.run_id) for r in done]
+    if as_json:
+        _emit_json(views)
+    else:
+        for v in views:
+            click.echo(f"{v['run_id']} {v['state']}" + (f" attempt {v['attempts'][-1]['n']} {v['attempts'][-1]['state']}"
+                                                        if v["attempts"] else ""))
+
+
 @main.command("runs")
 @click.argument("run_id", required=False)
 @_json_opt
 def runs_cmd(run_id, as_json) -> None:
-    """Show runs and their attempts (refreshing unfinished ones once)."""
+    """Show runs and their attempts as recorded in the ledger."""
     with runs.open_ledger() as ledger:
         ids = [run_id] if run_id else [r.run_id for r in ledger.runs()]
-        views = []
-        for rid in ids:
-            runs.refresh(ledger, rid)
-            views.append(runs.run_view(ledger, rid))
+        views = [runs.run_view(ledger, rid) for rid in ids]
     if as_json:
         _emit_json(views[0] if run_id else views)
         return
@@ -147,8 +191,11 @@ def runs_cmd(run_id, as_json) -> None:
                    + (f"  ({v['reason']})" if v["reason"] else ""))
         for a in v["attempts"]:
             peak = (a["metrics"] or {}).get("peak_rss_mib")
-            click.echo(f"  attempt {a['n']}: job {a['job_id'] or '-'} {a['state']}"
-                       + (f" peak_rss={peak:.0f}MiB" if peak else "") + f"  {a['attempt_dir']}")
+            kind = (a["verdict"] or {}).get("kind")
+            moves = ", ".join((a["decision"] or {}).get("moves", ()))
+            click.echo(f"  attempt {a['n']}: job {a['job_id'] or '-'} {a['state']}" + (f" [{kind}]" if kind else "")
+                       + (f" peak_rss={peak:.0f}MiB" if peak else "") + (f" after: {moves}" if moves else "")
+                       + f"  {a['attempt_dir']}")
 
 
 @main.command()
@@ -157,7 +204,7 @@ def runs_cmd(run_id, as_json) -> None:
 def cancel(run_id, as_json) -> None:
     """Cancel a run: its job in flight is cancelled and it is not retried."""
     with runs.open_ledger() as ledger:
-        run = runs.cancel_run(ledger, run_id)
+        run = controller.cancel(ledger, run_id)
         view = runs.run_view(ledger, run.run_id)
     if as_json:
         _emit_json(view)

@@ -1,7 +1,7 @@
 """The ledger: every run and attempt, durably, in sqlite (WAL).
 
 Every step is written here before it is acted on: an attempt row exists (state
-``rendered``) before its script is submitted, is marked ``submitting`` right
+``planned``) before its script is rendered and submitted, is marked ``submitting`` right
 before sbatch, and gets its job id right after. Writers take sqlite's write lock
 with ``BEGIN IMMEDIATE`` so two controllers never interleave a step.
 """
@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS runs (
   reason TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS attempts (
   run_id TEXT NOT NULL REFERENCES runs(run_id), n INTEGER NOT NULL, job_id TEXT, state TEXT NOT NULL,
-  plan TEXT NOT NULL, verdict TEXT, metrics TEXT, attempt_dir TEXT NOT NULL, partition TEXT NOT NULL,
+  plan TEXT NOT NULL, verdict TEXT, metrics TEXT, decision TEXT, attempt_dir TEXT NOT NULL, partition TEXT NOT NULL,
   exit_code INTEGER, created REAL NOT NULL, submitted REAL, finished REAL, updated REAL NOT NULL,
   PRIMARY KEY (run_id, n));
 CREATE TABLE IF NOT EXISTS events (
@@ -61,6 +61,7 @@ class AttemptRow:
     plan: dict
     verdict: dict | None
     metrics: dict | None
+    decision: dict | None
     attempt_dir: str
     partition: str
     exit_code: int | None
@@ -71,7 +72,8 @@ class AttemptRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {"n": self.n, "job_id": self.job_id, "state": self.state, "verdict": self.verdict, "plan": self.plan,
-                "metrics": self.metrics, "attempt_dir": self.attempt_dir, "partition": self.partition,
+                "metrics": self.metrics, "decision": self.decision, "attempt_dir": self.attempt_dir,
+                "partition": self.partition,
                 "exit_code": self.exit_code, "submitted": self.submitted, "finished": self.finished}
 
 
@@ -127,12 +129,14 @@ class Ledger:
                                   f"({SCHEMA_VERSION}); upgrade hpcmem")
 
     # --- runs ---
-    def add_run(self, run: Run) -> None:
+    def add_run(self, run: Run, first_plan: dict, first_attempt_dir: str) -> None:
+        """Record a run together with its first attempt (``planned``), in one transaction."""
         with self.write() as db:
             db.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                       (run.run_id, run.spec_path, run.spec_name, run.site, run.site_path, run.partition, run.run_dir, run.workdir,
-                        run.state, run.reason, run.created, run.updated))
+                       (run.run_id, run.spec_path, run.spec_name, run.site, run.site_path, run.partition, run.run_dir,
+                        run.workdir, run.state, run.reason, run.created, run.updated))
             _event(db, run.run_id, None, "run created")
+            _insert_attempt(db, run.run_id, 1, first_plan, first_attempt_dir, run.partition, None)
 
     def set_run_state(self, run_id: str, state: str, reason: str = "") -> None:
         if state not in RUN_STATES:
@@ -152,12 +156,11 @@ class Ledger:
         return [Run(**dict(r)) for r in rows if states is None or r["state"] in states]
 
     # --- attempts ---
-    def add_attempt(self, run_id: str, n: int, plan: dict, attempt_dir: str, partition: str) -> None:
-        now = time.time()
+    def add_attempt(self, run_id: str, n: int, plan: dict, attempt_dir: str, partition: str,
+                    decision: dict | None = None) -> None:
+        """Record attempt ``n`` as ``planned`` (with the decision that chose its plan)."""
         with self.write() as db:
-            db.execute("INSERT INTO attempts (run_id, n, state, plan, attempt_dir, partition, created, updated) "
-                       "VALUES (?,?,?,?,?,?,?,?)", (run_id, n, "rendered", json.dumps(plan), attempt_dir, partition, now, now))
-            _event(db, run_id, n, "attempt rendered")
+            _insert_attempt(db, run_id, n, plan, attempt_dir, partition, decision)
 
     def update_attempt(self, run_id: str, n: int, **fields: Any) -> None:
         """Set some columns of an attempt (dict values are stored as JSON)."""
@@ -176,6 +179,10 @@ class Ledger:
         rows = self.db.execute("SELECT * FROM attempts WHERE run_id=? ORDER BY n", (run_id,)).fetchall()
         return [_attempt(r) for r in rows]
 
+    def add_event(self, run_id: str, n: int | None, what: str) -> None:
+        with self.write() as db:
+            _event(db, run_id, n, what)
+
     def events(self, run_id: str) -> list[tuple[float, int | None, str]]:
         rows = self.db.execute("SELECT at, n, what FROM events WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
         return [(r["at"], r["n"], r["what"]) for r in rows]
@@ -183,9 +190,19 @@ class Ledger:
 
 def _attempt(row: sqlite3.Row) -> AttemptRow:
     d = dict(row)
-    for key in ("plan", "verdict", "metrics"):
+    for key in ("plan", "verdict", "metrics", "decision"):
         d[key] = json.loads(d[key]) if d[key] else None
     return AttemptRow(**d)
+
+
+def _insert_attempt(db: sqlite3.Connection, run_id: str, n: int, plan: dict, attempt_dir: str, partition: str,
+                    decision: dict | None) -> None:
+    now = time.time()
+    db.execute("INSERT INTO attempts (run_id, n, state, plan, decision, attempt_dir, partition, created, updated) "
+               "VALUES (?,?,?,?,?,?,?,?,?)", (run_id, n, "planned", json.dumps(plan),
+                                              json.dumps(decision) if decision else None, attempt_dir, partition,
+                                              now, now))
+    _event(db, run_id, n, "attempt planned" + (f": {', '.join(decision.get('moves', ()))}" if decision else ""))
 
 
 def _event(db: sqlite3.Connection, run_id: str, n: int | None, what: str) -> None:

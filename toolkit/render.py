@@ -50,14 +50,17 @@ def sbatch_value(value: Any) -> str:
     return shlex.quote(text) if re.search(r"\s", text) else text
 
 
-def job_name(name: str) -> str:
-    """The Slurm job name: the spec's name with anything but [A-Za-z0-9._+-] replaced by '_'."""
-    return _SAFE_NAME.sub("_", name)[:120] or "hpcmem"
+def job_name(name: str, run_id: str = "", attempt: int = 0) -> str:
+    """The Slurm job name: ``<spec name>.<run id>.a<n>``, unique per attempt (the controller finds a job
+    by it after a crash), with anything but [A-Za-z0-9._+-] replaced by '_'."""
+    safe = _SAFE_NAME.sub("_", name)[:80] or "hpcmem"
+    return f"{safe}.{run_id}.a{attempt}" if run_id else safe
 
 
-def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path) -> list[str]:
+def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, run_id: str = "",
+               attempt: int = 0) -> list[str]:
     """The ``#SBATCH`` options of an attempt, in order."""
-    out = [f"--job-name={job_name(spec.name)}",
+    out = [f"--job-name={job_name(spec.name, run_id, attempt)}",
            f"--partition={sbatch_value(partition.slurm_partition)}",
            f"--nodes={plan.nodes}",
            "--ntasks-per-node=1",
@@ -112,7 +115,7 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
     return {
         "version": __version__, "site": partition.site, "partition": partition.name, "run_id": run_id,
         "attempt": attempt, "plan_summary": plan_summary(plan),
-        "directives": directives(spec, partition, plan, attempt_dir),
+        "directives": directives(spec, partition, plan, attempt_dir, "" if run_id == "-" else run_id, attempt),
         "setup": list(partition.setup), "env": job_env(spec, partition, plan, paths),
         "workdir": str(workdir or Path.cwd()), "python": python or spec.python or sys.executable,
         "nodes": plan.nodes, "nproc_per_node": plan.gpus_per_node, "program": program,

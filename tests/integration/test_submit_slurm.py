@@ -93,14 +93,15 @@ def test_job_over_its_memory_ends_out_of_memory(slurm_cluster, tmp_path):
         gpus_per_node: 1
         mem_mib: 700
         training: {{global_batch: 2, micro_batch: 2, seq_len: 128}}
+        retry: {{max_attempts: 1}}
         """))
     result = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--wait", "--json",
                     "--interval", "1", home=tmp_path, check=False)
     assert result.returncode != 0
     view = json.loads(result.stdout)
     (attempt,) = view["attempts"]
-    assert attempt["state"] == "OUT_OF_MEMORY"
-    assert view["state"] == "failed"
+    assert attempt["state"] == "OUT_OF_MEMORY" and attempt["verdict"]["kind"] == "host_oom"
+    assert view["state"] == "gave_up"
     log = next(Path(attempt["attempt_dir"]).glob("slurm-*.out")).read_text()
     assert "oom-kill event" in log or "oom_kill event" in log
 

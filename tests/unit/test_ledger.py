@@ -18,8 +18,7 @@ def make_run(run_id="r1"):
 def test_runs_and_attempts_round_trip(tmp_path):
     path = tmp_path / "ledger.sqlite"
     with Ledger(path) as led:
-        led.add_run(make_run())
-        led.add_attempt("r1", 1, {"micro_batch": 8}, "/runs/r1/attempt-1", "default")
+        led.add_run(make_run(), {"micro_batch": 8}, "/runs/r1/attempt-1")
         led.update_attempt("r1", 1, state="submitting")
         led.update_attempt("r1", 1, job_id="42", state="PENDING", submitted=1.0)
         led.update_attempt("r1", 1, state="COMPLETED", metrics={"peak_rss_mib": 10.5}, exit_code=0)
@@ -37,8 +36,7 @@ def test_unknown_run_and_duplicate_attempt(tmp_path):
     with Ledger(tmp_path / "l.sqlite") as led:
         with pytest.raises(LedgerError, match="no run 'nope'"):
             led.run("nope")
-        led.add_run(make_run())
-        led.add_attempt("r1", 1, {}, "/a", "p")
+        led.add_run(make_run(), {}, "/a")
         with pytest.raises(sqlite3.IntegrityError):
             led.add_attempt("r1", 1, {}, "/a", "p")
         assert len(led.attempts("r1")) == 1
@@ -47,7 +45,7 @@ def test_unknown_run_and_duplicate_attempt(tmp_path):
 def test_newer_schema_is_refused_and_left_alone(tmp_path):
     path = tmp_path / "l.sqlite"
     with Ledger(path) as led:
-        led.add_run(make_run())
+        led.add_run(make_run(), {}, "/a")
         led.db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
     with pytest.raises(LedgerError, match="newer than this hpcmem"):
         Ledger(path)

@@ -97,6 +97,14 @@ class Backend(abc.ABC):
     def test_only(self, script: Path) -> str:
         """Check that ``script`` would be accepted without running it; return the backend's message."""
 
+    @abc.abstractmethod
+    def find(self, job_name: str, attempt_dir: Path) -> str | None:
+        """The id of a job already submitted for ``attempt_dir`` under ``job_name``, or None.
+
+        Lets a controller that died between sbatch and recording the id find the job
+        instead of submitting it twice.
+        """
+
     @staticmethod
     def log_path(attempt_dir: Path, job_id: str) -> Path:
         """Where the job's stdout and stderr go (the templates use ``slurm-%j.out``)."""

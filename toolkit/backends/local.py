@@ -245,6 +245,21 @@ class LocalBackend(Backend):
         finally:
             tmp.unlink(missing_ok=True)
 
+    # -- find
+
+    def find(self, job_name: str, attempt_dir: Path) -> str | None:
+        """The newest local job started for ``attempt_dir`` (the name is not needed: the records hold the directory)."""
+        attempt_dir = str(Path(attempt_dir).resolve())
+        found = []
+        for path in (self.state_dir / "jobs").glob("local-*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if record.get("attempt_dir") == attempt_dir:
+                found.append(record["job_id"])
+        return max(found, key=lambda j: int(j.split("-")[1])) if found else None
+
     # -- the state directory
 
     def _next_id(self) -> str:

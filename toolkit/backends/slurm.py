@@ -401,6 +401,20 @@ def scontrol_command(job_id: str) -> list[str]:
     return ["scontrol", "show", "job", "-o", job_id]
 
 
+def find_squeue_command(job_name: str) -> list[str]:
+    return ["squeue", "-h", "-t", "all", f"--name={job_name}", "-o", "%i"]
+
+
+def find_sacct_command(job_name: str) -> list[str]:
+    return ["sacct", "-n", "-X", "-P", f"--name={job_name}", "-S", "now-30days", "-o", "JobID"]
+
+
+def parse_job_ids(text: str) -> list[str]:
+    """Job ids, one per line (blank lines ignored), sorted oldest first."""
+    ids = [line.strip() for line in text.splitlines() if line.strip()]
+    return sorted(set(ids), key=lambda i: [int(p) for p in re.findall(r"\d+", i)] or [0])
+
+
 def scancel_command(job_ids: Iterable[str]) -> list[str]:
     return ["scancel", *job_ids]
 
@@ -496,6 +510,18 @@ class SlurmBackend(Backend):
                     raise SchedulerError(f"{argv[0]} failed {self.tries} times: {message}") from exc
                 self._pause(attempt)
         raise AssertionError("unreachable")
+
+    # -- find
+
+    def find(self, job_name: str, attempt_dir: Path) -> str | None:
+        """The newest job called ``job_name``: squeue first (it knows a job the moment sbatch returns), then sacct."""
+        ids = parse_job_ids(self._query(find_squeue_command(job_name)))
+        if not ids:
+            try:
+                ids = parse_job_ids(self._query(find_sacct_command(job_name)))
+            except _AccountingUnavailable:
+                ids = []
+        return ids[-1] if ids else None
 
     # -- cancel
 

@@ -1,0 +1,203 @@
+"""The OOM-retry controller end to end: real Slurm cgroup OOM and real PyTorch allocator errors come back
+by themselves; non-OOM failures are not retried; hopeless jobs give up; killing the controller anywhere
+never loses or duplicates a Slurm job (checked against sacct)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A job that needs NEED_MIB of real (touched) memory whatever the plan: a fast OOM under a small --mem.
+# (It is started by torchrun like every job, which itself needs ~0.35 GiB resident, ~1 GiB of address space.)
+MEM_SCRIPT = textwrap.dedent("""\
+    import os, sys, time
+    mib = int(os.environ.get("NEED_MIB", "1500"))
+    block = bytearray(mib * 2**20)
+    block[::4096] = b"x" * len(block[::4096])
+    time.sleep(1)
+    print("done", mib)
+    """)
+
+
+def hpcmem(*args, home, env=None, timeout=900, check=False):
+    full = {**os.environ, "HPCMEM_HOME": str(home), **(env or {})}
+    result = subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, env=full,
+                            timeout=timeout, cwd=REPO)
+    if check and result.returncode:
+        raise AssertionError(f"{args}: {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return result
+
+
+def mem_spec(tmp_path, mem_mib=1000, allow="[mem]", max_attempts=4, need_mib=1200):
+    (tmp_path / "need_mem.py").write_text(MEM_SCRIPT)
+    spec = tmp_path / "needs-memory.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: needs-memory
+        command: {{script: need_mem.py}}
+        gpus_per_node: 1
+        mem_mib: {mem_mib}
+        training: {{global_batch: 4, micro_batch: 4}}
+        retry: {{max_attempts: {max_attempts}, allow: {allow}}}
+        env: {{NEED_MIB: "{need_mib}"}}
+        """))
+    return spec
+
+
+@pytest.mark.slurm
+def test_cgroup_oom_on_the_cpu_partition_comes_back_and_succeeds(slurm_cluster, tmp_path):
+    spec = tmp_path / "clm.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: tiny-clm-too-big
+        command:
+          module: toolkit.train
+          args: [--model, "{REPO}/jobs/models/tiny-gpt2.json", --task, causal-lm, --steps, "2", --warmup-steps, "0"]
+        gpus_per_node: 1
+        mem_mib: 1200
+        training: {{global_batch: 64, micro_batch: 64, seq_len: 512, attention: eager}}
+        """))
+    result = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--wait", "--json",
+                    "--interval", "1", home=tmp_path)
+    view = json.loads(result.stdout)
+    attempts = view["attempts"]
+    assert attempts[0]["state"] == "OUT_OF_MEMORY" and attempts[0]["verdict"]["kind"] == "host_oom"
+    assert result.returncode == 0 and view["state"] == "succeeded", json.dumps(view, indent=1)[-3000:]
+    assert attempts[-1]["state"] == "COMPLETED"
+    assert {a["plan"]["global_batch"] for a in attempts} == {64}
+    assert all(a["decision"]["moves"] for a in attempts[1:])
+    assert json.loads((Path(attempts[-1]["attempt_dir"]) / "metrics.json").read_text())["peak_rss_mib"] > 0
+    runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path, check=True).stdout)
+    assert [a["verdict"]["kind"] for a in runs["attempts"]][:1] == ["host_oom"]
+
+
+def test_a_non_memory_failure_is_not_retried(tmp_path):
+    (tmp_path / "broken.py").write_text("raise ValueError('bad learning rate schedule')\n")
+    spec = tmp_path / "broken.yaml"
+    spec.write_text("name: broken\ncommand: {script: broken.py}\ngpus_per_node: 1\ntraining: {global_batch: 1}\n")
+    result = hpcmem("submit", str(spec), "--site", "local", "--wait", "--json", "--interval", "0.2", home=tmp_path)
+    view = json.loads(result.stdout)
+    assert result.returncode == 1 and view["state"] == "failed"
+    (attempt,) = view["attempts"]
+    assert attempt["verdict"]["kind"] == "not_oom"
+    assert "not retried" in view["reason"] and "ValueError" in view["reason"]
+
+
+def test_a_job_that_can_never_fit_gives_up_with_a_reason(tmp_path):
+    spec = mem_spec(tmp_path, mem_mib=1500, allow="[micro_batch]", max_attempts=3, need_mib=4000)
+    result = hpcmem("submit", str(spec), "--site", "local", "--wait", "--json", "--interval", "0.2", home=tmp_path)
+    view = json.loads(result.stdout)
+    assert result.returncode == 1 and view["state"] == "gave_up", json.dumps(view, indent=1)[-2000:]
+    assert 1 <= len(view["attempts"]) <= 3
+    assert view["reason"]
+
+
+def test_a_spec_that_allows_no_moves_gives_up_after_one_attempt(tmp_path):
+    spec = mem_spec(tmp_path, mem_mib=1500, allow="[]", max_attempts=5, need_mib=4000)
+    result = hpcmem("submit", str(spec), "--site", "local", "--wait", "--json", "--interval", "0.2", home=tmp_path)
+    view = json.loads(result.stdout)
+    assert view["state"] == "gave_up" and len(view["attempts"]) == 1
+
+
+def sacct_jobs(run_id):
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "now-3hours", "-o", "JobID,JobName%200"],
+                         capture_output=True, text=True, check=True).stdout
+    return [tuple(line.split("|", 1)) for line in out.splitlines() if f".{run_id}.a" in line]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("point", ["after_plan", "before_sbatch", "after_sbatch", "after_poll", "after_decide"])
+def test_killed_controller_resumes_without_losing_or_duplicating_jobs(slurm_cluster, tmp_path, point):
+    spec = mem_spec(tmp_path)
+    killed = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--wait", "--interval", "0.5",
+                    home=tmp_path, env={"HPCMEM_FAULT": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    finished = hpcmem("watch", run["run_id"], "--interval", "0.5", home=tmp_path)
+    view = json.loads(hpcmem("runs", run["run_id"], "--json", home=tmp_path, check=True).stdout)
+    assert finished.returncode == 0 and view["state"] == "succeeded", json.dumps(view, indent=1)[-3000:]
+    assert_jobs_match_sacct(view)
+
+
+def assert_jobs_match_sacct(view):
+    time.sleep(4)  # sacct lags slurmctld by a few seconds
+    ledger_ids = [a["job_id"] for a in view["attempts"]]
+    jobs = sacct_jobs(view["run_id"])
+    names = [name for _, name in jobs]
+    assert len(names) == len(set(names)), f"an attempt was submitted twice: {jobs}"
+    assert sorted(ledger_ids) == sorted(j for j, _ in jobs), (ledger_ids, jobs)
+
+
+@pytest.mark.slurm
+def test_controller_killed_at_random_moments_many_times(slurm_cluster, tmp_path):
+    spec = mem_spec(tmp_path)
+    rng = random.Random(7)
+    env = {**os.environ, "HPCMEM_HOME": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "submit", str(spec), "--site", "testcluster",
+                              "--partition", "cpu", "--wait", "--interval", "0.3"], env=env, cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(rng.uniform(0.5, 2.0))
+    first.kill()
+    first.wait()
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    kills = 1
+    for _ in range(25):
+        view = json.loads(hpcmem("runs", run["run_id"], "--json", home=tmp_path, check=True).stdout)
+        if view["state"] != "running":
+            break
+        watcher = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "watch", run["run_id"], "--interval", "0.3",
+                                    "--quiet"], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 2.5))
+        if watcher.poll() is None:
+            watcher.send_signal(signal.SIGKILL)
+            kills += 1
+        watcher.wait()
+    hpcmem("watch", run["run_id"], "--interval", "0.3", "--quiet", home=tmp_path)
+    view = json.loads(hpcmem("runs", run["run_id"], "--json", home=tmp_path, check=True).stdout)
+    assert view["state"] == "succeeded" and kills >= 3, (kills, view["state"])
+    assert_jobs_match_sacct(view)
+
+
+@pytest.mark.slurm
+def test_two_tickers_at_once_submit_each_attempt_once(slurm_cluster, tmp_path):
+    spec = mem_spec(tmp_path)
+    hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", home=tmp_path, check=True)
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    env = {**os.environ, "HPCMEM_HOME": str(tmp_path)}
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        pair = [subprocess.Popen([sys.executable, "-m", "toolkit.cli", "tick"], env=env, cwd=REPO,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+        for p in pair:
+            p.wait()
+        view = json.loads(hpcmem("runs", run["run_id"], "--json", home=tmp_path, check=True).stdout)
+        if view["state"] != "running":
+            break
+        time.sleep(0.5)
+    assert view["state"] == "succeeded"
+    assert_jobs_match_sacct(view)
+
+
+@pytest.mark.slurm
+def test_cancel_stops_the_job_in_flight(slurm_cluster, tmp_path):
+    (tmp_path / "sleepy.py").write_text("import time\ntime.sleep(300)\n")
+    spec = tmp_path / "sleepy.yaml"
+    spec.write_text("name: sleepy\ncommand: {script: sleepy.py}\ngpus_per_node: 1\ntraining: {global_batch: 1}\n")
+    hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", home=tmp_path, check=True)
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    view = json.loads(hpcmem("cancel", run["run_id"], "--json", home=tmp_path, check=True).stdout)
+    assert view["state"] == "cancelled" and view["attempts"][0]["state"] == "CANCELLED"
+    job_id = view["attempts"][0]["job_id"]
+    for _ in range(50):
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+        if not state or state in ("CANCELLED", "COMPLETED"):
+            break
+        time.sleep(0.2)
+    assert state in ("", "CANCELLED")

@@ -1,0 +1,254 @@
+"""The OOM-retry controller: a durable state machine over the ledger.
+
+``tick(run)`` advances a run by one step and returns; it is safe to kill at any
+moment and safe to run twice at once:
+
+- one step per run at a time (``runs.run_lock``; a second ticker skips the run);
+- every step is written to the ledger before it is acted on. An attempt is
+  ``planned`` (its plan recorded) before anything is rendered or submitted, ``submitting`` right before sbatch, and gets its
+  job id right after. A tick that finds ``submitting`` without a job id looks the
+  job up by its unique Slurm name (``<spec>.<run>.a<n>``) before submitting again,
+  so a controller killed between sbatch and the ledger never submits twice;
+- the next plan is a pure function of what is recorded (``ladder.next_plan``), so
+  a controller killed while deciding decides the same again.
+
+Attempt states: ``planned`` (recorded; its files are rendered when it is submitted),
+``submitting``, the scheduler's (PENDING, RUNNING,
+COMPLETED, FAILED, OUT_OF_MEMORY, ...), ``submit_failed`` and ``LOST`` (the
+scheduler forgot the job). Run states: running, succeeded, failed, gave_up, cancelled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import render, runs
+from .backends import get_backend
+from .backends.base import JobStatus
+from .classify import Verdict, classify, classify_paths
+from .errors import HpcmemError, SchedulerError
+from .jobspec import JobSpec
+from .ladder import Decision, next_plan
+from .ledger import AttemptRow, Ledger, Run
+from .plan import Plan
+from .sites import Partition, Site
+
+TRANSIENT_STATES = ("NODE_FAIL", "BOOT_FAIL", "PREEMPTED")
+LOST_AFTER_S = float(os.environ.get("HPCMEM_LOST_AFTER_S", "900"))
+"""A job the scheduler has not known for this long after submission is LOST."""
+
+
+def fault(point: str) -> None:
+    """Die here (SIGKILL) when HPCMEM_FAULT names this point: how the crash-safety tests kill the controller."""
+    if os.environ.get("HPCMEM_FAULT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start(ledger: Ledger, spec: JobSpec, site: Site, partition: Partition, plan: Plan, **kwargs) -> Run:
+    """Record a new run with its first attempt planned, then take its first step (render and submit)."""
+    run = runs.create_run(ledger, spec, site, partition, plan, **kwargs)
+    fault("after_plan")
+    return tick(ledger, run.run_id)
+
+
+def tick(ledger: Ledger, run_id: str) -> Run:
+    """Advance one run by one step (submit, poll, decide); returns the run as recorded."""
+    run = ledger.run(run_id)
+    if run.state in runs.TERMINAL_RUN_STATES:
+        return run
+    with runs.run_lock(run) as mine:
+        if mine:
+            _step(ledger, ledger.run(run_id))
+    return ledger.run(run_id)
+
+
+def tick_all(ledger: Ledger) -> list[Run]:
+    """One step for every unfinished run (what cron calls); a failing run does not stop the others."""
+    out = []
+    for run in ledger.runs(states=("running",)):
+        try:
+            out.append(tick(ledger, run.run_id))
+        except HpcmemError as exc:
+            ledger.add_event(run.run_id, None, f"tick failed: {exc}")
+            out.append(ledger.run(run.run_id))
+    return out
+
+
+def _step(ledger: Ledger, run: Run) -> None:
+    if run.state != "running":
+        return
+    site = runs.load_site_for(run)
+    backend = get_backend(site.scheduler)
+    last = ledger.attempts(run.run_id)[-1]
+    if last.state == "planned":
+        _render(ledger, run, last, site)
+        _submit(ledger, run, last, backend)
+    elif last.state == "submitting":
+        job_id = backend.find(_job_name(run, last), Path(last.attempt_dir))
+        if job_id:
+            ledger.add_event(run.run_id, last.n, f"found job {job_id} submitted before a crash")
+            ledger.update_attempt(run.run_id, last.n, job_id=job_id, state="PENDING", submitted=time.time())
+        else:
+            _submit(ledger, run, last, backend)
+    elif not runs.finished(last.state):
+        _poll(ledger, run, last, backend)
+    else:
+        _decide(ledger, run, last, site)
+
+
+def _job_name(run: Run, attempt: AttemptRow) -> str:
+    return render.job_name(run.spec_name, run.run_id, attempt.n)
+
+
+def _render(ledger: Ledger, run: Run, attempt: AttemptRow, site: Site) -> None:
+    """Write the attempt's files from its recorded plan (again, if a crash interrupted the first time)."""
+    try:
+        render.render_attempt(runs.spec_for(run), site.partition(attempt.partition), Plan.from_dict(attempt.plan),
+                              Path(attempt.attempt_dir), run_id=run.run_id, attempt=attempt.n, workdir=Path(run.workdir))
+    except HpcmemError as exc:
+        ledger.update_attempt(run.run_id, attempt.n, state="submit_failed")
+        ledger.set_run_state(run.run_id, "failed", f"attempt {attempt.n} could not be rendered: {exc}")
+        raise
+
+
+def _submit(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
+    ledger.update_attempt(run.run_id, attempt.n, state="submitting")
+    fault("before_sbatch")
+    try:
+        job_id = backend.submit(Path(attempt.attempt_dir) / "job.sbatch", Path(attempt.attempt_dir))
+    except SchedulerError as exc:
+        if "may or may not have been submitted" in str(exc):
+            raise  # stay 'submitting': the next tick looks the job up by name
+        ledger.update_attempt(run.run_id, attempt.n, state="submit_failed")
+        ledger.set_run_state(run.run_id, "failed", f"attempt {attempt.n} was refused: {exc}")
+        raise
+    fault("after_sbatch")
+    ledger.update_attempt(run.run_id, attempt.n, job_id=job_id, state="PENDING", submitted=time.time())
+
+
+def _poll(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
+    try:
+        status = backend.poll([attempt.job_id])[attempt.job_id]
+    except SchedulerError as exc:
+        ledger.add_event(run.run_id, attempt.n, f"poll failed, will retry: {exc}")
+        return
+    fault("after_poll")
+    if status.state == "UNKNOWN":
+        if attempt.submitted and time.time() - attempt.submitted > LOST_AFTER_S:
+            ledger.update_attempt(run.run_id, attempt.n, state="LOST", finished=time.time(),
+                                  verdict=classify(None, "").to_dict())
+            ledger.set_run_state(run.run_id, "failed", f"the scheduler no longer knows job {attempt.job_id}")
+        return
+    if status.finished:
+        _record_end(ledger, run, attempt, status)
+    elif status.state != attempt.state:
+        ledger.update_attempt(run.run_id, attempt.n, state=status.state)
+
+
+def _record_end(ledger: Ledger, run: Run, attempt: AttemptRow, status: JobStatus) -> None:
+    """Write the end of an attempt: state, exit code, verdict, metrics (the decision comes next tick)."""
+    attempt_dir = Path(attempt.attempt_dir)
+    fields = {"state": status.state, "exit_code": status.exit_code, "finished": time.time(),
+              "verdict": attempt_verdict(attempt_dir, status).to_dict()}
+    metrics = runs.read_metrics(attempt_dir)
+    if metrics is not None:
+        fields["metrics"] = metrics
+    ledger.update_attempt(run.run_id, attempt.n, **fields)
+
+
+def attempt_verdict(attempt_dir: Path, status) -> Verdict:
+    """Why an attempt ended: the classifier over its logs and the scheduler's record."""
+    logs = sorted(attempt_dir.glob("slurm-*.out"))
+    return classify_paths(logs, record=status) if logs else classify(status, "")
+
+
+def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
+    """The last attempt is over: succeed, stop, give up, or prepare the next attempt."""
+    if last.state in ("submit_failed", "LOST"):
+        return  # the run state was set when this happened
+    if last.state == "COMPLETED" and not last.exit_code:
+        ledger.set_run_state(run.run_id, "succeeded")
+        return
+    spec = runs.spec_for(run)
+    verdict = Verdict(**{k: v for k, v in (last.verdict or {}).items() if k != "evidence"},
+                      evidence=tuple((e["line"], e["text"]) for e in (last.verdict or {}).get("evidence", ())))
+    attempts = ledger.attempts(run.run_id)
+    partition = site.partition(last.partition)
+    if not verdict.is_oom:
+        if spec.retry_transient and last.state in TRANSIENT_STATES and not _retried_transient(attempts):
+            retry = Decision(action="retry", plan=Plan.from_dict(last.plan), partition=partition,
+                             moves=("transient-retry",), reason=f"{last.state} is a node failure; one retry as is")
+            ledger.add_attempt(run.run_id, last.n + 1, retry.plan.to_dict(), _attempt_dir(run, last.n + 1),
+                               partition.name, retry.to_dict())
+            return
+        ledger.set_run_state(run.run_id, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
+                             f"{verdict.reason} Not a memory failure: not retried.")
+        return
+    tried = [(Plan.from_dict(a.plan), site.partition(a.partition)) for a in attempts]
+    bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
+              and (p.gpu_mem_gib, p.host_mem_gib) > (partition.gpu_mem_gib, partition.host_mem_gib)]
+    decision = next_plan(Plan.from_dict(last.plan), verdict, partition, allow=spec.allow, tried=tried,
+                         attempts_made=len(attempts), max_attempts=spec.max_attempts, bigger=bigger)
+    if decision.action == "retry":
+        ledger.add_attempt(run.run_id, last.n + 1, decision.plan.to_dict(), _attempt_dir(run, last.n + 1),
+                           decision.partition.name, decision.to_dict())
+        fault("after_decide")
+    elif decision.action == "give_up":
+        ledger.set_run_state(run.run_id, "gave_up", decision.reason)
+    else:
+        ledger.set_run_state(run.run_id, "failed", f"attempt {last.n} (job {last.job_id}): {decision.reason}")
+
+
+def _attempt_dir(run: Run, n: int) -> str:
+    return str(Path(run.run_dir) / f"attempt-{n}")
+
+
+def _retried_transient(attempts: list[AttemptRow]) -> bool:
+    return any(a.decision and "transient-retry" in a.decision.get("moves", ()) for a in attempts)
+
+
+def follow(ledger: Ledger, run_id: str, *, interval_s: float = 2.0,
+           on_change: Callable[[Run, list[AttemptRow]], None] | None = None, timeout_s: float | None = None) -> Run:
+    """Tick until the run ends (or ``timeout_s`` passes), calling ``on_change`` after each tick.
+
+    A scheduler hiccup does not end the loop: the tick is tried again next time.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            run = tick(ledger, run_id)
+        except SchedulerError as exc:
+            ledger.add_event(run_id, None, f"tick failed, will retry: {exc}")
+            run = ledger.run(run_id)
+            if run.state != "running":
+                raise
+        if on_change:
+            on_change(run, ledger.attempts(run_id))
+        if run.state in runs.TERMINAL_RUN_STATES or (deadline and time.monotonic() > deadline):
+            return run
+        last = ledger.attempts(run_id)[-1]
+        ours = last.state in ("planned", "submitting") or runs.finished(last.state)
+        time.sleep(0.1 if ours else interval_s)  # the next step is ours to take: no need to wait for the scheduler
+
+
+def cancel(ledger: Ledger, run_id: str) -> Run:
+    """Cancel a run: mark it cancelled under its lock (no new attempt can start), then cancel its job in flight."""
+    run = ledger.run(run_id)
+    if run.state in runs.TERMINAL_RUN_STATES:
+        return run
+    with runs.run_lock(run, wait_s=60) as mine:
+        if not mine:
+            raise HpcmemError(f"run {run_id} is busy (a controller holds it); try again")
+        ledger.set_run_state(run_id, "cancelled", "cancelled by the user")
+        live = [a for a in ledger.attempts(run_id) if not runs.finished(a.state)]
+        backend = get_backend(runs.load_site_for(run).scheduler)
+        for a in live:
+            job_id = a.job_id or backend.find(_job_name(run, a), Path(a.attempt_dir))
+            if job_id:
+                backend.cancel([job_id])
+            ledger.update_attempt(run_id, a.n, job_id=job_id, state="CANCELLED", finished=time.time())
+    return ledger.run(run_id)
