@@ -201,3 +201,37 @@ def test_cancel_stops_the_job_in_flight(slurm_cluster, tmp_path):
             break
         time.sleep(0.2)
     assert state in ("", "CANCELLED")
+
+
+def wait_for_end(run_id, home, timeout_s=300):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        view = json.loads(hpcmem("runs", run_id, "--json", home=home, check=True).stdout)
+        if view["state"] != "running":
+            return view
+        time.sleep(1)
+    raise AssertionError(f"run {run_id} still running after {timeout_s} s")
+
+
+@pytest.mark.slurm
+def test_detach_hands_the_loop_to_a_slurm_job(slurm_cluster, tmp_path):
+    spec = mem_spec(tmp_path)
+    out = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--detach", home=tmp_path,
+                 check=True).stdout
+    assert "controller detached" in out
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    view = wait_for_end(run["run_id"], tmp_path)  # nobody ticks here: the controller job does
+    assert view["state"] == "succeeded" and len(view["attempts"]) == 2
+    names = [n for _, n in (tuple(l.split("|", 1)) for l in subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-S", "now-1hour", "-o", "JobID,JobName%200"], capture_output=True, text=True
+    ).stdout.splitlines())]
+    assert f"hpcmem-controller.{run['run_id']}" in names
+
+
+def test_detach_locally_runs_a_background_watcher(tmp_path):
+    spec = mem_spec(tmp_path, mem_mib=1500, need_mib=3000)
+    hpcmem("submit", str(spec), "--site", "local", "--detach", home=tmp_path, check=True)
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    view = wait_for_end(run["run_id"], tmp_path)
+    assert view["state"] == "succeeded" and len(view["attempts"]) >= 2
+    assert view["attempts"][0]["verdict"]["kind"] == "cpu_alloc_oom"
