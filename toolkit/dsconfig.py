@@ -45,14 +45,19 @@ def deepspeed_config(plan: Plan, nvme_path: str | None = None, gpu: bool = True,
     if plan.precision == "fp16-mixed":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                        "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
-    elif plan.precision in ("bf16-mixed", "bf16-true"):
+    elif plan.precision == "bf16-mixed" or (plan.precision == "bf16-true" and plan.zero_stage == 0):
         cfg["bf16"] = {"enabled": True}
+    elif plan.precision == "bf16-true":
+        # No fp32 master copy: bf16 weights, grads and optimizer states (DeepSpeed allows it from ZeRO 1 on).
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     if plan.offload_optimizer != "none":
         if plan.optimizer == "adamw":
             cfg["optimizer"] = {"type": "AdamW", "params": dict(ADAMW_PARAMS)}
         else:
             # The training code brings its own optimizer (8-bit AdamW, Adafactor, SGD).
             cfg["zero_force_ds_cpu_optimizer"] = False
+    if plan.zero_stage >= 1 and plan.optimizer != "adamw":
+        cfg["zero_allow_untested_optimizer"] = True  # ZeRO otherwise refuses SGD and Adafactor
     if "nvme" in (plan.offload_optimizer, plan.offload_params):
         cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                       "single_submit": False, "overlap_events": True}

@@ -70,6 +70,10 @@ def test_deepspeed_config_field_by_field():
     cpu = deepspeed_config(Plan(launcher="deepspeed", zero_stage=2, offload_optimizer="cpu", optimizer="adafactor"), None, gpu=False)
     assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert cpu["zero_force_ds_cpu_optimizer"] is False and "optimizer" not in cpu
+    assert cpu["zero_allow_untested_optimizer"] is True
+
+    true16 = deepspeed_config(Plan(launcher="deepspeed", zero_stage=2, precision="bf16-true"), None, gpu=False)
+    assert true16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
 HOSTILE = 'evil"; touch /tmp/pwned-$USER; echo "$(id)`id` \'x'

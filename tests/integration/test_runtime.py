@@ -1,0 +1,280 @@
+"""The job runtime for real: torchrun, the deepspeed launcher and DeepSpeed ZeRO 1-3 on CPU.
+
+Every test starts the reference trainer the way a rendered job script does
+(plan.json, ds_config.json, HPCMEM_* variables, DS_ACCELERATOR=cpu) and reads the
+metrics.json it leaves. Real torch, real DeepSpeed, gloo between two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.dsconfig import deepspeed_config
+from toolkit.plan import Plan
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 900  # the first NVMe run JIT-builds DeepSpeed's async_io and cpu_adam ops (minutes)
+
+
+def _env(attempt: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCMEM_", "SLURM_"))}
+    env.update({"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)})
+    if attempt is not None:
+        env["HPCMEM_PLAN"] = str(attempt / "plan.json")
+        env["HPCMEM_ATTEMPT_DIR"] = str(attempt)
+        if (attempt / "ds_config.json").exists():
+            env["HPCMEM_DS_CONFIG"] = str(attempt / "ds_config.json")
+    env.update(extra or {})
+    return env
+
+
+def write_attempt(tmp_path: Path, **knobs) -> tuple[Path, Plan]:
+    """An attempt directory with plan.json (and ds_config.json for DeepSpeed), as render would write it."""
+    knobs.setdefault("gpus_per_node", 2)
+    knobs.setdefault("micro_batch", 4)
+    knobs.setdefault("grad_accum", 2)
+    knobs.setdefault("seq_len", 64)
+    knobs["global_batch"] = knobs["micro_batch"] * knobs["grad_accum"] * knobs["gpus_per_node"]
+    plan = Plan(**knobs)
+    attempt = tmp_path / "attempt-1"
+    attempt.mkdir()
+    (attempt / "plan.json").write_text(plan.to_json())
+    if plan.uses_deepspeed:
+        cfg = deepspeed_config(plan, nvme_path=str(tmp_path / "nvme"), gpu=False)
+        (attempt / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    return attempt, plan
+
+
+def run(argv: list[str], env: dict[str, str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, **kw)
+
+
+def torchrun(nproc: int, *train_args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "toolkit.train", *train_args]
+
+
+def train_args(model="tiny-gpt2", task="causal-lm", steps=3) -> list[str]:
+    return ["--model", model, "--task", task, "--steps", str(steps)]
+
+
+def check_metrics(attempt: Path, plan: Plan, steps: int = 3, result=None) -> dict:
+    detail = f"\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}" if result is not None else ""
+    assert (attempt / "metrics.json").exists(), "no metrics.json" + detail
+    m = json.loads((attempt / "metrics.json").read_text())
+    assert m["status"] == "ok", m.get("error", "") + detail
+    assert m["device"] == "cpu"
+    assert m["world_size"] == plan.world_size
+    assert m["steps"] == steps
+    assert m["peak_rss_mib"] > 0
+    assert isinstance(m["loss"], float) and math.isfinite(m["loss"])
+    assert m["samples_per_s"] > 0 and m["step_time_s"] > 0
+    assert m["peak_allocated_mib"] is None and m["device_used_mib"] is None
+    assert m["plan"] == plan.to_dict()
+    assert sorted(m["ranks"]) == [str(r) for r in range(plan.world_size)]
+    assert all(r["status"] == "ok" and r["steps"] == steps for r in m["ranks"].values())
+    assert m["versions"]["torch"] and m["versions"]["deepspeed"]
+    assert sorted(p.name for p in (attempt / "metrics").iterdir()) == [f"rank-{r}.json" for r in range(plan.world_size)]
+    return m
+
+
+def progress_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("step ")]
+
+
+# -- torchrun (DDP) ------------------------------------------------------------------
+
+def test_ddp_two_ranks(tmp_path):
+    attempt, plan = write_attempt(tmp_path)
+    result = run(torchrun(2, *train_args()), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    m = check_metrics(attempt, plan, result=result)
+    lines = progress_lines(result.stdout)
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # rank 0 only, one line per step
+    assert "samples/s" in lines[0] and lines[0].endswith("MiB")
+    assert m["applied"] == {}
+
+
+def test_seq_cls_bert_with_checkpointing_and_bf16(tmp_path):
+    attempt, plan = write_attempt(tmp_path, precision="bf16-mixed", checkpointing=True, optimizer="adafactor")
+    result = run(torchrun(2, *train_args("tiny-bert", "seq-cls")), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    check_metrics(attempt, plan, result=result)
+    assert "checkpointing" in result.stdout and "bf16-mixed" in result.stdout
+
+
+@pytest.mark.parametrize("precision", ["fp16-mixed", "bf16-true"])
+def test_ddp_other_precisions(tmp_path, precision):
+    attempt, plan = write_attempt(tmp_path, precision=precision, optimizer="sgd", attention="eager")
+    result = run(torchrun(2, *train_args()), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    check_metrics(attempt, plan, result=result)
+
+
+# -- DeepSpeed ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_stages(tmp_path, stage):
+    attempt, plan = write_attempt(tmp_path, launcher="deepspeed", zero_stage=stage)
+    result = run(torchrun(2, *train_args()), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    check_metrics(attempt, plan, result=result)
+    assert f"ZeRO-{stage}" in result.stdout
+
+
+def test_deepspeed_zero3_cpu_offload(tmp_path):
+    attempt, plan = write_attempt(tmp_path, launcher="deepspeed", zero_stage=3,
+                                  offload_optimizer="cpu", offload_params="cpu", precision="bf16-mixed")
+    result = run(torchrun(2, *train_args()), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    check_metrics(attempt, plan, result=result)
+
+
+@pytest.mark.slow  # on a fresh machine: about 6 minutes on 2 cores; later runs about 20 s
+def test_deepspeed_zero3_nvme_offload(tmp_path):
+    # ZeRO-Infinity. The first run on a machine JIT-builds DeepSpeed's async_io, cpu_adam,
+    # shm_comm and pin_memory ops into ~/.cache/torch_extensions.
+    attempt, plan = write_attempt(tmp_path, launcher="deepspeed", zero_stage=3,
+                                  offload_optimizer="nvme", offload_params="nvme")
+    result = run(torchrun(2, *train_args()), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    check_metrics(attempt, plan, result=result)
+    assert list((tmp_path / "nvme").rglob("*.swp")), "nothing was swapped to the NVMe path"
+
+
+def test_deepspeed_fp16_with_a_client_sgd_on_the_cpu_accelerator(tmp_path):
+    attempt, plan = write_attempt(tmp_path, launcher="deepspeed", zero_stage=2, precision="fp16-mixed",
+                                  optimizer="sgd", offload_optimizer="cpu")
+    result = run(torchrun(2, *train_args()), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert check_metrics(attempt, plan, result=result)["applied"] == {}
+
+
+def test_deepspeed_zero3_seq_cls_adafactor_checkpointing_bf16_true(tmp_path):
+    attempt, plan = write_attempt(tmp_path, launcher="deepspeed", zero_stage=3, precision="bf16-true",
+                                  optimizer="adafactor", checkpointing=True)
+    result = run(torchrun(2, *train_args("tiny-bert", "seq-cls")), _env(attempt))
+    assert result.returncode == 0, result.stderr[-6000:]
+    m = check_metrics(attempt, plan, result=result)
+    # dsconfig's bf16 section keeps fp32 master weights: the runtime says so.
+    if not json.loads((attempt / "ds_config.json").read_text())["bf16"].get("bf16_master_weights_and_grads"):
+        assert m["applied"]["precision"] == "bf16-mixed" and "master" in m["applied"]["reasons"]["precision"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_deepspeed_launcher_cli(tmp_path):
+    # What templates/deepspeed.sbatch.j2 runs on one node: the launcher, with --module for toolkit.train.
+    attempt, plan = write_attempt(tmp_path, launcher="deepspeed", zero_stage=2)
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus=2", f"--master_port={_free_port()}",
+            "--module", "toolkit.train", *train_args()]
+    result = run(argv, _env(attempt))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    check_metrics(attempt, plan, result=result)
+
+
+# -- outside hpcmem, HF-style flags, failures ---------------------------------------------
+
+def test_single_process_without_a_plan_with_hf_flags(tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "toolkit.train", *train_args(steps=2), "--metrics-dir", str(out),
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--bf16",
+            "--gradient_checkpointing", "--optim", "adafactor", "--set", "seq_len=32", "--set", "attention=flash"]
+    result = run(argv, _env(None))
+    assert result.returncode == 0, result.stderr[-6000:]
+    expected = Plan(micro_batch=2, grad_accum=2, global_batch=4, precision="bf16-mixed", checkpointing=True,
+                    optimizer="adafactor", seq_len=32, attention="flash")
+    m = check_metrics(out, expected, steps=2, result=result)
+    assert m["applied"]["attention"] == "sdpa" and "CUDA" in m["applied"]["reasons"]["attention"]
+
+
+def test_deepspeed_config_flag_without_hpcmem(tmp_path):
+    plan = Plan(launcher="deepspeed", zero_stage=2, gpus_per_node=2, micro_batch=2, grad_accum=1, global_batch=4)
+    cfg = deepspeed_config(plan, gpu=False)
+    cfg.update({"train_batch_size": "auto", "gradient_accumulation_steps": "auto"})
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    result = run(torchrun(2, *train_args(steps=2), "--deepspeed", str(tmp_path / "ds.json"),
+                          "--metrics-dir", str(out), "--set", "seq_len=32"), _env(None))
+    assert result.returncode == 0, result.stderr[-6000:]
+    m = check_metrics(out, plan.replace(seq_len=32), steps=2, result=result)
+    assert m["plan"]["launcher"] == "deepspeed" and m["plan"]["zero_stage"] == 2
+
+
+def test_missing_8bit_optimizer_fails_clearly(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import bitsandbytes  # noqa: F401
+        pytest.skip("bitsandbytes is installed here")
+    except ImportError:
+        pass
+    attempt, plan = write_attempt(tmp_path, gpus_per_node=1, optimizer="adamw-8bit")
+    result = run([sys.executable, "-m", "toolkit.train", *train_args()], _env(attempt))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("hpcmem: error: optimizer=adamw-8bit needs bitsandbytes")
+    m = json.loads((attempt / "metrics.json").read_text())
+    assert m["status"] == "failed" and "bitsandbytes" in m["error"]
+
+
+def test_host_oom_surfaces_pytorchs_own_error(tmp_path):
+    # As the local backend caps a CPU job: an address-space limit. PyTorch's allocator error must
+    # reach the log unchanged, and metrics.json must still say what was seen.
+    attempt, plan = write_attempt(tmp_path, gpus_per_node=1, micro_batch=16, grad_accum=1, seq_len=1024)
+    limit = 4000 * 2**20  # torch + transformers + GPT-2 fit; the 3.3 GB logits of 16 x 1024 tokens do not
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    # Few malloc arenas: on a many-core machine each thread's arena reserves 64 MiB of address space.
+    env = _env(attempt, {"MALLOC_ARENA_MAX": "2"})
+    result = run([sys.executable, "-m", "toolkit.train", *train_args("gpt2")], env, preexec_fn=cap)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "DefaultCPUAllocator: can't allocate memory" in result.stderr
+    assert "Traceback" in result.stderr
+    m = json.loads((attempt / "metrics.json").read_text())
+    assert m["status"] == "failed"
+    assert "DefaultCPUAllocator: can't allocate memory" in m["error"]
+    assert m["peak_rss_mib"] > 0 and m["steps"] == 0
+    assert m["plan"] == plan.to_dict()
+
+
+def test_sigterm_is_recorded(tmp_path):
+    # Slurm's time limit and scancel send SIGTERM first: metrics.json says so and the exit is 143.
+    attempt, plan = write_attempt(tmp_path, gpus_per_node=1)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.train", *train_args(steps=100_000)], cwd=REPO,
+                            env=_env(attempt), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    m = json.loads((attempt / "metrics.json").read_text())
+    assert m["status"] == "failed" and m["error"] == "Terminated: received signal SIGTERM"
+    assert m["steps"] >= 2
+
+
+def test_plan_and_launch_disagree(tmp_path):
+    attempt, _ = write_attempt(tmp_path, gpus_per_node=2)
+    result = run([sys.executable, "-m", "toolkit.train", *train_args()], _env(attempt))
+    assert result.returncode == 2
+    assert "world_size 2" in result.stderr and "1 rank(s)" in result.stderr

@@ -1,0 +1,109 @@
+"""toolkit.runtime.adapters: the plan in HF Trainer and Accelerate terms (checked against the real classes)."""
+
+import warnings
+
+import pytest
+
+from toolkit.errors import HpcmemError
+from toolkit.plan import Plan
+from toolkit.runtime import accelerate_kwargs, hf_model_kwargs, hf_training_args
+
+
+@pytest.mark.parametrize("precision, bf16, fp16", [
+    ("fp32", False, False), ("fp16-mixed", False, True), ("bf16-mixed", True, False), ("bf16-true", True, False),
+])
+def test_hf_training_args_precision(precision, bf16, fp16):
+    args = hf_training_args(Plan(precision=precision), cpu=True)
+    assert (args["bf16"], args["fp16"]) == (bf16, fp16)
+    assert args["use_cpu"] is True
+
+
+@pytest.mark.parametrize("optimizer, optim", [
+    ("adamw", "adamw_torch"), ("adamw-8bit", "adamw_bnb_8bit"), ("adafactor", "adafactor"), ("sgd", "sgd"),
+])
+def test_hf_training_args_optimizer_names(optimizer, optim):
+    from transformers.training_args import OptimizerNames
+
+    args = hf_training_args(Plan(optimizer=optimizer), cpu=False)
+    assert args["optim"] == optim
+    assert optim in {o.value for o in OptimizerNames}
+    assert "use_cpu" not in args
+
+
+def test_hf_training_args_batch_checkpointing_deepspeed(tmp_path):
+    plan = Plan(launcher="deepspeed", zero_stage=3, gpus_per_node=2, micro_batch=2, grad_accum=4,
+                global_batch=16, checkpointing=True)
+    args = hf_training_args(plan, ds_config_path=tmp_path / "ds.json", cpu=True)
+    assert args["per_device_train_batch_size"] == 2
+    assert args["gradient_accumulation_steps"] == 4
+    assert args["gradient_checkpointing"] is True
+    assert args["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert args["deepspeed"] == str(tmp_path / "ds.json")
+
+
+def test_hf_training_args_deepspeed_path_from_env(monkeypatch, tmp_path):
+    plan = Plan(launcher="deepspeed", zero_stage=1)
+    monkeypatch.delenv("HPCMEM_DS_CONFIG", raising=False)
+    with pytest.raises(HpcmemError, match="HPCMEM_DS_CONFIG"):
+        hf_training_args(plan, cpu=True)
+    monkeypatch.setenv("HPCMEM_DS_CONFIG", str(tmp_path / "ds_config.json"))
+    assert hf_training_args(plan, cpu=True)["deepspeed"] == str(tmp_path / "ds_config.json")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "sgd"])
+def test_transformers_accepts_the_training_args(tmp_path, precision, optimizer):
+    from transformers import TrainingArguments
+
+    plan = Plan(precision=precision, optimizer=optimizer, checkpointing=True, grad_accum=2, global_batch=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames gradient_checkpointing
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], **hf_training_args(plan))
+    assert args.per_device_train_batch_size == 8
+    assert args.gradient_accumulation_steps == 2
+    assert args.bf16 == precision.startswith("bf16")
+    assert args.optim.value == {"adamw": "adamw_torch", "adafactor": "adafactor", "sgd": "sgd"}[optimizer]
+
+
+@pytest.mark.parametrize("precision, mixed", [
+    ("fp32", "no"), ("fp16-mixed", "fp16"), ("bf16-mixed", "bf16"), ("bf16-true", "no"),
+])
+def test_accelerate_kwargs(precision, mixed):
+    kwargs = accelerate_kwargs(Plan(precision=precision, grad_accum=2, global_batch=16))
+    assert kwargs == {"mixed_precision": mixed, "gradient_accumulation_steps": 2}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_accelerate_accepts_the_kwargs(precision):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    try:
+        acc = Accelerator(**accelerate_kwargs(Plan(precision=precision, grad_accum=2, global_batch=16)))
+        assert acc.gradient_accumulation_steps == 2
+        assert acc.mixed_precision == {"fp32": "no", "bf16-mixed": "bf16"}[precision]
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+def test_accelerate_kwargs_deepspeed_plugin(tmp_path):
+    import json
+
+    from toolkit.dsconfig import deepspeed_config
+
+    plan = Plan(launcher="deepspeed", zero_stage=3, precision="bf16-mixed", grad_accum=2, global_batch=16)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(deepspeed_config(plan, gpu=False)))
+    kwargs = accelerate_kwargs(plan, path)
+    assert kwargs["mixed_precision"] == "bf16"
+    assert "gradient_accumulation_steps" not in kwargs  # the DeepSpeed config owns it
+    plugin = kwargs["deepspeed_plugin"]
+    assert plugin.zero_stage == 3 and plugin.zero3_init_flag is True
+    assert plugin.gradient_accumulation_steps == 2
+
+
+def test_hf_model_kwargs():
+    assert hf_model_kwargs(Plan()) == {"attn_implementation": "sdpa"}
+    assert hf_model_kwargs(Plan(attention="flash", precision="bf16-true")) == {
+        "attn_implementation": "flash_attention_2", "dtype": "bfloat16"}
+    assert hf_model_kwargs(Plan(attention="eager"))["attn_implementation"] == "eager"

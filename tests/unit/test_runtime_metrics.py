@@ -1,0 +1,172 @@
+"""toolkit.runtime.metrics and the MemoryMonitor (in this process, real threads and files)."""
+
+import json
+import math
+import time
+
+import pytest
+
+from toolkit.plan import Plan
+from toolkit.runtime import metrics
+from toolkit.runtime.jobenv import Ranks
+from toolkit.runtime.monitor import MemoryMonitor
+
+
+def _rank(rank, **over):
+    record = {"rank": rank, "device": "cpu", "status": "ok", "error": None, "steps": 10, "warmup_steps": 2,
+              "samples_per_s": 10.0, "step_time_s": 0.8, "loss": 6.0 + rank,
+              "peak_allocated_mib": None, "peak_reserved_mib": None, "device_used_mib": None,
+              "peak_rss_mib": 800.0 + rank, "applied": {}, "versions": {"torch": "2.13.0"}}
+    record.update(over)
+    return record
+
+
+def test_step_summary_skips_warmup():
+    got = metrics.step_summary([5.0, 1.0, 1.0, 2.0], [8, 8, 8, 8], warmup_steps=1)
+    assert got == {"step_time_s": pytest.approx(4 / 3), "samples_per_s": pytest.approx(24 / 4), "timed_steps": 3}
+
+
+def test_step_summary_short_runs_and_no_steps():
+    assert metrics.step_summary([2.0, 2.0], [4, 4], warmup_steps=5)["samples_per_s"] == pytest.approx(2.0)
+    assert metrics.step_summary([], [], warmup_steps=1) == {"step_time_s": None, "samples_per_s": None, "timed_steps": 0}
+
+
+def test_merge_two_ranks():
+    plan = Plan(gpus_per_node=2, global_batch=16).to_dict()
+    merged = metrics.merge_ranks([_rank(1, step_time_s=0.9), _rank(0)], world_size=2, plan=plan)
+    assert merged["status"] == "ok" and merged["error"] is None
+    assert merged["world_size"] == 2 and merged["steps"] == 10 and merged["warmup_steps"] == 2
+    assert merged["samples_per_s"] == pytest.approx(20.0)       # ranks train different samples
+    assert merged["step_time_s"] == pytest.approx(0.9)          # the slowest rank
+    assert merged["loss"] == pytest.approx(6.5)
+    assert merged["peak_rss_mib"] == pytest.approx(801.0)       # max over ranks
+    assert merged["peak_allocated_mib"] is None                 # CPU
+    assert list(merged["ranks"]) == ["0", "1"]
+    assert "versions" not in merged["ranks"]["0"] and merged["versions"] == {"torch": "2.13.0"}
+    assert merged["plan"] == plan
+    assert "missing_ranks" not in merged
+
+
+def test_merge_gpu_figures_are_max_over_ranks():
+    merged = metrics.merge_ranks([_rank(0, peak_allocated_mib=100.0, peak_reserved_mib=120.0, device_used_mib=900.0),
+                                  _rank(1, peak_allocated_mib=150.0, peak_reserved_mib=110.0, device_used_mib=950.0)], 2)
+    assert (merged["peak_allocated_mib"], merged["peak_reserved_mib"], merged["device_used_mib"]) == (150.0, 120.0, 950.0)
+
+
+def test_merge_failed_and_missing_ranks():
+    failed = _rank(1, status="failed", error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                   steps=3, samples_per_s=None)
+    merged = metrics.merge_ranks([_rank(0, status="running"), failed], world_size=4)
+    assert merged["status"] == "failed"
+    assert merged["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert merged["steps"] == 3
+    assert merged["samples_per_s"] is None    # not every rank has a figure
+    assert merged["missing_ranks"] == [2, 3]
+    assert metrics.merge_ranks([_rank(0)], world_size=2)["status"] == "incomplete"
+
+
+def test_merge_names_the_failing_rank_not_the_ones_stopped_after_it():
+    stopped = _rank(0, status="failed", error="Terminated: received signal SIGTERM")
+    cause = _rank(1, status="failed", error="OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB")
+    assert metrics.merge_ranks([stopped, cause], 2)["error"].startswith("OutOfMemoryError")
+    assert metrics.merge_ranks([stopped], 1)["error"].startswith("Terminated")
+
+
+def test_merge_applied_and_reasons():
+    r0 = _rank(0, applied={"attention": "sdpa", "reasons": {"attention": "no flash on CPU"}})
+    r1 = _rank(1, applied={"gpu_memory_fraction": 0.2, "reasons": {"gpu_memory_fraction": "16 GiB"}})
+    merged = metrics.merge_ranks([r0, r1], 2)
+    assert merged["applied"] == {"attention": "sdpa", "gpu_memory_fraction": 0.2,
+                                 "reasons": {"attention": "no flash on CPU", "gpu_memory_fraction": "16 GiB"}}
+
+
+def test_write_json_atomic_is_strict_json(tmp_path):
+    path = metrics.write_json_atomic(tmp_path / "sub" / "m.json", {"loss": math.nan, "x": [math.inf, 1.5]})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
+        "loss": "nan", "x": ["inf", 1.5]}
+    assert [p.name for p in path.parent.iterdir()] == ["m.json"]  # no temp file left
+
+
+def test_collect_reads_rank_files_and_plan_json(tmp_path):
+    plan = Plan(gpus_per_node=2, global_batch=16)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    for r in (0, 1):
+        metrics.write_json_atomic(metrics.rank_file(tmp_path, r), _rank(r, world_size=2))
+    (tmp_path / "metrics" / "rank-9.json").write_text("{broken")
+    merged = metrics.collect(tmp_path)
+    assert merged["status"] == "ok" and merged["world_size"] == 2
+    assert merged["plan"] == plan.to_dict()
+    assert json.loads((tmp_path / "metrics.json").read_text())["peak_rss_mib"] == pytest.approx(801.0)
+    assert metrics.collect(tmp_path / "empty") is None
+
+
+def test_versions_names_the_stack():
+    v = metrics.versions()
+    assert {"torch", "deepspeed", "transformers", "accelerate", "hpcmem"} <= set(v)
+    assert v["hpcmem"]
+
+
+def test_monitor_writes_rank_and_merged_metrics(tmp_path):
+    plan = Plan().to_dict()
+    with MemoryMonitor(tmp_path, plan=plan, warmup_steps=1, rank_info=Ranks(), interval_s=0.01) as mon:
+        block = bytearray(64 * 2**20)  # touch 64 MiB so the RSS peak moves
+        block[::4096] = b"x" * len(block[::4096])
+        for loss in (3.0, 2.0, 1.0):
+            time.sleep(0.02)
+            mon.step(samples=8, loss=loss)
+        mon.note("attention", "sdpa", "no flash on CPU")
+    rank = json.loads(metrics.rank_file(tmp_path, 0).read_text())
+    assert rank["status"] == "ok" and rank["steps"] == 3 and rank["timed_steps"] == 2
+    assert rank["loss"] == 1.0 and rank["peak_rss_mib"] > 64
+    merged = json.loads((tmp_path / "metrics.json").read_text())
+    assert merged["status"] == "ok" and merged["device"] == "cpu" and merged["world_size"] == 1
+    assert merged["plan"] == plan
+    assert merged["samples_per_s"] > 0 and merged["step_time_s"] >= 0.02
+    assert merged["applied"]["attention"] == "sdpa"
+    assert merged["versions"]["cuda"] is None or isinstance(merged["versions"]["cuda"], str)
+    assert mon.result["status"] == "ok"
+
+
+def test_monitor_records_a_failure_and_reraises(tmp_path):
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        with MemoryMonitor(tmp_path, rank_info=Ranks(rank=0, world_size=2)) as mon:
+            mon.step(samples=4, loss=7.0)
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 134217728 bytes.\nsecond line")
+    merged = json.loads((tmp_path / "metrics.json").read_text())
+    assert merged["status"] == "failed"
+    assert merged["error"] == ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 134217728 bytes.")
+    assert merged["steps"] == 1 and merged["loss"] == 7.0
+    assert merged["missing_ranks"] == [1]
+    assert merged["peak_rss_mib"] > 0
+
+
+def test_monitor_flushes_periodically_while_running(tmp_path):
+    mon = MemoryMonitor(tmp_path, rank_info=Ranks(), interval_s=0.01, flush_interval_s=0.02).start()
+    try:
+        mon.step(samples=1, loss=1.0)
+        deadline = time.monotonic() + 5
+        while not metrics.rank_file(tmp_path, 0).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert json.loads(metrics.rank_file(tmp_path, 0).read_text())["status"] in ("running", "ok")
+    finally:
+        mon.stop()
+    assert not mon._thread.is_alive()
+
+
+def test_monitor_without_a_directory_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with MemoryMonitor(None, rank_info=Ranks()) as mon:
+        mon.step(samples=2, loss=0.5)
+    assert mon.result["steps"] == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_monitor_step_is_cheap():
+    # The goal is < 1 % of a step; a step here is tens of milliseconds, a mark must be microseconds.
+    mon = MemoryMonitor(None, rank_info=Ranks())
+    start = time.perf_counter()
+    for _ in range(10_000):
+        mon.step(samples=8, loss=1.0)
+    assert (time.perf_counter() - start) / 10_000 < 50e-6

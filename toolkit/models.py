@@ -1,0 +1,120 @@
+"""Reference models built from a transformers config, never downloaded.
+
+A model is named by a path to a config.json, a directory holding one, or the name
+of a shipped config in ``jobs/models/<name>.json`` (tiny-gpt2, tiny-bert, gpt2,
+bert-large, llama-7b). As a last resort a Hugging Face id already in the local
+cache is read offline. ``build_model`` turns the config into an untrained model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, UnknownNameError
+from .resources import data_dir
+
+TASKS = ("causal-lm", "seq-cls")
+
+
+def models_dir() -> Path:
+    """The directory of shipped model configs (``jobs/models``)."""
+    return data_dir("jobs") / "models"
+
+
+def shipped_models() -> list[str]:
+    """Names of the shipped model configs."""
+    return sorted(p.stem for p in models_dir().glob("*.json"))
+
+
+def load_model_config(name_or_path: str) -> dict[str, Any]:
+    """The config dict (with ``model_type``) for a path, a directory or a shipped name."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return _read_config(path)
+    if name_or_path.endswith(".json") or name_or_path.startswith(("/", ".", "~")):
+        raise ConfigError(f"model config {path} does not exist")
+    shipped = models_dir() / f"{name_or_path}.json"
+    if shipped.is_file():
+        return _read_config(shipped)
+    cached = _cached_hub_config(name_or_path)
+    if cached is not None:
+        return cached
+    raise UnknownNameError("model", name_or_path, shipped_models())
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model config {path} is not readable JSON: {exc}") from exc
+    if not isinstance(data, dict) or not data.get("model_type"):
+        raise ConfigError(f"model config {path} needs a 'model_type' key (a transformers config.json)")
+    return data
+
+
+def _cached_hub_config(model_id: str) -> dict[str, Any] | None:
+    """A Hugging Face config already in the local cache (offline; no download is tried)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_id, local_files_only=True).to_dict()
+    except Exception:  # noqa: BLE001 - not cached: the caller lists the shipped names
+        return None
+
+
+def transformers_config(cfg: dict[str, Any], task: str):
+    """A ``transformers.PretrainedConfig`` from a config dict, fitted for ``task``."""
+    from transformers import AutoConfig
+
+    check_task(task)
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type")
+    for key in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+        cfg.pop(key, None)
+    config = AutoConfig.for_model(model_type, **cfg)
+    if task == "causal-lm":
+        config.use_cache = False  # no KV cache in training; it only costs memory
+    if task == "seq-cls" and getattr(config, "pad_token_id", None) is None:
+        # Decoder classifiers find the last token through the pad id.
+        config.pad_token_id = getattr(config, "eos_token_id", None) or 0
+    return config
+
+
+def check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings allow (None: unbounded, e.g. RoPE without a limit)."""
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def build_model(config, task: str, attn_implementation: str = "sdpa", dtype=None):
+    """An untrained ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification`` from ``config``.
+
+    ``dtype`` (a torch dtype) builds the weights in that type directly (bf16-true).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    check_task(task)
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return auto.from_config(config, **kwargs)
+
+
+def count_parameters(model) -> int:
+    """Parameters of ``model`` (ZeRO-3 partitioned ones counted at full size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

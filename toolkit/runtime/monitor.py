@@ -1,0 +1,337 @@
+"""MemoryMonitor: what one rank used and how fast it trained, written to metrics files.
+
+Per rank it records torch's CUDA peaks (``max_memory_allocated``/``max_memory_reserved``,
+read once at the end: they are host-side counters), the device memory in use as
+pynvml sees it and the process RSS, both sampled by a background thread (~10 Hz),
+and the peak RSS the kernel kept (``ru_maxrss``). ``step(samples, loss)`` only reads
+the clock: the caller's ``loss.item()`` already synchronised the device, so the
+monitor adds no synchronisation of its own.
+
+Files: every rank writes ``<attempt_dir>/metrics/rank-<r>.json`` (also every few
+seconds while running, so a job killed by the host's OOM killer leaves what it saw);
+at a clean end rank 0 waits at a barrier and merges them into ``metrics.json``.
+When training raises, the rank records ``status: failed`` and the error's first line,
+merges what exists without waiting for the others, and the exception goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import metrics
+from .jobenv import MIB, Ranks, ranks as env_ranks
+
+SAMPLE_INTERVAL_S = 0.1
+FLUSH_INTERVAL_S = 5.0
+# A rank file written on another node may show up late on a shared filesystem.
+RANK_FILE_WAIT_S = 10.0
+
+
+class MemoryMonitor:
+    """Records one rank's memory and step times; a context manager or ``start()``/``stop()``.
+
+    ``attempt_dir``: where metrics go (None: record and print only, write nothing).
+    ``plan``: the plan dict echoed in metrics.json. ``warmup_steps``: steps left out
+    of the timing. ``device``: the torch device the rank trains on (``attach_device``
+    sets it later when it is chosen after the monitor starts).
+    """
+
+    def __init__(self, attempt_dir: str | os.PathLike | None = None, *, plan: Mapping[str, Any] | None = None,
+                 warmup_steps: int = 1, device: Any = None, rank_info: Ranks | None = None,
+                 interval_s: float = SAMPLE_INTERVAL_S, flush_interval_s: float = FLUSH_INTERVAL_S):
+        self.attempt_dir = Path(attempt_dir) if attempt_dir is not None else None
+        self.plan = dict(plan) if plan is not None else None
+        self.warmup_steps = warmup_steps
+        self.ranks = rank_info or env_ranks()
+        self.interval_s = interval_s
+        self.flush_interval_s = flush_interval_s
+        self.applied: dict[str, Any] = {}
+        self.durations_s: list[float] = []
+        self.samples: list[int] = []
+        self.loss: float | None = None
+        self._device = None
+        self._cuda_index: int | None = None
+        self._nvml = None  # (pynvml module, handle) when sampling device memory
+        self._driver: str | None = None
+        self._rss_peak = 0
+        self._device_used_peak = 0
+        self._proc = _psutil_process()
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_mark = time.perf_counter()
+        self._started = False
+        self._stopped = False
+        self.result: dict[str, Any] | None = None
+        self._host = socket.gethostname()
+        self._package_versions = metrics.versions()  # read once: package metadata costs milliseconds
+        if device is not None:
+            self.attach_device(device)
+
+    # -- life cycle --------------------------------------------------------------
+
+    def start(self) -> "MemoryMonitor":
+        """Start sampling in a background thread; returns self."""
+        if self._started:
+            return self
+        self._started = True
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="hpcmem-memory-monitor", daemon=True)
+        self._thread.start()
+        self._last_mark = time.perf_counter()
+        return self
+
+    def stop(self, error: BaseException | None = None) -> dict[str, Any] | None:
+        """Stop sampling and write the metrics files. Returns this rank's record.
+
+        With ``error`` the record says ``failed`` and the merge does not wait for the
+        other ranks. Without it, and with a process group, all ranks meet at a
+        barrier and rank 0 merges (its merged metrics are in ``self.result``).
+        """
+        if self._stopped:
+            return self.result
+        self._stopped = True
+        self._stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._sample()
+        record = self.record(metrics.STATUS_FAILED if error else metrics.STATUS_OK, error)
+        self._shutdown_nvml()
+        if self.attempt_dir is None:
+            self.result = record
+            return record
+        metrics.write_json_atomic(metrics.rank_file(self.attempt_dir, self.ranks.rank), record)
+        if error is None:
+            _barrier()
+            if self.ranks.is_main:
+                _wait_for_rank_files(self.attempt_dir, self.ranks.world_size)
+                self.result = metrics.collect(self.attempt_dir, self.ranks.world_size, self.plan)
+        else:
+            # Any failing rank merges: rank 0 may be stuck in a collective or already gone.
+            self.result = metrics.collect(self.attempt_dir, self.ranks.world_size, self.plan)
+        return record
+
+    def __enter__(self) -> "MemoryMonitor":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, SystemExit) and exc.code in (0, None):
+            exc = None
+        self.stop(exc)
+        return False  # never swallow the exception
+
+    # -- what training code calls ------------------------------------------------
+
+    def attach_device(self, device: Any) -> None:
+        """The torch device this rank trains on; starts pynvml sampling on a GPU."""
+        import torch
+
+        self._device = torch.device(device)
+        if self._device.type == "cuda":
+            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+            self._cuda_index = index
+            self._nvml = _nvml_handle(index)
+            if self._nvml is not None:
+                try:
+                    self._driver = _text(self._nvml[0].nvmlSystemGetDriverVersion())
+                except Exception:  # noqa: BLE001 - a missing figure, not a failure
+                    self._driver = None
+
+    def begin_steps(self) -> None:
+        """Restart the step clock (call right before the training loop)."""
+        self._last_mark = time.perf_counter()
+
+    def step(self, samples: int, loss: float) -> float:
+        """Mark the end of one optimizer step of ``samples`` samples on this rank; returns its seconds."""
+        now = time.perf_counter()
+        took = now - self._last_mark
+        self._last_mark = now
+        self.durations_s.append(took)
+        self.samples.append(int(samples))
+        self.loss = float(loss)
+        return took
+
+    def note(self, key: str, value: Any, reason: str | None = None) -> None:
+        """Record in metrics.json "applied" what the runtime did differently from the plan, and why.
+
+        ``applied[key] = value``; the reason goes to ``applied["reasons"][key]``.
+        """
+        self.applied[key] = value
+        if reason:
+            self.applied.setdefault("reasons", {})[key] = reason
+
+    @property
+    def steps(self) -> int:
+        return len(self.durations_s)
+
+    def peak_rss_mib(self) -> float:
+        """Peak resident memory of this process so far (MiB)."""
+        return max(_ru_maxrss_bytes(), self._rss_peak) / MIB
+
+    def peak_allocated_mib(self) -> float | None:
+        """torch.cuda.max_memory_allocated on this rank's GPU (MiB), None on CPU."""
+        if self._cuda_index is None:
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated(self._cuda_index) / MIB
+
+    def record(self, status: str = metrics.STATUS_RUNNING, error: BaseException | None = None) -> dict[str, Any]:
+        """This rank's record as the rank file holds it."""
+        summary = metrics.step_summary(list(self.durations_s), list(self.samples), self.warmup_steps)
+        reserved = None
+        if self._cuda_index is not None:
+            import torch
+
+            reserved = torch.cuda.max_memory_reserved(self._cuda_index) / MIB
+        record = {
+            "rank": self.ranks.rank,
+            "local_rank": self.ranks.local_rank,
+            "world_size": self.ranks.world_size,
+            "host": self._host,
+            "pid": os.getpid(),
+            "device": self._device.type if self._device is not None else "cpu",
+            "status": status,
+            "error": _first_line(error) if error is not None else None,
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+            "timed_steps": summary["timed_steps"],
+            "samples_per_s": summary["samples_per_s"],
+            "step_time_s": summary["step_time_s"],
+            "loss": self.loss,
+            "peak_allocated_mib": self.peak_allocated_mib(),
+            "peak_reserved_mib": reserved,
+            "device_used_mib": self._device_used_peak / MIB if self._nvml is not None else None,
+            "peak_rss_mib": self.peak_rss_mib(),
+            "applied": dict(self.applied),
+            "versions": self._versions(),
+        }
+        return record
+
+    # -- sampling ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_flush = time.monotonic()
+        while not self._stop_event.wait(self.interval_s):
+            self._sample()
+            if self.attempt_dir is not None and time.monotonic() - last_flush >= self.flush_interval_s:
+                last_flush = time.monotonic()
+                try:
+                    metrics.write_json_atomic(metrics.rank_file(self.attempt_dir, self.ranks.rank), self.record())
+                except Exception:  # noqa: BLE001 - a full disk must not kill training
+                    pass
+
+    def _sample(self) -> None:
+        if self._proc is not None:
+            try:
+                self._rss_peak = max(self._rss_peak, self._proc.memory_info().rss)
+            except Exception:  # noqa: BLE001
+                self._proc = None
+        if self._nvml is not None:
+            pynvml, handle = self._nvml
+            try:
+                self._device_used_peak = max(self._device_used_peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _shutdown_nvml(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml[0].nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _versions(self) -> dict[str, Any]:
+        out = dict(self._package_versions)
+        torch = sys.modules.get("torch")
+        out["cuda"] = getattr(getattr(torch, "version", None), "cuda", None) if torch else None
+        out["driver"] = self._driver
+        return out
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _ru_maxrss_bytes() -> int:
+    # Linux reports KiB, macOS bytes.
+    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return value if sys.platform == "darwin" else value * 1024
+
+
+def _psutil_process():
+    try:
+        import psutil
+
+        return psutil.Process()
+    except Exception:  # noqa: BLE001 - psutil is optional; ru_maxrss still gives the peak
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_handle(cuda_index: int):
+    """(pynvml, handle) for torch's CUDA device ``cuda_index``, or None when pynvml is missing or fails.
+
+    torch numbers devices after CUDA_VISIBLE_DEVICES; NVML numbers all of them, so
+    the device is found by UUID, falling back to the visible-devices list.
+    """
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+        for candidate in (uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}", uuid):
+            try:
+                return pynvml, pynvml.nvmlDeviceGetHandleByUUID(candidate)
+            except Exception:  # noqa: BLE001
+                continue
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        index = int(visible[cuda_index]) if cuda_index < len(visible) and visible[cuda_index].isdigit() else cuda_index
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+
+def _barrier() -> None:
+    """Wait for every rank when a process group exists (a failed barrier is not fatal here)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                import torch
+
+                dist.barrier(device_ids=[torch.cuda.current_device()])  # NCCL needs to know the device
+            else:
+                dist.barrier()
+    except Exception:  # noqa: BLE001 - merge what there is rather than lose the metrics
+        pass
+
+
+def _wait_for_rank_files(attempt_dir: Path, world_size: int) -> None:
+    deadline = time.monotonic() + RANK_FILE_WAIT_S
+    while time.monotonic() < deadline:
+        done = [metrics.rank_file(attempt_dir, r) for r in range(world_size)]
+        if all(p.exists() for p in done):
+            records = metrics.read_rank_files(attempt_dir)
+            if all(r.get("status") != metrics.STATUS_RUNNING for r in records):
+                return
+        time.sleep(0.1)

@@ -1,0 +1,570 @@
+"""The reference trainer: ``python -m toolkit.train --model NAME --task causal-lm|seq-cls``.
+
+It trains an untrained transformers model built from a config (toolkit/models.py,
+no downloads) on synthetic data like the classic benchmark: random token ids of the
+plan's ``seq_len`` and random labels. Inside an hpcmem job it takes the plan from
+``HPCMEM_PLAN``; outside it uses a single-node plan for the ranks it was started
+with. Hugging Face style flags (``--per_device_train_batch_size``,
+``--gradient_accumulation_steps``, ``--gradient_checkpointing``, ``--bf16``, ``--fp16``,
+``--deepspeed CONFIG``, ``--optim``) and ``--set knob=value`` override the plan, so the
+same command runs inside and outside hpcmem.
+
+Launch: plain ``python -m toolkit.train`` (one process), ``torchrun`` (DDP over nccl on
+CUDA, gloo on CPU), or for ``launcher=deepspeed`` either torchrun or the deepspeed
+launcher (``deepspeed --num_gpus N --module toolkit.train ...``; it passes
+``--local_rank``): ``deepspeed.initialize`` with the plan's ds_config, gloo on CPU
+with DS_ACCELERATOR=cpu.
+
+How each knob is applied:
+  micro_batch, grad_accum  samples per forward, micro-batches per optimizer step (DDP skips
+                           the all-reduce on all but the last: ``no_sync``)
+  precision                fp32; fp16-mixed = fp16 autocast + torch.amp.GradScaler (CUDA and
+                           CPU alike); bf16-mixed = bf16 autocast; bf16-true = weights built in
+                           bf16. Under DeepSpeed the engine does it: the plan's precision is
+                           written into the ds_config's fp16/bf16 sections (no autocast here).
+  optimizer                adamw = torch AdamW; adamw-8bit = bitsandbytes AdamW8bit (no
+                           substitute when it is missing: that would change what is learned,
+                           so the job fails saying so); adafactor = transformers Adafactor;
+                           sgd = SGD with momentum 0.9. A ds_config "optimizer" section (CPU
+                           offload of AdamW) makes DeepSpeed build its own (CPU) Adam.
+  checkpointing            ``model.gradient_checkpointing_enable`` (non-reentrant)
+  attention                attn_implementation eager / sdpa / flash_attention_2
+  zero_stage, offload_*    the ds_config; ZeRO-3 builds the model partitioned (zero.Init)
+  seq_len                  tokens per sample (refused when longer than the model's positions)
+  alloc_conf               PYTORCH_CUDA_ALLOC_CONF (set by the job script; set here if missing)
+  workers                  unused: batches are made in the training process, no data loader
+
+Where this machine cannot do what the plan says (decided per case):
+  attention=flash on CPU   runs sdpa and records it in metrics.json "applied": flash-attn
+                           kernels exist only for CUDA, and PyTorch's CPU sdpa already uses a
+                           fused flash-style kernel, so the memory behaviour is the nearest
+                           there is. On a GPU without the flash-attn package the job fails.
+  bf16-true on DeepSpeed   DeepSpeed's bf16 mode keeps fp32 master weights unless the
+                           config sets bf16_master_weights_and_grads; recorded in "applied".
+  bf16 on a GPU without it fails clearly (the plan should never ask for it).
+  fp16-mixed on CPU        really runs (CPU fp16 autocast and GradScaler exist in torch 2.13;
+                           DeepSpeed's CPU accelerator runs its fp16 engine).
+Failures exit non-zero with the real exception (an OOM keeps PyTorch's own message);
+configuration problems print one ``hpcmem: error:`` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import math
+import os
+import signal
+import socket
+import sys
+from typing import Any, Sequence
+
+from .errors import ConfigError, HpcmemError, PlanError
+from .plan import Plan, parse_sets, with_changes
+from .runtime import jobenv
+from .runtime.adapters import HF_ATTENTION
+from .runtime.monitor import MemoryMonitor
+
+# --optim values of HF TrainingArguments (and the plan's own names) -> plan optimizer.
+OPTIM_NAMES = {
+    "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+    "adamw-8bit": "adamw-8bit", "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
+    "adafactor": "adafactor", "sgd": "sgd",
+}
+
+
+DEFAULT_LR = 1e-4
+
+
+# -- command line -----------------------------------------------------------------
+
+def _bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m toolkit.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="config.json path, directory holding one, or jobs/models/<name>")
+    p.add_argument("--task", required=True, choices=("causal-lm", "seq-cls"))
+    p.add_argument("--steps", "--max_steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--warmup-steps", "--warmup_steps", type=int, default=1,
+                   help="first steps left out of the timing (default 1)")
+    p.add_argument("--lr", "--learning_rate", type=float, default=None,
+                   help=f"learning rate (default {DEFAULT_LR}; a DeepSpeed optimizer section keeps its own unless given)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--metrics-dir", default=None,
+                   help="where metrics go outside an hpcmem job (default: HPCMEM_ATTEMPT_DIR, else none)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KNOB=VALUE",
+                   help="override a plan knob (repeatable)")
+    hf = p.add_argument_group("Hugging Face style overrides (win over the plan when given)")
+    hf.add_argument("--per_device_train_batch_size", type=int)
+    hf.add_argument("--gradient_accumulation_steps", type=int)
+    hf.add_argument("--gradient_checkpointing", type=_bool, nargs="?", const=True)
+    hf.add_argument("--bf16", type=_bool, nargs="?", const=True)
+    hf.add_argument("--fp16", type=_bool, nargs="?", const=True)
+    hf.add_argument("--deepspeed", metavar="CONFIG", help="ds_config.json (sets launcher=deepspeed)")
+    hf.add_argument("--optim", choices=sorted(OPTIM_NAMES))
+    # The deepspeed launcher appends --local_rank=N; the environment has it too.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
+    return args
+
+
+# -- the plan ------------------------------------------------------------------------
+
+def default_plan(ranks: jobenv.Ranks) -> Plan:
+    """The plan outside hpcmem: the ranks we were started with, micro-batch 8, no accumulation."""
+    return Plan(nodes=ranks.nodes, gpus_per_node=ranks.world_size // ranks.nodes,
+                global_batch=8 * ranks.world_size, micro_batch=8, grad_accum=1)
+
+
+def plan_for_args(plan: Plan, args: argparse.Namespace, ds_cfg: dict[str, Any] | None = None) -> Plan:
+    """``plan`` changed by the command line: HF flags and ``--deepspeed`` first, then ``--set``.
+
+    HF flags are taken literally (the global batch follows from them); ``--set``
+    behaves as everywhere in hpcmem (a new micro-batch keeps the global batch).
+    """
+    changes = plan_overrides(args, ds_cfg)
+    if plan.precision == "bf16-true" and changes.get("precision") == "bf16-mixed":
+        changes.pop("precision")  # --bf16 and a ds_config's bf16 section cannot say bf16-true; keep the plan's
+    plan = apply_overrides(plan, changes)
+    sets = parse_sets(args.sets)
+    return with_changes(plan, sets) if sets else plan
+
+
+def plan_overrides(args: argparse.Namespace, ds_cfg: dict[str, Any] | None) -> dict[str, Any]:
+    """Knob changes asked for by HF-style flags and a ``--deepspeed`` config."""
+    changes: dict[str, Any] = {}
+    if ds_cfg is not None:
+        changes.update(plan_from_ds_config(ds_cfg))
+    if args.per_device_train_batch_size is not None:
+        changes["micro_batch"] = args.per_device_train_batch_size
+    if args.gradient_accumulation_steps is not None:
+        changes["grad_accum"] = args.gradient_accumulation_steps
+    if args.gradient_checkpointing is not None:
+        changes["checkpointing"] = args.gradient_checkpointing
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 cannot both be set")
+    if args.bf16:
+        changes["precision"] = "bf16-mixed"
+    elif args.fp16:
+        changes["precision"] = "fp16-mixed"
+    elif args.bf16 is False or args.fp16 is False:
+        changes.setdefault("precision", "fp32")
+    if args.optim is not None:
+        changes["optimizer"] = OPTIM_NAMES[args.optim]
+    return changes
+
+
+def plan_from_ds_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The knobs a user's ds_config.json sets (numbers only; "auto" leaves the plan's)."""
+    out: dict[str, Any] = {"launcher": "deepspeed"}
+    zero = cfg.get("zero_optimization") or {}
+    out["zero_stage"] = int(zero.get("stage", 0))
+    for key, knob in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
+        device = (zero.get(key) or {}).get("device", "none")
+        out[knob] = device if device in ("cpu", "nvme") else "none"
+    for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
+        if isinstance(cfg.get(key), int):
+            out[knob] = cfg[key]
+    if (cfg.get("fp16") or {}).get("enabled") is True:
+        out["precision"] = "fp16-mixed"
+    elif (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled") is True:
+        out["precision"] = "bf16-mixed"
+    return out
+
+
+def apply_overrides(plan: Plan, changes: dict[str, Any]) -> Plan:
+    """``plan`` with HF-style changes; the global batch becomes micro_batch x grad_accum x world_size."""
+    if not changes:
+        return plan
+    merged = {**plan.to_dict(), **changes}
+    merged.pop("world_size")
+    # HF semantics: the flags are taken literally, the global batch follows from them.
+    merged["global_batch"] = merged["micro_batch"] * merged["grad_accum"] * merged["nodes"] * merged["gpus_per_node"]
+    return Plan.from_dict(merged)
+
+
+def resolve_plan(args: argparse.Namespace, ranks: jobenv.Ranks) -> tuple[Plan, dict[str, Any] | None]:
+    """The plan of this run and, for the deepspeed launcher, its ds_config dict."""
+    user_ds = jobenv.ds_config(path=args.deepspeed) if args.deepspeed else None
+    plan = jobenv.load_plan() if jobenv.in_hpcmem_job() else default_plan(ranks)
+    plan = plan_for_args(plan, args, user_ds)
+    if plan.world_size != ranks.world_size:
+        raise PlanError(f"the plan has world_size {plan.world_size} (nodes {plan.nodes} x gpus_per_node "
+                        f"{plan.gpus_per_node}) but this job was started with {ranks.world_size} rank(s)")
+    if not plan.uses_deepspeed:
+        return plan, None
+    if user_ds is not None:
+        cfg = user_ds
+    elif jobenv.in_hpcmem_job() or os.environ.get(jobenv.ENV_DS_CONFIG):
+        cfg = jobenv.ds_config()
+    else:
+        from .dsconfig import deepspeed_config
+
+        import torch
+
+        # Outside hpcmem there is no partition: NVMe offload then needs --deepspeed CONFIG.
+        cfg = deepspeed_config(plan, nvme_path=None, gpu=torch.cuda.is_available())
+    return plan, fill_ds_config(cfg, plan, args.lr)
+
+
+def fill_ds_config(cfg: dict[str, Any], plan: Plan, lr: float | None = None) -> dict[str, Any]:
+    """A copy of ``cfg`` that says what the plan says, with every "auto" resolved.
+
+    The plan is the truth for batch sizes and precision (the fp16/bf16 sections are
+    switched to match it, their other settings kept); ``lr`` (when given) sets the
+    optimizer section's learning rate.
+    """
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg["train_batch_size"] = plan.global_batch
+    cfg["train_micro_batch_size_per_gpu"] = plan.micro_batch
+    cfg["gradient_accumulation_steps"] = plan.grad_accum
+    if cfg.get("gradient_clipping") == "auto":
+        cfg["gradient_clipping"] = 1.0
+    if "bfloat16" in cfg:  # DeepSpeed's older spelling
+        cfg["bf16"] = {**cfg.pop("bfloat16"), **(cfg.get("bf16") or {})}
+    want = PLAN_DS_PRECISION[plan.precision]
+    for section in ("fp16", "bf16"):
+        if section == want:
+            cfg[section] = {**(cfg.get(section) or {}), "enabled": True}
+        elif isinstance(cfg.get(section), dict):
+            cfg[section]["enabled"] = False
+    opt = cfg.get("optimizer")
+    if isinstance(opt, dict):
+        params = opt.setdefault("params", {})
+        defaults = {"lr": lr or DEFAULT_LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+        for key, value in list(params.items()):
+            if value == "auto":
+                params[key] = defaults.get(key)
+        if lr is not None:
+            params["lr"] = lr
+    return cfg
+
+
+PLAN_DS_PRECISION = {"fp32": "fp32", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+
+# -- machine decisions (pure) --------------------------------------------------------
+
+def choose_attention(attention: str, device_type: str, flash_installed: bool) -> tuple[str, str | None]:
+    """(attn_implementation to use, reason when it differs from the plan's)."""
+    if attention != "flash":
+        return HF_ATTENTION[attention], None
+    if device_type != "cuda":
+        return "sdpa", ("flash_attention_2 exists only for CUDA GPUs; on CPU PyTorch's sdpa (a fused "
+                        "flash-style kernel that never stores the attention matrix) is the nearest")
+    if not flash_installed:
+        raise HpcmemError("attention=flash needs the flash-attn package on this GPU node "
+                          "(pip install flash-attn), or set attention=sdpa")
+    return "flash_attention_2", None
+
+
+# -- the run -------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ranks = jobenv.ranks()
+    out_dir = jobenv.attempt_dir(required=False) or args.metrics_dir
+    monitor = MemoryMonitor(out_dir, warmup_steps=args.warmup_steps, rank_info=ranks)
+    signal.signal(signal.SIGTERM, _raise_terminated)  # so metrics.json says how the job ended
+    try:
+        with monitor:
+            plan, ds_cfg = resolve_plan(args, ranks)
+            monitor.plan = plan.to_dict()
+            if plan.alloc_conf and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+                # Normally the job script sets it; CUDA's allocator reads it at its first use.
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = plan.alloc_conf
+            Trainer(args, plan, ds_cfg, ranks, monitor).run()
+    except HpcmemError as exc:
+        print(f"hpcmem: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Terminated as exc:
+        print(f"hpcmem: {exc}; stopped", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
+    finally:
+        _destroy_process_group()
+    return 0
+
+
+class Trainer:
+    """One rank's training run for a plan (built step by step, then ``run``)."""
+
+    def __init__(self, args, plan: Plan, ds_cfg: dict[str, Any] | None, ranks: jobenv.Ranks, monitor: MemoryMonitor):
+        self.args, self.plan, self.ds_cfg, self.ranks, self.monitor = args, plan, ds_cfg, ranks, monitor
+
+    def log(self, text: str) -> None:
+        if self.ranks.is_main:
+            print(text, flush=True)
+
+    def run(self) -> None:
+        import torch
+
+        from . import models
+
+        plan, args = self.plan, self.args
+        device = self.setup_distributed()
+        self.monitor.attach_device(device)
+        cap = jobenv.apply_gpu_memory_cap(device)
+        if cap:
+            self.monitor.note("gpu_memory_fraction", cap["memory_fraction"],
+                              f"HPCMEM_GPU_MEM_GIB={cap['gpu_mem_gib']} on a {cap['card_gib']} GiB card")
+        self.check_precision(device)
+        if plan.optimizer == "adamw-8bit":
+            import_bitsandbytes()  # fail before building a large model, not after
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+
+        config = models.transformers_config(models.load_model_config(args.model), args.task)
+        limit = models.max_positions(config)
+        if limit is not None and plan.seq_len > limit:
+            raise PlanError(f"seq_len {plan.seq_len} is longer than the model's {limit} positions")
+        attn, why = choose_attention(plan.attention, device.type, importlib.util.find_spec("flash_attn") is not None)
+        if why:
+            self.monitor.note("attention", "sdpa", why)
+        model = self.build_model(config, attn)
+        if plan.checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.log(f"hpcmem train: {config.model_type} {models.count_parameters(model) / 1e6:.1f}M params, "
+                 f"task {args.task}, {plan.launcher} x{self.ranks.world_size} on {device.type}, "
+                 f"micro_batch {plan.micro_batch} x grad_accum {plan.grad_accum} (global {plan.global_batch}), "
+                 f"seq_len {plan.seq_len}, {plan.precision}, {plan.optimizer}, attention {attn}"
+                 + (f", ZeRO-{plan.zero_stage}" if plan.uses_deepspeed else "")
+                 + (", checkpointing" if plan.checkpointing else ""))
+        batches = SyntheticBatches(config, args.task, plan.micro_batch, plan.seq_len, device,
+                                   seed=args.seed + 1000 * self.ranks.rank)
+        if plan.uses_deepspeed:
+            self.train_deepspeed(model, batches)
+        else:
+            self.train_torch(model, batches, device)
+
+    # -- set-up --
+
+    def setup_distributed(self):
+        import torch
+        import torch.distributed as dist
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(self.ranks.local_rank)
+        device = torch.device("cuda", self.ranks.local_rank) if cuda else torch.device("cpu")
+        if self.plan.uses_deepspeed:
+            _single_process_rendezvous()
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        elif self.ranks.world_size > 1:
+            dist.init_process_group(backend="nccl" if cuda else "gloo")
+        return device
+
+    def check_precision(self, device) -> None:
+        import torch
+
+        wants_bf16 = self.plan.precision in ("bf16-mixed", "bf16-true")
+        if wants_bf16 and device.type == "cuda" and not _gpu_has_bf16(torch):
+            raise PlanError(f"precision={self.plan.precision}: this GPU ({torch.cuda.get_device_name(device)}) "
+                            "has no bf16; use fp16-mixed")
+        if self.ds_cfg is not None:
+            if self.plan.precision == "bf16-true" and not self.ds_cfg["bf16"].get("bf16_master_weights_and_grads"):
+                self.monitor.note("precision", "bf16-mixed",
+                                  "DeepSpeed's bf16 mode keeps fp32 master weights unless the config sets "
+                                  "bf16_master_weights_and_grads")
+
+    def build_model(self, config, attn: str):
+        import torch
+
+        from . import models
+
+        dtype = torch.bfloat16 if self.plan.precision == "bf16-true" and not self.plan.uses_deepspeed else None
+        if self.plan.uses_deepspeed and self.plan.zero_stage == 3:
+            # Build partitioned (and offloaded) from the start: transformers wraps
+            # from_config in deepspeed.zero.Init while an HfDeepSpeedConfig is alive.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_cfg)  # must outlive the model's construction
+            return models.build_model(config, self.args.task, attn)
+        model = models.build_model(config, self.args.task, attn, dtype=dtype)
+        return model
+
+    def make_optimizer(self, params):
+        import torch
+
+        name, lr = self.plan.optimizer, self.args.lr or DEFAULT_LR
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if name == "adafactor":
+            from transformers.optimization import Adafactor
+
+            return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+        if name == "adamw-8bit":
+            return import_bitsandbytes().optim.AdamW8bit(params, lr=lr)
+        raise PlanError(f"unknown optimizer {name!r}")
+
+    # -- loops --
+
+    def train_torch(self, model, batches: "SyntheticBatches", device) -> None:
+        import torch
+
+        plan = self.plan
+        model.to(device)
+        optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        ddp = self.ranks.world_size > 1
+        if ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        autocast = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(plan.precision)
+        scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16-mixed" else None
+        model.train()
+        self.monitor.begin_steps()
+        for step in range(1, self.args.steps + 1):
+            total = torch.zeros((), device=device)
+            for micro in range(plan.grad_accum):
+                last = micro == plan.grad_accum - 1
+                sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
+                with sync:
+                    with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
+                        loss = model(**batches.next()).loss / plan.grad_accum
+                    (scaler.scale(loss) if scaler else loss).backward()
+                total += loss.detach().float()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.end_step(step, total.item())
+
+    def train_deepspeed(self, model, batches: "SyntheticBatches") -> None:
+        import deepspeed
+        import torch
+
+        cfg = self.ds_cfg
+        if "optimizer" in cfg:  # DeepSpeed builds its own (CPU) Adam for offload
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                              config=cfg)
+        else:
+            optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
+            # ZeRO refuses client optimizers it has not tested (SGD, Adafactor, 8-bit AdamW)
+            # without this flag; HF Trainer and Accelerate set it the same way.
+            cfg = {**cfg, "zero_allow_untested_optimizer": True}
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+        batches.device = engine.device
+        engine.train()
+        self.monitor.begin_steps()
+        for step in range(1, self.args.steps + 1):
+            total = torch.zeros((), device=engine.device)
+            for _ in range(self.plan.grad_accum):
+                loss = engine(**batches.next()).loss
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().float()
+            self.end_step(step, total.item() / self.plan.grad_accum)
+
+    def end_step(self, step: int, loss: float) -> None:
+        plan = self.plan
+        took = self.monitor.step(samples=plan.micro_batch * plan.grad_accum, loss=loss)
+        if not self.ranks.is_main:
+            return
+        line = (f"step {step}/{self.args.steps} loss {loss:.4g} "
+                f"samples/s {plan.global_batch / took if took > 0 else math.inf:.1f} "
+                f"peak_rss {self.monitor.peak_rss_mib():.0f} MiB")
+        allocated = self.monitor.peak_allocated_mib()
+        if allocated is not None:
+            line += f" peak_alloc {allocated:.0f} MiB"
+        print(line, flush=True)
+
+
+class SyntheticBatches:
+    """Random token ids of a fixed length and random labels, like the classic benchmark."""
+
+    def __init__(self, config, task: str, micro_batch: int, seq_len: int, device, seed: int):
+        import torch
+
+        self.vocab = int(config.vocab_size)
+        self.num_labels = int(getattr(config, "num_labels", 2) or 2)
+        self.task, self.micro_batch, self.seq_len, self.device = task, micro_batch, seq_len, device
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> dict[str, Any]:
+        import torch
+
+        ids = torch.randint(0, self.vocab, (self.micro_batch, self.seq_len), generator=self.generator)
+        if self.task == "causal-lm":
+            labels = ids
+        else:
+            labels = torch.randint(0, self.num_labels, (self.micro_batch,), generator=self.generator)
+        return {"input_ids": ids.to(self.device, non_blocking=True), "labels": labels.to(self.device, non_blocking=True)}
+
+
+def _gpu_has_bf16(torch) -> bool:
+    # torch >= 2.3 counts V100's slow emulation as support unless told not to.
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:
+        return torch.cuda.is_bf16_supported()
+
+
+class Terminated(BaseException):
+    """SIGTERM (Slurm's time limit, scancel, torchrun tearing down): ends training like an error."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"received signal {signal.Signals(signum).name}")
+
+
+def import_bitsandbytes():
+    """bitsandbytes for optimizer=adamw-8bit, or an error saying it is missing (never a substitute)."""
+    try:
+        import bitsandbytes
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken CUDA set-up inside bitsandbytes
+        first = str(exc).strip().splitlines()
+        raise HpcmemError(f"optimizer=adamw-8bit needs bitsandbytes, which cannot be imported here "
+                          f"({type(exc).__name__}: {first[0] if first else ''}); hpcmem does not substitute "
+                          "another optimizer (pip install bitsandbytes, or set optimizer=adamw or adafactor)") from exc
+    return bitsandbytes
+
+
+def _single_process_rendezvous() -> None:
+    """Launcher variables for a DeepSpeed run started without a launcher (one process)."""
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def _destroy_process_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - tearing down after a failure must not hide it
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
