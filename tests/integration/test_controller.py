@@ -235,3 +235,26 @@ def test_detach_locally_runs_a_background_watcher(tmp_path):
     view = wait_for_end(run["run_id"], tmp_path)
     assert view["state"] == "succeeded" and len(view["attempts"]) >= 2
     assert view["attempts"][0]["verdict"]["kind"] == "cpu_alloc_oom"
+
+
+@pytest.mark.slurm
+def test_a_job_slurm_forgot_is_marked_lost_not_retried(slurm_cluster, tmp_path):
+    """A job id the scheduler never heard of (or forgot) becomes LOST after HPCMEM_LOST_AFTER_S."""
+    from toolkit import controller, runs
+    from toolkit.jobspec import load_spec
+    from toolkit.sites import load_site
+
+    site = load_site("testcluster")
+    part = site.partition("cpu")
+    spec = load_spec(mem_spec(tmp_path))
+    with runs.open_ledger(tmp_path) as ledger:
+        run = runs.create_run(ledger, spec, site, part, spec.first_plan(part), home=tmp_path)
+        ledger.update_attempt(run.run_id, 1, state="PENDING", job_id="987654", submitted=time.time() - 10)
+        assert controller.tick(ledger, run.run_id).state == "running"  # not yet: Slurm may just be slow
+        controller.LOST_AFTER_S = 5
+        try:
+            after = controller.tick(ledger, run.run_id)
+        finally:
+            controller.LOST_AFTER_S = 900
+        assert after.state == "failed" and "no longer knows job 987654" in after.reason
+        assert ledger.attempts(run.run_id)[0].state == "LOST"
