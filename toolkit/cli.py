@@ -230,6 +230,28 @@ def triage(logs, as_json) -> None:
         click.echo(f"  {line_no if line_no is not None else '?':>6}: {text}")
 
 
+@main.command()
+@_site_opt
+@_partition_opt
+@_json_opt
+@click.pass_context
+def calibrate(ctx, site, partition, as_json) -> None:
+    """Measure a partition (GPU, CUDA context, bf16/flash, host memory, NVMe) and keep it beside the site profile."""
+    from .calibrate import calibration_path, run_probe, write_calibration
+    from .resources import home_dir
+
+    site_obj = load_site(site, ctx.obj["sites_dirs"])
+    part = site_obj.partition(partition)
+    measured = run_probe(site_obj, part, home_dir() / "calibration" / "jobs")
+    path = write_calibration(calibration_path(site_obj, home_dir()), part.name, measured)
+    if as_json:
+        _emit_json({"site": site_obj.name, "partition": part.name, "file": str(path), "measured": measured})
+        return
+    click.echo(f"calibrated {site_obj.name}:{part.name} -> {path}")
+    for key, value in measured.items():
+        click.echo(f"  {key:<18} {value}")
+
+
 def entry() -> None:
     """Console-script entry: HpcmemError -> one line and a non-zero exit."""
     try:

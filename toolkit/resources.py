@@ -7,6 +7,7 @@ setup.py), so a non-editable install finds them there.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -21,3 +22,8 @@ def data_dir(name: str) -> Path:
     if installed.is_dir():
         return installed
     return _PACKAGE.parent / name
+
+
+def home_dir() -> Path:
+    """Where hpcmem keeps its state: ``$HPCMEM_HOME`` or ``~/.hpcmem``."""
+    return Path(os.environ.get("HPCMEM_HOME") or Path.home() / ".hpcmem").expanduser()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import secrets
 import shutil
 import time
@@ -22,14 +21,10 @@ from .backends.base import FINISHED_STATES
 from .jobspec import JobSpec, load_spec
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
+from .resources import home_dir
 from .sites import Partition, Site, load_site_file
 
 TERMINAL_RUN_STATES = ("succeeded", "failed", "gave_up", "cancelled")
-
-
-def home_dir() -> Path:
-    """Where hpcmem keeps its state: ``$HPCMEM_HOME`` or ``~/.hpcmem``."""
-    return Path(os.environ.get("HPCMEM_HOME") or Path.home() / ".hpcmem").expanduser()
 
 
 def open_ledger(home: Path | None = None) -> Ledger:

@@ -9,6 +9,7 @@ GPU capabilities (bf16, tf32, flash attention) are derived from the GPU model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Iterable
 from . import detect
 from .errors import ConfigError, PlanError, UnknownNameError
 from .plan import Plan
-from .resources import data_dir
+from .resources import data_dir, home_dir
 from .schema import load_schema, load_yaml, validate
 
 # (substring of the GPU model, bf16, tf32, flash attention). Volta and Turing have
@@ -80,6 +81,10 @@ class Partition:
     env: tuple[tuple[str, str], ...] = ()
     default_mem_mib: int | None = None
     description: str = ""
+    allocator_overhead_frac: float | None = None
+    """Caching-allocator memory reserved beyond peak allocated, as a fraction (measured; None: the estimator's default)."""
+    calibrated: bool = False
+    """Values were measured on the partition (``hpcmem calibrate``) and applied over the profile."""
 
     @property
     def has_gpu(self) -> bool:
@@ -183,7 +188,42 @@ def load_site_file(path: Path) -> Site:
     parts = {pname: _partition(doc["site"], pname, raw, path) for pname, raw in doc["partitions"].items()}
     if not parts:
         raise ConfigError(f"{path}: partitions: at least one partition is needed")
+    measured = load_calibration(path)
+    parts = {name: apply_calibration(p, measured.get(name)) for name, p in parts.items()}
     return Site(doc["site"], doc["scheduler"], path, parts, doc.get("description", ""))
+
+
+def calibration_files(site_path: Path) -> list[Path]:
+    """Where ``hpcmem calibrate`` may have written this site's measurements (later files win)."""
+    name = f"{site_path.stem}.calibration.yaml"
+    return [site_path.with_name(name), home_dir() / "calibration" / name]
+
+
+def load_calibration(site_path: Path) -> dict[str, dict]:
+    """Measured values per partition name (empty when the site was never calibrated)."""
+    out: dict[str, dict] = {}
+    for path in calibration_files(site_path):
+        if path.is_file():
+            doc = load_yaml(path) or {}
+            if not isinstance(doc.get("partitions"), dict):
+                raise ConfigError(f"{path}: partitions: expected a mapping of partition name to measurements")
+            for name, values in doc["partitions"].items():
+                out.setdefault(name, {}).update(values or {})
+    return out
+
+
+def apply_calibration(part: Partition, measured: dict | None) -> Partition:
+    """The partition with measured values over the profile's (GPU values only when a GPU was seen)."""
+    if not measured:
+        return part
+    changes: dict = {"calibrated": True}
+    if part.has_gpu and measured.get("gpus"):
+        for key in ("gpu_mem_gib", "cuda_context_mib", "bf16", "flash_attention"):
+            if measured.get(key) is not None:
+                changes[key] = measured[key]
+    if measured.get("allocator_overhead_frac") is not None:
+        changes["allocator_overhead_frac"] = float(measured["allocator_overhead_frac"])
+    return dataclasses.replace(part, **changes)
 
 
 def all_sites(extra: Iterable[str | Path] = ()) -> list[Site]:

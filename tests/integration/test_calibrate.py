@@ -1,0 +1,53 @@
+"""hpcmem calibrate: a real probe job on the Slurm test cluster (submitit) and locally; the site then uses it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolkit import sites
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hpcmem(*args, home):
+    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HPCMEM_HOME": str(home)}, cwd=REPO)
+
+
+@pytest.mark.slurm
+def test_calibrate_runs_a_probe_job_and_keeps_the_result(slurm_cluster, tmp_path, monkeypatch):
+    result = hpcmem("calibrate", "--site", "testcluster", "--partition", "a100", "--json", home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["measured"]["host_mem_gib"] > 0 and out["measured"]["nvme_free_gib"] > 0
+    assert out["measured"]["gpus"] == 0  # the test cluster's GPUs are dummy devices: nothing to measure
+    path = Path(out["file"])
+    assert path == tmp_path / "calibration" / "testcluster.calibration.yaml"  # never inside the installation
+    assert yaml.safe_load(path.read_text())["partitions"]["a100"]["host"]
+    monkeypatch.setenv("HPCMEM_HOME", str(tmp_path))
+    part = sites.load_site("testcluster").partition("a100")
+    assert part.calibrated and part.gpu_mem_gib == 40  # no GPU seen: the profile's GPU values stay
+
+
+def test_measured_gpu_values_replace_the_profile(tmp_path, monkeypatch):
+    """A calibration file as a GPU node writes it (literal values; no GPU here) is applied over the profile."""
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "example-hpc.calibration.yaml").write_text(yaml.safe_dump({"partitions": {
+        "a100-40gb": {"gpus": 4, "gpu_mem_gib": 39.4, "cuda_context_mib": 611.0, "bf16": True,
+                      "flash_attention": True, "allocator_overhead_frac": 0.06}}}))
+    monkeypatch.setenv("HPCMEM_HOME", str(tmp_path))
+    site = sites.load_site("example-hpc")
+    a100, v100 = site.partition("a100-40gb"), site.partition("v100-16gb")
+    assert (a100.calibrated, a100.gpu_mem_gib, a100.cuda_context_mib, a100.allocator_overhead_frac) == (True, 39.4, 611.0, 0.06)
+    assert not v100.calibrated and v100.cuda_context_mib == 420
+
+
+def test_local_calibration_is_in_process(tmp_path):
+    result = hpcmem("calibrate", "--site", "local", "--json", home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["measured"]["host_mem_gib"] > 0

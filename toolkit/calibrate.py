@@ -1,0 +1,132 @@
+"""Calibration: measure a partition for real and keep the numbers beside its site profile.
+
+``hpcmem calibrate --site S --partition P`` runs ``probe`` on the partition (a
+Python function submitted through submitit on Slurm; in-process for the local
+site) and writes what it measured to ``<site>.calibration.yaml`` beside the site
+profile (or under ``$HPCMEM_HOME/calibration/`` when that directory is not
+writable). ``sites.load_site_file`` applies it: the estimator then uses the
+measured CUDA context and allocator overhead instead of the profile's guesses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SchedulerError
+from .render import write_atomic
+from .resources import data_dir
+from .sites import Partition, Site
+
+CALIBRATION_KEYS = ("gpu_model", "gpu_mem_gib", "gpus", "cuda_context_mib", "bf16", "flash_attention", "host_mem_gib",
+                    "nvme_free_gib", "allocator_overhead_frac")
+"""What a calibration file may set per partition (anything else in the file is kept but not applied)."""
+
+
+def probe(nvme_path: str | None = None) -> dict[str, Any]:
+    """Measure the node this runs on: GPU, CUDA context, bf16/flash support, host memory, NVMe free space."""
+    out: dict[str, Any] = {"host": os.uname().nodename, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "host_mem_gib": _host_mem_gib()}
+    if nvme_path:
+        try:
+            out["nvme_free_gib"] = round(shutil.disk_usage(nvme_path).free / 2**30, 1)
+        except OSError as exc:
+            out["nvme_error"] = f"{nvme_path}: {exc.strerror or exc}"
+    out.update(_gpu_probe())
+    return out
+
+
+def _gpu_probe() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError:
+        return {"gpus": 0, "note": "torch is not installed on the node: GPU not probed"}
+    out: dict[str, Any] = {"torch": str(torch.__version__)}
+    if not torch.cuda.is_available():
+        return {**out, "gpus": 0}
+    before = _nvml_used_mib()
+    torch.zeros(1, device="cuda")  # creates the context
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # loads cuBLAS and its workspace
+    torch.cuda.synchronize()
+    after = _nvml_used_mib()
+    props = torch.cuda.get_device_properties(0)
+    out.update({
+        "gpus": torch.cuda.device_count(), "gpu_model": props.name,
+        "gpu_mem_gib": round(props.total_memory / 2**30, 1),
+        "bf16": bool(torch.cuda.is_bf16_supported()),
+        "flash_attention": props.major >= 8,
+        "cuda": str(torch.version.cuda),
+    })
+    if before is not None and after is not None:
+        out["cuda_context_mib"] = round(after - before - torch.cuda.memory_reserved() / 2**20, 1)
+    return out
+
+
+def _nvml_used_mib() -> float | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / 2**20
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML: the context is then not measured
+        return None
+
+
+def _host_mem_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    return 0.0
+
+
+def run_probe(site: Site, partition: Partition, folder: Path, timeout_min: int = 10) -> dict[str, Any]:
+    """Run ``probe`` on the partition and return what it measured."""
+    if site.scheduler == "local":
+        return probe(partition.nvme_path)
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    params: dict[str, Any] = {"slurm_partition": partition.slurm_partition, "timeout_min": timeout_min,
+                              "cpus_per_task": 1, "slurm_mem": "2G", "name": f"hpcmem-calibrate.{partition.name}"}
+    if partition.has_gpu:
+        params["slurm_gres"] = f"gpu:{partition.gres_type}:1" if partition.gres_type else "gpu:1"
+    for key, value in (("slurm_account", partition.account), ("slurm_qos", partition.qos),
+                       ("slurm_constraint", partition.constraint)):
+        if value:
+            params[key] = value
+    executor.update_parameters(**params)
+    try:
+        job = executor.submit(probe, partition.nvme_path)
+        return job.result()
+    except Exception as exc:  # submitit wraps sbatch failures and the job's own exception
+        lines = str(exc).strip().splitlines()
+        raise SchedulerError(f"calibration probe on {site.name}:{partition.name} failed: {lines[-1] if lines else exc}") from exc
+
+
+def calibration_path(site: Site, home: Path) -> Path:
+    """Beside the site profile when it is a site's own (writable) directory; for the profiles shipped with
+    hpcmem, or a read-only directory, under $HPCMEM_HOME/calibration/ (never inside the installation)."""
+    beside = site.path.with_name(f"{site.name}.calibration.yaml")
+    shipped = site.path.parent.resolve() == data_dir("site_configs").resolve()
+    if not shipped and os.access(site.path.parent, os.W_OK):
+        return beside
+    return home / "calibration" / beside.name
+
+
+def write_calibration(path: Path, partition: str, measured: dict[str, Any]) -> Path:
+    """Merge one partition's measurements into the calibration file (other partitions are kept)."""
+    data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    data = data or {"partitions": {}}
+    data.setdefault("partitions", {})[partition] = measured
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, "# Written by `hpcmem calibrate`: measured values, applied over the site profile.\n"
+                 + yaml.safe_dump(data, sort_keys=True))
+    return path
