@@ -1,0 +1,449 @@
+"""The traced estimator: a fake-tensor training step against the same step on real tensors.
+
+Accuracy, and why these tolerances:
+- The fake trace and the same trace on real CPU tensors must agree: same operators, same
+  output sizes, same lifetimes. This checks the fake tensors (and the transformers mask
+  path, see traced._unpacked_batches). They agree to the byte except where a meta kernel
+  differs from the CPU kernel: native_layer_norm's meta kernel returns 16-bit mean/rstd
+  for a 16-bit input, the CPU kernel fp32 (2 x 4 bytes per token and layer norm):
+  META_TOLERANCE.
+- The reference is the plain step with nothing watching (traced.run_training_steps) and
+  the CPU allocator's own count of live bytes (the profiler's memory events). The trace
+  may only fall short, by buffers kernels allocate below the dispatcher that no tensor
+  count can see: oneDNN's scratch in bf16 GEMMs (up to 0.23 MiB here), the RNG state
+  checkpointing saves per layer (5 KiB). These are fixed sizes per call, not a share of
+  the model, so the tolerance is SCRATCH_TOLERANCE bytes or 1 %, whichever is larger; on
+  most cases here the trace is exact. On a GPU the matching cuBLAS workspace belongs to
+  the partition's calibrated cuda_context.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from toolkit import models  # noqa: E402
+from toolkit.errors import ConfigError, PlanError  # noqa: E402
+from toolkit.estimate import COMPONENTS, Estimate  # noqa: E402
+from toolkit.estimate.traced import (  # noqa: E402
+    CATEGORIES, HOST_BUFFER_FACTOR, MIB, PHASES, Trace, TracedModel, _device_behaviour, estimate_traced,
+    run_training_steps, shard, trace_training,
+)
+from toolkit.plan import Plan  # noqa: E402
+from toolkit.sites import Partition  # noqa: E402
+
+SCRATCH_TOLERANCE = MIB // 2
+META_TOLERANCE = 16 * 1024
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Real CPU steps on one thread: OpenMP spinning on a shared 2-core machine is 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def plan(**knobs) -> Plan:
+    base = {"micro_batch": 2, "global_batch": 2, "seq_len": 64}
+    base.update(knobs)
+    if "global_batch" not in knobs:
+        base["global_batch"] = base["micro_batch"] * base.get("grad_accum", 1) * base.get("gpus_per_node", 1)
+    return Plan(**base)
+
+
+def config(name: str, **changes) -> dict:
+    return {**models.load_model_config(name), **changes}
+
+
+@functools.lru_cache(maxsize=None)
+def traced(name: str, task: str, target: str, **knobs) -> Trace:
+    """A trace of a shipped model, shared between tests (a Trace is immutable)."""
+    return trace_training(config(name), task, plan(**knobs), target=target)
+
+
+def peak_bytes(trace: Trace) -> float:
+    return sum(trace.peak()[1].values())
+
+
+def allocator_peak(run):
+    """(highest sum of live CPU allocations while ``run()`` runs, its result), from the profiler's memory events."""
+    from torch._C._profiler import _EventType
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        result = run()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak, result
+
+
+def gpu_partition(**changes) -> Partition:
+    values = dict(site="t", name="gpu", slurm_partition="gpu", gpu_model="NVIDIA A100-SXM4-40GB", gpu_mem_gib=40.0,
+                  gpus_per_node=4, cpus_per_node=32, host_mem_gib=256.0, nvme_path=None, nvme_gib=0.0,
+                  max_time_min=600, cuda_context_mib=500.0, bf16=True, tf32=True, flash_attention=True)
+    values.update(changes)
+    return Partition(**values)
+
+
+def cpu_partition(**changes) -> Partition:
+    values = dict(site="t", name="cpu", slurm_partition="cpu", gpu_model=None, gpu_mem_gib=0.0, gpus_per_node=0,
+                  cpus_per_node=4, host_mem_gib=16.0, nvme_path=None, nvme_gib=0.0, max_time_min=600,
+                  cuda_context_mib=0.0, bf16=True, tf32=False, flash_attention=False, default_mem_mib=12288)
+    values.update(changes)
+    return Partition(**values)
+
+
+# -- against real tensors -------------------------------------------------------------------
+
+REAL_CASES = [
+    ("tiny-gpt2", "causal-lm", {}),
+    ("tiny-gpt2", "causal-lm", {"precision": "bf16-mixed", "checkpointing": True}),
+    ("tiny-gpt2", "causal-lm", {"attention": "eager", "optimizer": "sgd", "launcher": "deepspeed"}),
+    ("tiny-gpt2", "causal-lm", {"micro_batch": 1, "grad_accum": 2, "optimizer": "adafactor"}),
+    ("tiny-bert", "seq-cls", {"precision": "bf16-true", "optimizer": "adamw-8bit"}),
+    ("tiny-bert", "causal-lm", {"precision": "fp16-mixed", "attention": "eager"}),
+]
+
+
+def assert_close_to_real(fake: Trace, real: Trace, allocator_bytes: int) -> None:
+    assert abs(peak_bytes(fake) - peak_bytes(real)) <= META_TOLERANCE  # fake tensors behave like real ones
+    assert fake.step_ends == real.step_ends
+    short = allocator_bytes - peak_bytes(real)
+    assert 0 <= short <= max(SCRATCH_TOLERANCE, 0.01 * allocator_bytes)
+
+
+@pytest.mark.parametrize("name,task,knobs", REAL_CASES, ids=lambda v: v if isinstance(v, str) else repr(v))
+def test_trace_matches_the_same_step_on_real_tensors(name, task, knobs):
+    p = plan(**{"micro_batch": 4, "seq_len": 128, **knobs})
+    fake = trace_training(config(name), task, p, target="cpu")
+    real = trace_training(config(name), task, p, target="cpu", fake=False)
+    allocator_bytes, _ = allocator_peak(lambda: run_training_steps(config(name), task, p))
+    assert_close_to_real(fake, real, allocator_bytes)
+
+
+def test_model_factory_matches_real_tensors_and_arithmetic():
+    def factory():
+        module = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+        def make_batch(micro_batch, seq_len):
+            return torch.randn(micro_batch, seq_len, 256)
+
+        return module, make_batch, lambda out, batch: (out - batch).pow(2).mean()
+
+    p = plan(micro_batch=4, seq_len=32)
+    fake = trace_training(None, "any", p, target="cpu", model_factory=factory)
+    real = trace_training(None, "any", p, target="cpu", model_factory=factory, fake=False)
+    allocator_bytes, _ = allocator_peak(lambda: run_training_steps(None, "any", p, model_factory=factory))
+    assert_close_to_real(fake, real, allocator_bytes)
+    n = 256 * 1024 + 1024 + 1024 * 256 + 256
+    assert fake.n_params == n
+    # Steady state: fp32 weights, AdamW's two moments and one step counter per tensor.
+    assert fake.step_ends[-1]["params"] == 4 * n
+    assert fake.step_ends[-1]["optimizer"] == 8 * n + 4 * 4
+
+
+def test_traces_repeat_exactly():
+    p = plan(precision="bf16-mixed")
+    first = trace_training(config("tiny-gpt2"), "causal-lm", p, target="cuda")
+    again = trace_training(config("tiny-gpt2"), "causal-lm", p, target="cuda")
+    assert first.samples == again.samples
+
+
+# -- steps, phases, the plan's knobs ----------------------------------------------------------
+
+def phase_max(trace: Trace, step: int, phase: str, category: str) -> int:
+    index = CATEGORIES.index(category) + 2
+    return max(s[index] for s in trace.samples if s[0] == step and s[1] == PHASES.index(phase))
+
+
+def test_first_step_has_no_optimizer_state_second_step_does():
+    trace = traced("tiny-gpt2", "causal-lm", "cpu")
+    assert phase_max(trace, 0, "forward", "optimizer") == 0
+    assert phase_max(trace, 0, "backward", "optimizer") == 0
+    assert phase_max(trace, 1, "forward", "optimizer") == trace.step_ends[0]["optimizer"] > 0
+    assert phase_max(trace, 1, "forward", "grads") == 0  # zero_grad(set_to_none=True)
+    assert len(trace.step_ends) == 2
+
+
+def n_tensors(name: str) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        module = models.build_model(models.transformers_config(config(name), "causal-lm"), "causal-lm")
+    return len(list(module.parameters()))
+
+
+@pytest.mark.parametrize("knobs,param_bytes,state_bytes", [
+    ({}, 4, 8),                                                        # fp32 AdamW: 4 + 4 + 8
+    ({"precision": "bf16-mixed"}, 4, 8),                               # torch autocast keeps fp32 weights
+    ({"precision": "bf16-true"}, 2, 4),                                # bf16 weights, bf16 moments
+    ({"launcher": "deepspeed", "precision": "bf16-mixed"}, 2, 12),     # DeepSpeed: 2 + 2 + 12 (16 psi)
+    ({"launcher": "deepspeed", "precision": "bf16-true", "zero_stage": 1}, 2, 4),
+    ({"optimizer": "sgd"}, 4, 4),                                      # momentum
+])
+def test_precision_and_optimizer_layouts(knobs, param_bytes, state_bytes):
+    trace = traced("tiny-gpt2", "causal-lm", "cuda", **knobs)
+    psi, tensors = trace.n_params, n_tensors("tiny-gpt2")
+    steady = trace.step_ends[-1]
+    assert steady["params"] == param_bytes * psi
+    counters = 4 * tensors if knobs.get("optimizer", "adamw") == "adamw" else 0  # AdamW's fp32 step per tensor
+    assert steady["optimizer"] == state_bytes * psi + counters
+
+
+def test_adamw_8bit_state_is_sized_like_bitsandbytes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    trace = traced("tiny-gpt2", "causal-lm", "cuda", optimizer="adamw-8bit")
+    with FakeTensorMode():
+        module = models.build_model(models.transformers_config(config("tiny-gpt2"), "causal-lm"), "causal-lm")
+        expected = sum(2 * p.numel() if p.numel() >= 4096 else 8 * p.numel() for p in module.parameters())
+    assert trace.step_ends[-1]["optimizer"] == expected
+    assert any("adamw-8bit" in note for note in trace.notes)
+
+
+def test_grad_accumulation_meets_the_first_micro_batch_gradients():
+    one = traced("tiny-gpt2", "causal-lm", "cpu")
+    two = traced("tiny-gpt2", "causal-lm", "cpu", grad_accum=2)
+    assert phase_max(one, 0, "forward", "grads") == 0
+    assert phase_max(two, 0, "forward", "grads") == 4 * two.n_params
+    assert peak_bytes(two) > peak_bytes(one)
+
+
+def test_checkpointing_and_eager_attention_change_activations():
+    p = dict(micro_batch=4, seq_len=256)
+    act = {attention: phase_max(traced("tiny-gpt2", "causal-lm", "cuda", attention=attention, **p), 1, "forward",
+                                "activations") for attention in ("sdpa", "eager")}
+    act["ckpt"] = phase_max(traced("tiny-gpt2", "causal-lm", "cuda", checkpointing=True, **p), 1, "forward",
+                            "activations")
+    # eager keeps the fp32 (batch, heads, s, s) probabilities of each of the 2 layers; sdpa keeps a logsumexp.
+    probabilities = 4 * 4 * 256 * 256 * 4
+    assert 2 * probabilities * 0.95 <= act["eager"] - act["sdpa"] <= 2 * probabilities * 1.05
+    assert act["ckpt"] < 0.6 * act["sdpa"]  # the logits and the loss's log-probabilities stay
+
+
+def test_flash_is_traced_as_sdpa_with_a_note():
+    trace = traced("tiny-gpt2", "causal-lm", "cuda", attention="flash")
+    assert trace.samples == traced("tiny-gpt2", "causal-lm", "cuda").samples
+    assert any("flash" in note for note in trace.notes)
+
+
+def test_ddp_buckets_count_as_one_more_copy_of_the_gradients():
+    single = traced("tiny-gpt2", "causal-lm", "cuda")
+    ddp = traced("tiny-gpt2", "causal-lm", "cuda", gpus_per_node=2)
+    assert ddp.step_ends[-1]["other"] == 4 * ddp.n_params
+    assert peak_bytes(ddp) == peak_bytes(single) + 4 * ddp.n_params
+
+
+# -- what CUDA does differently -----------------------------------------------------------------
+
+def _factory(forward):
+    """A one-linear model whose forward is ``forward(hidden)``; loss = mean of the output."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(128, 128)
+
+        def forward(self, x):
+            return forward(self.proj(x))
+
+    return lambda: TracedModel(Model(), lambda b, s: torch.randn(b, s, 128), lambda out, batch: out.float().mean())
+
+
+def forward_activations(forward, target: str, **knobs) -> int:
+    trace = trace_training(None, "any", plan(micro_batch=4, seq_len=64, **knobs), target=target,
+                           model_factory=_factory(forward))
+    return phase_max(trace, 0, "forward", "activations")
+
+
+def test_cuda_dropout_keeps_a_one_byte_mask():
+    def forward(h):
+        return nn.functional.dropout(h, 0.1, training=True)
+
+    elements = 4 * 64 * 128
+    # CPU: a float noise tensor; CUDA: a bool mask (both also keep the output).
+    assert forward_activations(forward, "cpu") - forward_activations(forward, "cuda") == 3 * elements
+
+
+def test_cuda_sdpa_with_dropout_stays_fused():
+    def forward(h):
+        q = h.view(4, 64, 4, 32).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+    attention_matrix = 4 * 4 * 64 * 64 * 4
+    assert forward_activations(forward, "cpu") - forward_activations(forward, "cuda") >= 2 * attention_matrix
+
+
+def test_cuda_autocast_policy_runs_pow_softmax_layer_norm_in_fp32():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), _device_behaviour("cuda", []), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = nn.functional.linear(torch.randn(4, 8), torch.randn(8, 8, requires_grad=True))
+        assert h.dtype == torch.bfloat16  # matmuls in 16-bit on both
+        assert torch.pow(h, 3.0).dtype == torch.float32
+        assert torch.softmax(h, -1).dtype == torch.float32
+        assert nn.functional.layer_norm(h, (8,)).dtype == torch.float32
+        assert torch.einsum("ij,jk->ik", torch.randn(4, 8), torch.randn(8, 8)).dtype == torch.bfloat16
+        assert h.sum().dtype == torch.float32
+
+    def forward(h):
+        return torch.pow(h, 3.0) + torch.softmax(h, -1)
+
+    assert forward_activations(forward, "cuda", precision="bf16-mixed") > \
+        forward_activations(forward, "cpu", precision="bf16-mixed")
+
+
+def test_cuda_foreach_adamw_step_holds_a_parameter_sized_temporary():
+    cpu, cuda = traced("tiny-gpt2", "causal-lm", "cpu"), traced("tiny-gpt2", "causal-lm", "cuda")
+    states = cuda.step_ends[-1]["optimizer"]
+    # foreach: sqrt(exp_avg_sq) for every parameter at once; per-tensor loop: two temporaries of one tensor.
+    assert phase_max(cuda, 1, "optimizer", "optimizer") - states >= 4 * cuda.n_params
+    assert phase_max(cpu, 1, "optimizer", "optimizer") - states <= 2 * cpu.largest_layer_bytes
+
+
+def test_cuda_behaviour_is_removed_after_the_trace():
+    trace_training(config("tiny-gpt2", resid_pdrop=0.1), "causal-lm", plan(precision="bf16-mixed"), target="cuda")
+    x = torch.ones(8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.pow(x.bfloat16(), 3.0).dtype == torch.bfloat16
+    assert type(nn.functional.dropout(x, 0.5, True).grad_fn).__name__ == "MulBackward0"
+
+
+def test_cuda_target_traces_dropout_models_with_checkpointing():
+    cfg = config("tiny-gpt2", resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+    trace = trace_training(cfg, "causal-lm", plan(precision="bf16-mixed", checkpointing=True), target="cuda")
+    assert peak_bytes(trace) > 0
+
+
+# -- ZeRO and offload: arithmetic on a literal trace ----------------------------------------------
+
+def literal_trace() -> Trace:
+    #          step phase  params buffers grads  act   temp  optim other
+    samples = ((1, 0,      400,   0,      0,     300,  0,    1200, 0),   # forward
+               (1, 1,      400,   0,      300,   100,  50,   1200, 0),   # backward
+               (1, 2,      400,   0,      400,   0,    0,    1600, 0))   # optimizer step (+400 temporary)
+    return Trace(samples=samples, step_ends=({"params": 400, "buffers": 0, "grads": 0, "activations": 0,
+                                              "temporaries": 0, "optimizer": 1200, "other": 0},),
+                 n_params=100, largest_layer_bytes=40, seconds=0.0)
+
+
+def ds(**knobs) -> Plan:
+    return Plan(launcher="deepspeed", nodes=1, gpus_per_node=4, micro_batch=1, global_batch=4, **knobs)
+
+
+def test_zero_stages_shard_the_traced_categories():
+    trace = literal_trace()
+    none, _, _ = shard(trace, Plan(micro_batch=1, global_batch=1))
+    assert sum(none.values()) == 2400
+    one, _, _ = shard(trace, ds(zero_stage=1))
+    assert one == {**dict.fromkeys(CATEGORIES, 0.0), "params": 400, "grads": 400, "optimizer": 400}
+    two, _, _ = shard(trace, ds(zero_stage=2))
+    # The sharded peak moves from the optimizer step (400+100+400) to the forward (400+300+300).
+    assert two == {**dict.fromkeys(CATEGORIES, 0.0), "params": 400, "activations": 300, "optimizer": 300}
+    three, _, notes = shard(trace, ds(zero_stage=3))
+    assert three["params"] == 100 + 40  # a quarter, plus the largest layer gathered
+    assert any("ZeRO-3" in note for note in notes)
+
+
+def test_offload_moves_states_to_the_host():
+    trace = literal_trace()
+    gpu, host, _ = shard(trace, ds(zero_stage=2, offload_optimizer="cpu"))
+    assert gpu["optimizer"] == 0
+    # Each of the node's 4 ranks keeps a quarter of the fp32 state and of the fp32 gradients (4 bytes x 100).
+    assert host == pytest.approx(4 * (1200 + 400) / 4 * HOST_BUFFER_FACTOR)
+    gpu, host, _ = shard(trace, ds(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"))
+    assert gpu["params"] == 40 and gpu["optimizer"] == 0
+    assert host == pytest.approx((1200 + 400 + 400) * HOST_BUFFER_FACTOR)
+    gpu, host, notes = shard(trace, ds(zero_stage=3, offload_optimizer="nvme", offload_params="nvme"))
+    assert host == 0 and gpu["optimizer"] == 0 and any("NVMe" in note for note in notes)
+
+
+# -- the Estimate -------------------------------------------------------------------------------
+
+def test_estimate_fields_add_up():
+    p = plan()
+    est = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(), allocator_overhead_frac=0.1)
+    assert isinstance(est, Estimate) and est.method == "traced"
+    assert tuple(est.components) == COMPONENTS
+    tensors = sum(est.components[k] for k in ("params", "grads", "optimizer", "activations", "temporaries"))
+    assert tensors == pytest.approx(est.peak_allocated_mib, abs=0.01)
+    assert est.components["cuda_context"] == 500.0
+    assert est.components["allocator_overhead"] == pytest.approx(0.1 * est.peak_allocated_mib, abs=0.01)
+    assert est.device_used_mib == pytest.approx(500 + 1.1 * est.peak_allocated_mib, abs=0.01)
+    assert est.capacity_mib == 40 * 1024
+    assert est.headroom_mib == pytest.approx(est.capacity_mib - est.device_used_mib, abs=0.01)
+    assert est.fits and est.host_mib_per_node == 0
+    assert any("CUDA would run it" in note for note in est.notes)
+    assert est.to_dict()["components"] == dict(est.components)
+
+
+def test_estimate_with_zero_offload_and_overrides():
+    p = Plan(launcher="deepspeed", gpus_per_node=4, micro_batch=2, global_batch=8, seq_len=64, precision="bf16-mixed",
+             zero_stage=2, offload_optimizer="cpu")
+    est = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(gpu_mem_gib=0.5), cuda_context_mib=100)
+    assert est.components["optimizer"] == 0
+    assert est.components["cuda_context"] == 100
+    assert est.host_mib_per_node > 0
+    assert est.fits is (est.headroom_mib >= 0)
+    tiny = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(gpu_mem_gib=0.05), cuda_context_mib=100)
+    assert not tiny.fits and tiny.headroom_mib < 0
+
+
+def test_estimate_on_a_cpu_partition_uses_each_ranks_share_of_host_memory():
+    p = plan(gpus_per_node=2)
+    est = estimate_traced(config("tiny-bert"), "seq-cls", p, cpu_partition())
+    assert est.capacity_mib == 12288 / 2
+    assert not any("CUDA would run it" in note for note in est.notes)
+    assert est.fits
+
+
+def test_estimate_notes_a_plan_the_partition_cannot_run():
+    est = estimate_traced(config("tiny-gpt2"), "causal-lm", plan(precision="bf16-mixed"),
+                          gpu_partition(gpu_model="Tesla V100-SXM2-16GB", bf16=False))
+    assert any("cannot run this plan" in note for note in est.notes)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ConfigError, match="steps"):
+        estimate_traced(config("tiny-gpt2"), "causal-lm", plan(), gpu_partition(), steps=0)
+    with pytest.raises(PlanError, match="seq_len 1024 is longer than the model's 512 positions"):
+        trace_training(config("tiny-gpt2"), "causal-lm", plan(seq_len=1024))
+    with pytest.raises(ConfigError, match="model config or a model_factory"):
+        trace_training(None, "causal-lm", plan())
+    with pytest.raises(ConfigError, match="must return a TracedModel"):
+        trace_training(None, "any", plan(), model_factory=lambda: nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="fake=False needs target='cpu'"):
+        trace_training(config("tiny-gpt2"), "causal-lm", plan(), target="cuda", fake=False)
+    with pytest.raises(ConfigError, match="task must be one of"):
+        trace_training(config("tiny-gpt2"), "image-cls", plan())
+
+
+def test_factory_output_without_a_loss_asks_for_loss_fn():
+    factory = _factory(lambda h: h)  # output is not a scalar and there is no loss_fn
+    broken = lambda: TracedModel(factory().module, factory().make_batch)  # noqa: E731
+    with pytest.raises(ConfigError, match="loss_fn"):
+        trace_training(None, "any", plan(), model_factory=broken)
+
+
+def test_one_step_says_it_has_no_steady_state():
+    trace = trace_training(config("tiny-gpt2"), "causal-lm", plan(), steps=1)
+    assert len(trace.step_ends) == 1 and any("no steady state" in note for note in trace.notes)
+    assert math.isfinite(peak_bytes(trace))

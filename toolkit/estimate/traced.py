@@ -1,0 +1,824 @@
+"""The traced estimate: one real training step of the actual model, on fake tensors, on the CPU.
+
+The model is built inside ``FakeTensorMode`` (tensors with shapes, dtypes and storages
+but no data), and ``steps`` training steps (forward, backward, optimizer step,
+zero_grad) run under PyTorch's ``MemTracker``, which counts the bytes of live tensor
+storages by category after every operator. Nothing of the model's size is allocated:
+llama-7b (micro-batch 1, 2048 tokens, bf16-mixed, checkpointing) traces two steps in
+about 10 s on 2 cores with a peak RSS under 0.5 GiB.
+
+The step is the one ``toolkit/train.py`` runs, knob by knob:
+
+  precision      fp32; fp16-/bf16-mixed = fp32 weights under autocast (fp16 also
+                 scales the loss; GradScaler's inf check needs real numbers, so its
+                 unscale is replayed as an in-place multiply); bf16-true = weights built
+                 in bf16. Under launcher=deepspeed the engine's layout instead: 16-bit
+                 weights and gradients, fp32 master weights held by the optimizer,
+                 no autocast; bf16-true there is all-bf16 from ZeRO 1 on (dsconfig.py sets
+                 bf16_master_weights_and_grads) and keeps fp32 masters at ZeRO 0.
+  optimizer      torch AdamW, SGD (momentum 0.9), transformers Adafactor, as train.py
+                 builds them; adamw-8bit (bitsandbytes, CUDA only) cannot run here: a
+                 stand-in keeps its state sizes (uint8 moments, 2 bytes/param; fp32 for
+                 tensors under 4096 elements, as bitsandbytes does) and updates in place.
+  checkpointing  ``gradient_checkpointing_enable(use_reentrant=False)``
+  attention      eager / sdpa; flash runs as sdpa (flash_attention_2 needs CUDA).
+  grad_accum     two micro-batches per step when > 1 (the second meets the first's gradients).
+
+The CPU is not the GPU the plan is for. For a GPU partition the trace follows what
+CUDA would do where the CPU differs in memory (``target="cuda"``): CUDA's autocast op
+policy (e.g. ``pow``, ``softmax``, ``layer_norm`` run in fp32; CPU autocast runs them in
+bf16), dropout with a 1-byte mask (CPU keeps a full float noise tensor), sdpa with
+dropout on the fused kernel (CPU falls back to the math path and stores the attention
+matrix), and torch's multi-tensor (foreach) optimizers, whose step holds one
+parameter-sized temporary. ``target="cpu"`` traces exactly the CPU step, which is what
+the tests compare with real tensors.
+
+ZeRO and offload cannot run in one CPU process. The unsharded step is traced and the
+sharding is arithmetic on the traced categories at every recorded instant (REFERENCE,
+Rajbhandari et al.): stage 1 divides optimizer state by the world size, stage 2 also the
+gradients, stage 3 also the parameters (plus the largest layer, gathered); offload
+takes optimizer state (and parameters) off the GPU onto the host.
+
+MemTracker's categories: Parameter, Buffer, Gradient, Optstate (anything created inside
+``optimizer.step``, its temporaries included), Activation (anything created in the
+forward pass or a checkpointed recompute, autocast's 16-bit weight copies included),
+Temp (anything else created in backward: activation gradients, and a parameter's
+gradient for the instant before its hook relabels it), Other (registered from outside:
+here DDP's gradient buckets). Quirks handled here:
+- it refuses a second forward of the root module unless ``reset_mod_stats`` is called;
+- tensors alive before it starts count only when registered with ``track_external``;
+- its per-module peak bookkeeping costs O(modules) per operator (two thirds of a 7B
+  trace); ``_Tracker`` replaces it by one global sample per operator;
+- its module hooks put autograd nodes into reference cycles, so tensors a plain run
+  frees at once wait for the garbage collector (see ``_train_step``);
+- it rounds to the CUDA allocator's 512 bytes only for CUDA tensors, so traced bytes
+  are exact storage sizes.
+Fake tensors have quirks of their own: code that reads tensor values cannot run, and
+transformers then takes its tracing paths (see ``_unpacked_batches``); a few meta
+kernels differ from the real ones (native_layer_norm's mean/rstd stay 16-bit for a
+16-bit input: a few KiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._pytree import tree_map_only
+
+from ..errors import ConfigError, HpcmemError, PlanError
+from ..plan import Plan
+from ..sites import Partition
+from . import COMPONENTS, Estimate
+
+MIB = 1024 * 1024
+CATEGORIES = ("params", "buffers", "grads", "activations", "temporaries", "optimizer", "other")
+"""Traced categories in sample order: MemTracker's Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other."""
+_TRACKER_NAMES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+PHASES = ("forward", "backward", "optimizer")
+HOST_BUFFER_FACTOR = 1.5
+"""DeepSpeed's estimators multiply offloaded host memory by 1.5 for pinned and staging buffers (REFERENCE)."""
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes keeps 32-bit optimizer state for tensors with fewer elements than this."""
+SGD_MOMENTUM = 0.9
+LR = 1e-4
+LOSS_SCALE = 65536.0
+"""GradScaler's initial scale (fp16-mixed)."""
+
+
+# -- what a model factory returns -------------------------------------------------------
+
+@dataclass(frozen=True)
+class TracedModel:
+    """A model to trace, from ``model_factory()`` (called inside the fake mode).
+
+    ``make_batch(micro_batch, seq_len)`` makes one input batch: a dict (called as
+    ``module(**batch)``), a tuple or list (``module(*batch)``) or one tensor
+    (``module(batch)``). ``loss_fn(output, batch)`` turns the output into a scalar loss;
+    None takes ``output.loss``, ``output["loss"]`` or a scalar output itself.
+    A factory may also return the plain tuple ``(module, make_batch, loss_fn)``.
+    """
+
+    module: Any
+    make_batch: Callable[[int, int], Any]
+    loss_fn: Callable[[Any, Any], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one traced run recorded (bytes; one sample per operator)."""
+
+    samples: tuple[tuple[int, int, int, int, int, int, int, int, int], ...]
+    """(step, phase index into PHASES, then bytes by CATEGORIES) after every operator."""
+    step_ends: tuple[dict[str, int], ...]
+    """Bytes by category after each step's zero_grad (what stays between steps)."""
+    n_params: int
+    largest_layer_bytes: int
+    """Parameter bytes of the module with the most of its own (ZeRO-3 gathers one at a time)."""
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    def peak(self, scale: Mapping[str, float] | None = None, extra: int = 0) -> tuple[int, dict[str, float]]:
+        """(index of the peak sample, bytes by category there) with categories scaled (default 1)."""
+        return _scaled_peak(self.samples, scale or {}, extra)
+
+
+@dataclass
+class _Layout:
+    """How a plan's precision lands on tensors in the runtime it names."""
+
+    weight_dtype: Any
+    autocast_dtype: Any = None
+    master_weights: bool = False
+    loss_scaling: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+# -- the public entry ------------------------------------------------------------------
+
+def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Plan, partition: Partition, *,
+                    model_factory: Callable[[], Any] | None = None, allocator_overhead_frac: float = 0.07,
+                    cuda_context_mib: float | None = None, steps: int = 2) -> Estimate:
+    """Trace ``steps`` training steps of the plan's model and return its memory per GPU (MiB).
+
+    ``model_config`` is a transformers config dict (``toolkit.models.load_model_config``)
+    for ``task`` (causal-lm, seq-cls); or ``model_factory`` makes the model (see
+    ``TracedModel``; then ``model_config`` and ``task`` are not used). The peak is the
+    highest traced total over all steps after ZeRO/offload arithmetic;
+    ``device_used_mib`` = CUDA context (``cuda_context_mib``, default the partition's) +
+    peak x (1 + ``allocator_overhead_frac``). Capacity is the partition's GPU memory, or
+    on a CPU partition each rank's share of the node's memory (``mem_mib`` if the plan
+    sets it, else the partition default, else all of it).
+    """
+    if steps < 1:
+        raise ConfigError(f"steps must be at least 1, got {steps}")
+    if allocator_overhead_frac < 0:
+        raise ConfigError(f"allocator_overhead_frac must be >= 0, got {allocator_overhead_frac}")
+    target = "cuda" if partition.has_gpu else "cpu"
+    trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps)
+    notes = list(trace.notes)
+    try:
+        partition.check_plan(plan)
+    except PlanError as exc:
+        notes.append(f"the partition cannot run this plan as it stands: {exc}")
+    gpu, host_bytes, shard_notes = shard(trace, plan)
+    notes += shard_notes
+    context = partition.cuda_context_mib if cuda_context_mib is None else float(cuda_context_mib)
+    return _estimate(gpu, host_bytes, plan, partition, context, allocator_overhead_frac, notes)
+
+
+def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
+                   model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True) -> Trace:
+    """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
+
+    ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
+    traces the CPU step as it is. ``fake=False`` runs the same steps on real CPU tensors
+    (for checking the trace against reality on small models).
+    """
+    if target not in ("cuda", "cpu"):
+        raise ConfigError(f"target must be cuda or cpu, got {target!r}")
+    if not fake and target != "cpu":
+        raise ConfigError("real tensors run here on the CPU: fake=False needs target='cpu'")
+    if model_factory is None and model_config is None:
+        raise ConfigError("estimate_traced needs a model config or a model_factory")
+    started = time.perf_counter()
+    layout = _layout(plan)
+    notes = list(layout.notes)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with (_quiet(), _no_automatic_gc(), mode, _device_behaviour(target, notes),
+          _unpacked_batches(model_factory is None)):
+        traced = _build(model_config, task, plan, layout, target, model_factory, notes)
+        module = traced.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = _make_optimizer(plan, params, layout, target, notes)
+        buckets = _ddp_buckets(plan, params, notes)  # held for the whole trace, as DDP holds them
+        tracker = _Tracker()
+        tracker.track_external(module, optimizer, *buckets)
+        with tracker:
+            for step in range(steps):
+                tracker.step = step
+                _train_step(traced, plan, layout, optimizer, tracker)
+                tracker.step_ends.append(tracker.current())
+    if not tracker.samples:
+        raise HpcmemError("MemTracker recorded nothing: this torch version's MemTracker differs from the one "
+                          "hpcmem knows (torch.distributed._tools.mem_tracker)")
+    n_params = sum(p.numel() for p in params)
+    if steps == 1:
+        notes.append("one step traced: no steady state (optimizer state appears only at its end)")
+    if plan.grad_accum > 1:
+        notes.append(f"grad_accum {plan.grad_accum}: two micro-batches traced per step (later ones repeat the second)")
+    return Trace(samples=tuple(tracker.samples), step_ends=tuple(tracker.step_ends), n_params=n_params,
+                 largest_layer_bytes=_largest_layer_bytes(module), seconds=time.perf_counter() - started,
+                 notes=tuple(notes))
+
+
+def run_training_steps(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *,
+                       model_factory: Callable[[], Any] | None = None, steps: int = 2) -> None:
+    """The traced steps on real CPU tensors with nothing watching: what a trace is checked against."""
+    notes: list[str] = []
+    layout = _layout(plan)
+    with _quiet():
+        traced = _build(model_config, task, plan, layout, "cpu", model_factory, notes)
+        params = [p for p in traced.module.parameters() if p.requires_grad]
+        optimizer = _make_optimizer(plan, params, layout, "cpu", notes)
+        buckets = _ddp_buckets(plan, params, notes)  # noqa: F841 - held like DDP holds them
+        for _ in range(steps):
+            _train_step(traced, plan, layout, optimizer, None)
+
+
+# -- ZeRO and offload: arithmetic on the traced categories -------------------------------
+
+def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]:
+    """Per-GPU bytes by category at the sharded peak, host bytes per node, notes.
+
+    The sharded total is recomputed at every traced instant and the highest is taken, so
+    the peak may move (e.g. from the optimizer step to the backward pass) once a category
+    shrinks. Host memory: each of a node's ranks keeps its shard of what is offloaded
+    (optimizer state with fp32 gradients; parameters), times HOST_BUFFER_FACTOR.
+    """
+    n = plan.world_size
+    scale: dict[str, float] = {}
+    extra = 0
+    notes: list[str] = []
+    if plan.zero_stage >= 1:
+        scale["optimizer"] = 1 / n
+    if plan.zero_stage >= 2:
+        scale["grads"] = 1 / n
+    if plan.zero_stage >= 3:
+        scale["params"] = 1 / n
+        extra = trace.largest_layer_bytes
+    if plan.offload_optimizer != "none":
+        scale["optimizer"] = 0.0
+    if plan.offload_params != "none":
+        scale["params"] = 0.0
+    if plan.zero_stage:
+        notes.append(f"ZeRO-{plan.zero_stage} over {n} rank(s) and offload are arithmetic on the traced unsharded step "
+                     "(stage 1 divides optimizer state, 2 also gradients, 3 also parameters plus the largest layer); "
+                     "DeepSpeed's communication buckets are not counted")
+    at, gpu = trace.peak(scale, extra)
+    step, phase = trace.samples[at][:2]
+    notes.append(f"peak first reached in the {PHASES[phase]} pass of step {step + 1} of {len(trace.step_ends)} "
+                 f"({len(trace.samples)} operators traced in {trace.seconds:.1f} s)")
+    steady = trace.step_ends[-1]
+    ranks_per_node = plan.gpus_per_node
+    host = 0.0
+    if plan.offload_optimizer == "cpu":
+        host += (steady["optimizer"] + 4 * trace.n_params) / n  # fp32 state + the fp32 gradient partition
+    if plan.offload_params == "cpu":
+        host += steady["params"] / n
+    host *= ranks_per_node * HOST_BUFFER_FACTOR
+    nvme = 0.0
+    if plan.offload_optimizer == "nvme":
+        nvme += (steady["optimizer"] + 4 * trace.n_params) / n
+    if plan.offload_params == "nvme":
+        nvme += steady["params"] / n
+    if nvme:
+        notes.append(f"NVMe offload keeps {nvme * ranks_per_node / MIB:.0f} MiB per node in nvme_path "
+                     "(host buffers for it are not counted)")
+    return gpu, host, notes
+
+
+def _scaled_peak(samples: Sequence[tuple], scale: Mapping[str, float], extra: int) -> tuple[int, dict[str, float]]:
+    factors = [float(scale.get(name, 1.0)) for name in CATEGORIES]
+    best, best_total = 0, -1.0
+    for i, sample in enumerate(samples):
+        total = sum(f * b for f, b in zip(factors, sample[2:]))
+        if total > best_total:
+            best, best_total = i, total
+    at = samples[best][2:]
+    out = {name: f * b for name, f, b in zip(CATEGORIES, factors, at)}
+    out["params"] += extra
+    return best, out
+
+
+# -- Estimate --------------------------------------------------------------------------
+
+def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition: Partition, context_mib: float,
+              overhead_frac: float, notes: list[str]) -> Estimate:
+    parts = {"params": (gpu["params"] + gpu["buffers"]) / MIB,
+             "grads": (gpu["grads"] + gpu["other"]) / MIB,  # "other" holds only DDP's gradient buckets
+             "optimizer": gpu["optimizer"] / MIB, "activations": gpu["activations"] / MIB,
+             "temporaries": gpu["temporaries"] / MIB}
+    peak = sum(parts.values())
+    parts["cuda_context"] = context_mib
+    parts["allocator_overhead"] = peak * overhead_frac
+    components = {name: round(parts[name], 3) for name in COMPONENTS}
+    device_used = context_mib + peak * (1 + overhead_frac)
+    host = host_bytes / MIB
+    if partition.has_gpu:
+        capacity = partition.gpu_mem_gib * 1024
+        headroom = capacity - device_used
+        node_mem = plan.mem_mib or partition.host_mem_gib * 1024
+        fits = headroom >= 0 and host <= node_mem
+        if host > node_mem:
+            notes.append(f"offload needs {host:.0f} MiB of host memory per node; the node offers {node_mem:.0f} MiB")
+    else:
+        node_mem = plan.mem_mib or partition.default_mem_mib or partition.host_mem_gib * 1024
+        capacity = node_mem / plan.gpus_per_node
+        headroom = capacity - device_used - host / plan.gpus_per_node
+        fits = headroom >= 0
+        notes.append(f"CPU partition: capacity is each of {plan.gpus_per_node} rank(s)' share of {node_mem:.0f} MiB "
+                     "host memory per node; cuda_context stands for each process's own baseline")
+    return Estimate(method="traced", components=components, peak_allocated_mib=round(peak, 3),
+                    device_used_mib=round(device_used, 3), host_mib_per_node=round(host, 3),
+                    capacity_mib=round(capacity, 3), headroom_mib=round(headroom, 3), fits=fits, notes=tuple(notes))
+
+
+# -- building the model ----------------------------------------------------------------
+
+def _layout(plan: Plan) -> _Layout:
+    """Where the plan's precision puts bytes, as train.py (torchrun) or dsconfig.py (deepspeed) sets it up."""
+    half = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}.get(plan.precision)
+    if half is None:
+        return _Layout(torch.float32)
+    if not plan.uses_deepspeed:
+        if plan.precision == "bf16-true":
+            return _Layout(torch.bfloat16)
+        return _Layout(torch.float32, autocast_dtype=half, loss_scaling=plan.precision == "fp16-mixed")
+    if plan.precision == "bf16-true" and plan.zero_stage >= 1:
+        out = _Layout(torch.bfloat16)
+        out.notes.append("DeepSpeed bf16-true (ZeRO >= 1): bf16 weights, gradients and optimizer states, "
+                         "no fp32 master")
+        return out
+    out = _Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed")
+    out.notes.append("DeepSpeed layout: 16-bit weights and gradients, fp32 master weights in the optimizer, "
+                     "no autocast")
+    if plan.precision == "bf16-true":
+        out.notes.append("bf16-true under DeepSpeed ZeRO-0 keeps fp32 master weights, as DeepSpeed's bf16 mode does")
+    return out
+
+
+def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_factory,
+           notes: list[str]) -> TracedModel:
+    """The model (already in the fake mode), its batch maker and loss, with checkpointing applied."""
+    if model_factory is not None:
+        with _default_dtype(layout.weight_dtype):
+            traced = _as_traced_model(model_factory())
+        _check_dtypes(traced.module, layout.weight_dtype, notes)
+        if plan.checkpointing:
+            if hasattr(traced.module, "gradient_checkpointing_enable"):
+                traced.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                notes.append("checkpointing asked for, but the module has no gradient_checkpointing_enable(): "
+                             "traced without")
+        traced.module.train()
+        return traced
+    from .. import models
+    from ..runtime.adapters import HF_ATTENTION
+
+    config = models.transformers_config(dict(model_config), task)
+    limit = models.max_positions(config)
+    if limit is not None and plan.seq_len > limit:
+        raise PlanError(f"seq_len {plan.seq_len} is longer than the model's {limit} positions")
+    attention = HF_ATTENTION[plan.attention]
+    if plan.attention == "flash":
+        attention = "sdpa"
+        notes.append("attention=flash traced as sdpa (flash_attention_2 exists only for CUDA; "
+                     "neither keeps the attention matrix)")
+    dtype = None if layout.weight_dtype == torch.float32 else layout.weight_dtype
+    module = models.build_model(config, task, attention, dtype=dtype)
+    if plan.checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.train()
+    return TracedModel(module, _hf_batch_maker(config, task, target))
+
+
+def _hf_batch_maker(config, task: str, target: str) -> Callable[[int, int], dict]:
+    vocab = int(config.vocab_size)
+    labels_n = int(getattr(config, "num_labels", 2) or 2)
+
+    def make_batch(micro_batch: int, seq_len: int) -> dict:
+        ids = torch.randint(0, vocab, (micro_batch, seq_len))
+        if task == "causal-lm":
+            # train.py moves input_ids and labels to the GPU one by one: two device copies.
+            # On the CPU .to() is a no-op and they stay one tensor.
+            labels = ids.clone() if target == "cuda" else ids
+        else:
+            labels = torch.randint(0, labels_n, (micro_batch,))
+        return {"input_ids": ids, "labels": labels}
+
+    return make_batch
+
+
+def _as_traced_model(made: Any) -> TracedModel:
+    if isinstance(made, TracedModel):
+        return made
+    if isinstance(made, (tuple, list)) and len(made) in (2, 3):
+        return TracedModel(*made)
+    raise ConfigError("model_factory() must return a TracedModel or a tuple (module, make_batch, loss_fn); "
+                      f"got {type(made).__name__}")
+
+
+def _check_dtypes(module, dtype, notes: list[str]) -> None:
+    other = sorted({str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype})
+    if other:
+        notes.append(f"model_factory built some parameters in {', '.join(other)} where the plan puts weights "
+                     f"in {dtype}: traced as built (a fake model cannot be converted afterwards; "
+                     "build in torch's default dtype)")
+
+
+def _largest_layer_bytes(module) -> int:
+    best = 0
+    for sub in module.modules():
+        best = max(best, sum(p.numel() * p.element_size() for p in sub.parameters(recurse=False)))
+    return best
+
+
+def _ddp_buckets(plan: Plan, params: list, notes: list[str]) -> list:
+    """DistributedDataParallel's gradient buckets (torchrun over several ranks), as flat tensors.
+
+    train.py wraps the model in DDP with its defaults: gradient_as_bucket_view is off, so
+    the buckets hold one more copy of every gradient for the all-reduce, from the start.
+    MemTracker files them under "Other"; the estimate counts them as gradients.
+    """
+    if plan.uses_deepspeed or plan.world_size == 1:
+        return []
+    sizes: dict[Any, int] = {}
+    for p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    notes.append(f"DDP over {plan.world_size} ranks: its gradient buckets hold one more copy of the gradients "
+                 "(gradient_as_bucket_view is off by default)")
+    return [torch.empty(n, dtype=dtype) for dtype, n in sizes.items()]
+
+
+# -- optimizers -------------------------------------------------------------------------
+
+def _make_optimizer(plan: Plan, params: list, layout: _Layout, target: str, notes: list[str]):
+    if layout.master_weights:
+        return _MasterWeights(params, lambda masters: _base_optimizer(plan, masters, target, notes))
+    return _base_optimizer(plan, params, target, notes)
+
+
+def _base_optimizer(plan: Plan, params: list, target: str, notes: list[str]):
+    # torch picks the multi-tensor (foreach) implementation for CUDA tensors and the
+    # per-tensor loop for CPU ones; the foreach step holds a parameter-sized temporary.
+    foreach = target == "cuda"
+    if plan.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=LR, foreach=foreach)
+    if plan.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=LR, momentum=SGD_MOMENTUM, foreach=foreach)
+    if plan.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=LR, scale_parameter=False, relative_step=False, warmup_init=False)
+    if plan.optimizer == "adamw-8bit":
+        notes.append("adamw-8bit (bitsandbytes) cannot run on the CPU: its state is sized analytically, 2 bytes per "
+                     f"parameter (fp32 moments for tensors under {BNB_MIN_8BIT_SIZE} elements; block scales ignored)")
+        return _EightBitAdamWStandIn(params)
+    raise PlanError(f"unknown optimizer {plan.optimizer!r}")
+
+
+class _EightBitAdamWStandIn(torch.optim.Optimizer):
+    """bitsandbytes AdamW8bit's memory: two uint8 moments per parameter, updated in place."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": LR})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    dtype = torch.uint8 if p.numel() >= BNB_MIN_8BIT_SIZE else torch.float32
+                    state["state1"] = torch.zeros_like(p, dtype=dtype)
+                    state["state2"] = torch.zeros_like(p, dtype=dtype)
+                p.add_(p.grad, alpha=-group["lr"])  # the fused kernel updates in place
+
+
+class _MasterWeights(torch.optim.Optimizer):
+    """DeepSpeed's mixed precision: fp32 master copies of the 16-bit weights carry the optimizer.
+
+    The masters exist from the start (DeepSpeed makes them at initialize); each step
+    copies the 16-bit gradients to fp32, steps the inner optimizer on the masters and
+    copies them back into the 16-bit weights.
+    """
+
+    def __init__(self, params, make_inner):
+        super().__init__(params, {})
+        self._pairs = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                master = p.detach().to(torch.float32)
+                self.state[p]["master"] = master
+                self._pairs.append((p, master))
+        self.inner = make_inner([m for _, m in self._pairs])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, master in self._pairs:
+            master.grad = None if p.grad is None else p.grad.to(torch.float32)
+        self.inner.step()
+        for p, master in self._pairs:
+            p.copy_(master)
+            master.grad = None
+
+
+# -- the training step -------------------------------------------------------------------
+
+def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker) -> None:
+    """One optimizer step as train.py runs it: micro-batches under autocast, backward, step, zero_grad.
+
+    ``tracker`` (None when nothing watches) learns the phase. Under it, MemTracker's module
+    hooks put autograd nodes into reference cycles, so what a plain run frees when the last
+    reference goes waits for the cycle collector: it is run at the points where the plain
+    run has let go of a micro-batch (automatic collection is off, for repeatable traces).
+    Everything a step creates is still in the youngest generation, so collecting that one
+    frees the same (checked) at a fraction of a full collection's cost.
+    """
+    micro_steps = min(plan.grad_accum, 2)
+    for _ in range(micro_steps):
+        _set_phase(tracker, 0)
+        batch = traced.make_batch(plan.micro_batch, plan.seq_len)
+        autocast = (torch.autocast("cpu", dtype=layout.autocast_dtype) if layout.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        with autocast:
+            # The output (logits and all) goes before backward, as in train.py's
+            # ``loss = model(**batch).loss``; only the loss's graph keeps what it needs.
+            loss = _loss(traced, _call(traced.module, batch), batch)
+        if plan.grad_accum > 1:
+            loss = loss / plan.grad_accum
+        if layout.loss_scaling:
+            loss = loss * LOSS_SCALE
+        _set_phase(tracker, 1)
+        loss.backward()
+        del loss, batch
+        if tracker is not None:
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
+            gc.collect(0)
+    _set_phase(tracker, 2)
+    if layout.loss_scaling and not layout.master_weights:
+        # GradScaler.unscale_ divides the gradients in place; its inf check needs real numbers.
+        with torch.no_grad():
+            for p in traced.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1 / LOSS_SCALE)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if tracker is not None:
+        gc.collect(0)
+
+
+def _set_phase(tracker, phase: int) -> None:
+    if tracker is not None:
+        tracker.phase = phase
+
+
+def _call(module, batch):
+    if isinstance(batch, Mapping):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
+
+
+def _loss(traced: TracedModel, output, batch):
+    if traced.loss_fn is not None:
+        return traced.loss_fn(output, batch)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+        loss = output
+    if loss is None:
+        raise ConfigError("the model's output has no loss: give the TracedModel a loss_fn(output, batch)")
+    return loss
+
+
+# -- the tracker -----------------------------------------------------------------------
+
+class _Tracker(MemTracker):
+    """MemTracker that records one sample per operator instead of per-module peaks.
+
+    MemTracker's own ``_update_peak_stats`` walks every tracked module after every
+    operator (two thirds of a 7B trace); only the global total is needed here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.samples: list[tuple] = []
+        self.step_ends: list[dict[str, int]] = []
+        self.step = 0
+        self.phase = 0
+        """Index into PHASES, set by the training loop (MemTracker's own flags miss ops around the step hooks)."""
+
+    def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - MemTracker's hook, called after every operator
+        self.samples.append((self.step, self.phase, *self._bytes()))
+
+    def _bytes(self) -> tuple[int, ...]:
+        totals = dict.fromkeys(_TRACKER_NAMES, 0)
+        for snap in self._curr_mem_snap.values():
+            for key, value in snap.items():
+                name = getattr(key, "value", key)
+                if name in totals:
+                    totals[name] += value
+        return tuple(totals[name] for name in _TRACKER_NAMES)
+
+    def current(self) -> dict[str, int]:
+        return dict(zip(CATEGORIES, self._bytes()))
+
+
+# -- what CUDA does differently ------------------------------------------------------------
+
+# CUDA autocast policies (aten/src/ATen/autocast_mode.cpp) for ops that have no CPU autocast
+# kernel, and which change what is stored when run in fp32 or 16-bit.
+_CUDA_FP32_OPS = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+    "cosine_similarity", "dist", "pdist", "renorm", "logsumexp",
+)
+_CUDA_FP32_SET_OPT_DTYPE_OPS = (
+    "softmax.int", "log_softmax.int", "cumprod", "cumsum", "sum", "sum.dim_IntList", "linalg_vector_norm",
+)
+_CUDA_LOWER_PRECISION_OPS = ("addmv", "addr", "einsum", "mv", "chain_matmul", "linalg_multi_dot")
+
+
+@contextlib.contextmanager
+def _device_behaviour(target: str, notes: list[str]) -> Iterator[None]:
+    """For target cuda: CUDA's autocast policy, dropout and sdpa kernels while the trace runs.
+
+    They are registered as kernels of a scoped ``torch.library.Library`` (removed on exit),
+    at the dispatcher, so they also hold inside backward (checkpoint recomputation).
+    """
+    if target != "cuda":
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
+            _register_cuda_autocast_policy(lib)
+            lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
+            lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+        yield
+    finally:
+        lib._destroy()
+    notes.append("traced on the CPU as CUDA would run it: CUDA autocast op policy, 1-byte dropout masks, fused sdpa, "
+                 "foreach optimizers; tensor sizes are exact (the caching allocator's 512-byte rounding is not added)")
+
+
+def _register_cuda_autocast_policy(lib) -> None:
+    """CUDA's autocast casts as AutocastCPU kernels, for the ops the CPU's autocast leaves alone."""
+    for names, wrap in ((_CUDA_FP32_OPS, _fp32_kernel), (_CUDA_FP32_SET_OPT_DTYPE_OPS, _fp32_set_opt_dtype_kernel),
+                        (_CUDA_LOWER_PRECISION_OPS, _lower_precision_kernel)):
+        for name in names:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCPU"):
+                continue  # the CPU has its own policy for it; keep that
+            base, _, overload = name.partition(".")
+            packet = getattr(torch.ops.aten, base, None)
+            op = getattr(packet, overload or "default", None) if packet is not None else None
+            if op is not None:  # else: not in this torch version
+                lib.impl(name, wrap(op), "AutocastCPU")
+
+
+_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _castable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+def _fp32_kernel(op):
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.float() if _castable(t) else t, (args, kwargs))
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _fp32_set_opt_dtype_kernel(op):
+    slot = [a.name for a in op._schema.arguments].index("dtype")
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            given = args[slot] if len(args) > slot else kwargs.get("dtype")
+            if args and _castable(args[0]) and given is None:
+                if len(args) > slot:
+                    args = (*args[:slot], torch.float32, *args[slot + 1:])
+                else:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _lower_precision_kernel(op):
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            dtype = torch.get_autocast_dtype("cpu")
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if _castable(t) else t, (args, kwargs))
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _cuda_dropout(input, p, train):
+    """CUDA's fused dropout keeps a bool mask; the CPU's keeps a float noise tensor as big as the input."""
+    if not train or p == 0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """sdpa on a fused kernel, as CUDA runs it (flash, or memory-efficient with a mask or in fp32).
+
+    The CPU falls back to its math path with dropout and stores the attention matrix;
+    CUDA's kernels store the output and the logsumexp. Masks become additive float masks
+    (sdpa converts boolean ones on every device). Shared key/value heads (GQA) are
+    repeated for the CPU op, which CUDA's kernels do not need: a small overcount.
+    """
+    if key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
+
+
+# -- small helpers -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _unpacked_batches(ours: bool) -> Iterator[None]:
+    """Let transformers see what a real run sees: one sequence per row, so no 4-D mask.
+
+    transformers looks at position_ids to find packed sequences; with real numbers it
+    finds none and lets sdpa run causal without a mask. Fake tensors have no numbers, so
+    it keeps the packing map and builds a (batch, 1, seq, seq) mask that every layer
+    saves for backward (GiBs on a 7B model). The batches hpcmem makes (``ours``) are never
+    packed: the real answer is None. The computation still runs (its small temporaries
+    count). A model factory's batches are its own business and left alone.
+    """
+    if not ours:
+        yield
+        return
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def no_packing(position_ids):
+        original(position_ids)
+        return None
+
+    masking_utils.find_packed_sequence_indices = no_packing
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _no_automatic_gc() -> Iterator[None]:
+    """Collect cycles only where _train_step says, so that the same trace gives the same bytes."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' and torch's chatter about deprecations while tracing."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a model factory without transformers
+        hf_logging = None
+    level = hf_logging.get_verbosity() if hf_logging else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        if hf_logging:
+            hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            if hf_logging:
+                hf_logging.set_verbosity(level)
