@@ -2,11 +2,37 @@
 
 Reads the common transformers spellings (GPT-2's n_embd/n_layer/n_inner, BERT's and
 LLaMA's hidden_size/num_hidden_layers/intermediate_size).
+
+``ModelShape.from_config`` lists every parameter tensor the transformers model of that
+config has (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``), so that
+``n_params`` is the model's exact ``sum(p.numel() for p in model.parameters())``; the
+estimator also reads the block layout (``family``), the activation function and the
+dropout rates from it. ``ModelShape.from_param_count`` is for a model known only by its
+parameter count and a few sizes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+from math import prod
 from typing import Any, Mapping
+
+from .errors import ConfigError
+
+TASKS = ("causal-lm", "seq-cls")
+
+# model_type -> block layout. "gpt2": fused QKV, LayerNorm, plain MLP; "bert": separate
+# Q/K/V, post-LayerNorm, plain MLP; "llama": separate Q/K/V (GQA), RMSNorm, rotary
+# positions, gated (SwiGLU) MLP.
+FAMILIES = {"gpt2": "gpt2", "bert": "bert", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+# Parameter kinds: a "linear" weight feeds a matmul (autocast keeps a 16-bit copy of it
+# for backward); "bias", "norm", "embedding" and "other" do not.
+KINDS = ("linear", "bias", "norm", "embedding", "other")
+
+Tensor = tuple[str, tuple[int, ...], str]
+"""(name, shape, kind) of one parameter tensor."""
 
 
 def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -29,3 +55,306 @@ def largest_param_numel(cfg: Mapping[str, Any]) -> int:
     h = hidden_size(cfg)
     vocab = int(_first(cfg, "vocab_size", default=0))
     return max(vocab * h, ffn_size(cfg) * h, 3 * h * h)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's sizes and its parameter tensors (elements, not bytes)."""
+
+    family: str
+    """Block layout the activation formulas follow: gpt2, bert or llama."""
+    model_type: str
+    task: str
+    """causal-lm or seq-cls (decides the head: vocabulary logits or a few labels)."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    """Key/value heads (grouped-query attention; = heads without it)."""
+    head_dim: int
+    ffn: int
+    """FFN intermediate width (per matrix; a gated MLP has three of them)."""
+    activation: str
+    """The config's activation name (gelu_new, gelu, silu, ...)."""
+    gated: bool
+    vocab: int
+    max_positions: int | None
+    """Longest sequence the position embeddings allow (None: rotary, no table)."""
+    tied: bool
+    """Input embedding and LM head share one matrix."""
+    num_labels: int
+    attn_dropout: float
+    hidden_dropout: float
+    """Dropout on the residual branches inside each layer."""
+    embd_dropout: float
+    kv_cache: bool
+    """The forward builds a KV cache although it trains (transformers' use_cache default for a
+    decoder's classification head; the runtime turns it off for causal LMs only)."""
+    layer_tensors: tuple[Tensor, ...]
+    """The parameters of one transformer layer (every layer has the same)."""
+    other_tensors: tuple[Tensor, ...]
+    """Embeddings, final norm, head: everything outside the layers."""
+
+    # -- constructors --------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], task: str = "causal-lm", num_labels: int | None = None) -> "ModelShape":
+        """The shape of the transformers model for ``cfg`` (a config.json dict) and ``task``.
+
+        ``num_labels`` defaults to the config's (else 2), as transformers does. A missing
+        size raises a one-line ``ConfigError`` naming the field; an architecture the
+        analytic formulas do not know raises one listing those they do.
+        """
+        if task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+        model_type = cfg.get("model_type")
+        if model_type not in FAMILIES:
+            raise ConfigError(f"model_type {model_type!r} is not one the analytic estimator knows "
+                              f"({', '.join(sorted(FAMILIES))}); use --method traced")
+        labels = int(num_labels if num_labels is not None else _first(cfg, "num_labels", default=2))
+        if labels < 1:
+            raise ConfigError(f"num_labels must be at least 1, got {labels}")
+        build = {"gpt2": _gpt2, "bert": _bert, "llama": _llama}[FAMILIES[model_type]]
+        return build(cfg, task, labels)
+
+    @classmethod
+    def from_param_count(cls, n: int, hidden: int, layers: int, heads: int, vocab: int, seq: int | None = None, *,
+                         task: str = "causal-lm", kv_heads: int | None = None, activation: str = "gelu",
+                         num_labels: int = 2) -> "ModelShape":
+        """A GPT-style model of exactly ``n`` parameters with these sizes.
+
+        Tied embeddings (vocab x hidden) and a final LayerNorm outside the layers; each
+        layer a GPT-2 block (fused QKV, LayerNorm, non-gated MLP) whose FFN width is
+        what makes the count come out (the few parameters left over by rounding are an
+        extra "unattributed" tensor). ``seq``: the longest sequence (None: unbounded).
+        """
+        if task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+        for name, value in (("n", n), ("hidden", hidden), ("layers", layers), ("heads", heads), ("vocab", vocab)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if hidden % heads:
+            raise ConfigError(f"hidden {hidden} is not a multiple of heads {heads}")
+        kv = kv_heads or heads
+        d = hidden // heads
+        outside = vocab * hidden + 2 * hidden + (hidden * num_labels if task == "seq-cls" else 0)
+        # Layer: QKV (h x (h + 2 kv d)) + out (h x h) + biases + 2 LayerNorms + MLP (2 h f + f + h).
+        attn = hidden * (hidden + 2 * kv * d) + (hidden + 2 * kv * d) + hidden * hidden + hidden + 4 * hidden
+        per_layer = (n - outside) // layers
+        ffn = (per_layer - attn - hidden) // (2 * hidden + 1)
+        if ffn < 1:
+            raise ConfigError(f"{n} parameters are too few for hidden {hidden}, {layers} layers and vocab {vocab}")
+        layer = _gpt2_layer(hidden, heads * d, kv * d, ffn)
+        other = [("wte", (vocab, hidden), "embedding"), ("ln_f.weight", (hidden,), "norm"),
+                 ("ln_f.bias", (hidden,), "norm")]
+        if task == "seq-cls":
+            other.append(("score.weight", (num_labels, hidden), "linear"))
+        rest = n - sum(prod(s) for _, s, _ in other) - layers * sum(prod(s) for _, s, _ in layer)
+        if rest:
+            other.append(("unattributed", (rest,), "other"))
+        return cls(family="gpt2", model_type="generic", task=task, hidden=hidden, layers=layers, heads=heads,
+                   kv_heads=kv, head_dim=d, ffn=ffn, activation=activation, gated=False, vocab=vocab,
+                   max_positions=seq, tied=True, num_labels=num_labels, attn_dropout=0.0, hidden_dropout=0.0,
+                   embd_dropout=0.0, kv_cache=False, layer_tensors=tuple(layer), other_tensors=tuple(other))
+
+    # -- sizes (elements) ------------------------------------------------------------
+
+    @cached_property
+    def layer_params(self) -> int:
+        """Parameters of one layer."""
+        return sum(prod(s) for _, s, _ in self.layer_tensors)
+
+    @cached_property
+    def n_params(self) -> int:
+        """Every parameter, counted once (tied matrices once), as ``model.parameters()`` does."""
+        return self.layers * self.layer_params + sum(prod(s) for _, s, _ in self.other_tensors)
+
+    @cached_property
+    def largest_param_numel(self) -> int:
+        """Elements of the largest single parameter tensor."""
+        return max(prod(s) for _, s, _ in self.layer_tensors + self.other_tensors)
+
+    @cached_property
+    def layer_linear_params(self) -> int:
+        """Elements of one layer's matmul weights (what autocast keeps 16-bit copies of)."""
+        return sum(prod(s) for _, s, k in self.layer_tensors if k == "linear")
+
+    @cached_property
+    def head_linear_params(self) -> int:
+        """Elements of the matmul weights outside the layers: the LM head (tied or not), classifier, pooler."""
+        linear = sum(prod(s) for _, s, k in self.other_tensors if k == "linear")
+        if self.task == "causal-lm" and self.tied:
+            linear += self.vocab * self.hidden  # the input embedding doubles as the LM head's weight
+        return linear
+
+    @cached_property
+    def shape_counts(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """(shape, how many tensors of that shape) over the whole model, for per-tensor optimizer states."""
+        counts: dict[tuple[int, ...], int] = {}
+        for _, shape, _ in self.layer_tensors:
+            counts[shape] = counts.get(shape, 0) + self.layers
+        for _, shape, _ in self.other_tensors:
+            counts[shape] = counts.get(shape, 0) + 1
+        return tuple(counts.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sizes as numbers (for --json); tensors summarised."""
+        return {"family": self.family, "model_type": self.model_type, "task": self.task, "hidden": self.hidden,
+                "layers": self.layers, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "ffn": self.ffn, "activation": self.activation, "gated": self.gated, "vocab": self.vocab,
+                "max_positions": self.max_positions, "tied": self.tied, "n_params": self.n_params,
+                "largest_param_numel": self.largest_param_numel}
+
+
+# -- reading a config --------------------------------------------------------------------
+
+def _need(cfg: Mapping[str, Any], *names: str) -> int:
+    """The first of ``names`` the config has, as a positive int; a ConfigError naming it otherwise."""
+    value = _first(cfg, *names)
+    spelled = " or ".join(repr(n) for n in names)
+    if value is None:
+        raise ConfigError(f"model config ({cfg.get('model_type')}) is missing {spelled}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"model config {spelled} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rate(cfg: Mapping[str, Any], name: str, default: float) -> float:
+    value = cfg.get(name)
+    return float(default if value is None else value)
+
+
+def _heads(cfg: Mapping[str, Any], hidden: int, heads: int) -> tuple[int, int]:
+    """(kv_heads, head_dim), checking that they divide as transformers needs."""
+    kv = int(_first(cfg, "num_key_value_heads", default=heads))
+    if heads % kv:
+        raise ConfigError(f"model config num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    head_dim = _first(cfg, "head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(f"model config hidden size {hidden} is not a multiple of num_attention_heads {heads}")
+        head_dim = hidden // heads
+    return kv, int(head_dim)
+
+
+def _kv_cache(cfg: Mapping[str, Any], task: str) -> bool:
+    """toolkit/models.py turns the cache off for causal LMs; a classifier keeps the config's use_cache."""
+    return task == "seq-cls" and bool(_first(cfg, "use_cache", default=True))
+
+
+def _gpt2_layer(h: int, q_dim: int, kv_dim: int, f: int) -> list[Tensor]:
+    qkv = q_dim + 2 * kv_dim
+    return [("ln_1.weight", (h,), "norm"), ("ln_1.bias", (h,), "norm"),
+            ("attn.c_attn.weight", (h, qkv), "linear"), ("attn.c_attn.bias", (qkv,), "bias"),
+            ("attn.c_proj.weight", (q_dim, h), "linear"), ("attn.c_proj.bias", (h,), "bias"),
+            ("ln_2.weight", (h,), "norm"), ("ln_2.bias", (h,), "norm"),
+            ("mlp.c_fc.weight", (h, f), "linear"), ("mlp.c_fc.bias", (f,), "bias"),
+            ("mlp.c_proj.weight", (f, h), "linear"), ("mlp.c_proj.bias", (h,), "bias")]
+
+
+def _gpt2(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
+    h = _need(cfg, "n_embd", "hidden_size")
+    layers = _need(cfg, "n_layer", "num_hidden_layers")
+    heads = _need(cfg, "n_head", "num_attention_heads")
+    vocab = _need(cfg, "vocab_size")
+    positions = int(_first(cfg, "n_positions", "max_position_embeddings", default=1024))
+    if h % heads:
+        raise ConfigError(f"model config n_embd {h} is not a multiple of n_head {heads}")
+    if cfg.get("add_cross_attention"):
+        raise ConfigError("model config add_cross_attention: GPT-2 with cross-attention is not covered; use --method traced")
+    f = int(_first(cfg, "n_inner", default=4 * h))
+    tied = bool(_first(cfg, "tie_word_embeddings", default=True))
+    other: list[Tensor] = [("wte", (vocab, h), "embedding"), ("wpe", (positions, h), "embedding"),
+                           ("ln_f.weight", (h,), "norm"), ("ln_f.bias", (h,), "norm")]
+    if task == "seq-cls":
+        other.append(("score.weight", (labels, h), "linear"))
+    elif not tied:
+        other.append(("lm_head.weight", (vocab, h), "linear"))
+    return ModelShape(family="gpt2", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
+                      kv_heads=heads, head_dim=h // heads, ffn=f, activation=str(cfg.get("activation_function") or "gelu_new"),
+                      gated=False, vocab=vocab, max_positions=positions, tied=tied, num_labels=labels,
+                      attn_dropout=_rate(cfg, "attn_pdrop", 0.1), hidden_dropout=_rate(cfg, "resid_pdrop", 0.1),
+                      embd_dropout=_rate(cfg, "embd_pdrop", 0.1), kv_cache=_kv_cache(cfg, task),
+                      layer_tensors=tuple(_gpt2_layer(h, h, h, f)), other_tensors=tuple(other))
+
+
+def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
+    h = _need(cfg, "hidden_size")
+    layers = _need(cfg, "num_hidden_layers")
+    heads = _need(cfg, "num_attention_heads")
+    vocab = _need(cfg, "vocab_size")
+    f = _need(cfg, "intermediate_size")
+    positions = int(_first(cfg, "max_position_embeddings", default=512))
+    types = int(_first(cfg, "type_vocab_size", default=2))
+    if h % heads:
+        raise ConfigError(f"model config hidden_size {h} is not a multiple of num_attention_heads {heads}")
+    tied = bool(_first(cfg, "tie_word_embeddings", default=True))
+    layer: list[Tensor] = []
+    for name in ("query", "key", "value"):
+        layer += [(f"attention.self.{name}.weight", (h, h), "linear"), (f"attention.self.{name}.bias", (h,), "bias")]
+    layer += [("attention.output.dense.weight", (h, h), "linear"), ("attention.output.dense.bias", (h,), "bias"),
+              ("attention.output.LayerNorm.weight", (h,), "norm"), ("attention.output.LayerNorm.bias", (h,), "norm"),
+              ("intermediate.dense.weight", (f, h), "linear"), ("intermediate.dense.bias", (f,), "bias"),
+              ("output.dense.weight", (h, f), "linear"), ("output.dense.bias", (h,), "bias"),
+              ("output.LayerNorm.weight", (h,), "norm"), ("output.LayerNorm.bias", (h,), "norm")]
+    other: list[Tensor] = [("embeddings.word_embeddings", (vocab, h), "embedding"),
+                           ("embeddings.position_embeddings", (positions, h), "embedding"),
+                           ("embeddings.token_type_embeddings", (types, h), "embedding"),
+                           ("embeddings.LayerNorm.weight", (h,), "norm"), ("embeddings.LayerNorm.bias", (h,), "norm")]
+    if task == "seq-cls":  # BertForSequenceClassification: pooler + classifier
+        other += [("pooler.dense.weight", (h, h), "linear"), ("pooler.dense.bias", (h,), "bias"),
+                  ("classifier.weight", (labels, h), "linear"), ("classifier.bias", (labels,), "bias")]
+    else:  # BertLMHeadModel: no pooler; transform + decoder (+ its own bias)
+        other += [("cls.transform.dense.weight", (h, h), "linear"), ("cls.transform.dense.bias", (h,), "bias"),
+                  ("cls.transform.LayerNorm.weight", (h,), "norm"), ("cls.transform.LayerNorm.bias", (h,), "norm"),
+                  ("cls.bias", (vocab,), "bias")]
+        if not tied:  # the decoder's weight and bias are tied to the embedding and cls.bias only together
+            other += [("cls.decoder.weight", (vocab, h), "linear"), ("cls.decoder.bias", (vocab,), "bias")]
+    return ModelShape(family="bert", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
+                      kv_heads=heads, head_dim=h // heads, ffn=f, activation=str(cfg.get("hidden_act") or "gelu"),
+                      gated=False, vocab=vocab, max_positions=positions, tied=tied, num_labels=labels,
+                      attn_dropout=_rate(cfg, "attention_probs_dropout_prob", 0.1),
+                      hidden_dropout=_rate(cfg, "hidden_dropout_prob", 0.1),
+                      embd_dropout=_rate(cfg, "hidden_dropout_prob", 0.1), kv_cache=False,
+                      layer_tensors=tuple(layer), other_tensors=tuple(other))
+
+
+def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
+    h = _need(cfg, "hidden_size")
+    layers = _need(cfg, "num_hidden_layers")
+    heads = _need(cfg, "num_attention_heads")
+    vocab = _need(cfg, "vocab_size")
+    f = _need(cfg, "intermediate_size")
+    kv, d = _heads(cfg, h, heads)
+    model_type = cfg["model_type"]
+    # Qwen2 always has Q/K/V biases; LLaMA has them (and the output bias) with attention_bias.
+    qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
+    o_bias = model_type == "llama" and bool(cfg.get("attention_bias"))
+    mlp_bias = model_type == "llama" and bool(cfg.get("mlp_bias"))
+    tied = bool(_first(cfg, "tie_word_embeddings", default=False))
+    q_dim, kv_dim = heads * d, kv * d
+    layer: list[Tensor] = []
+    for name, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+        layer.append((f"self_attn.{name}.weight", (out_dim, h), "linear"))
+        if qkv_bias:
+            layer.append((f"self_attn.{name}.bias", (out_dim,), "bias"))
+    layer.append(("self_attn.o_proj.weight", (h, q_dim), "linear"))
+    if o_bias:
+        layer.append(("self_attn.o_proj.bias", (h,), "bias"))
+    for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+        layer.append((f"mlp.{name}.weight", shape, "linear"))
+        if mlp_bias:
+            layer.append((f"mlp.{name}.bias", (shape[0],), "bias"))
+    layer += [("input_layernorm.weight", (h,), "norm"), ("post_attention_layernorm.weight", (h,), "norm")]
+    other: list[Tensor] = [("embed_tokens", (vocab, h), "embedding"), ("norm.weight", (h,), "norm")]
+    if task == "seq-cls":
+        other.append(("score.weight", (labels, h), "linear"))
+    elif not tied:
+        other.append(("lm_head.weight", (vocab, h), "linear"))
+    act = str(cfg.get("hidden_act") or "silu")
+    return ModelShape(family="llama", model_type=model_type, task=task, hidden=h, layers=layers, heads=heads,
+                      kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
+                      max_positions=_first(cfg, "max_position_embeddings"), tied=tied, num_labels=labels,
+                      attn_dropout=_rate(cfg, "attention_dropout", 0.0), hidden_dropout=0.0, embd_dropout=0.0,
+                      kv_cache=_kv_cache(cfg, task),
+                      layer_tensors=tuple(layer), other_tensors=tuple(other))

@@ -1,0 +1,136 @@
+"""toolkit.modelshape: a model's shape and exact parameter count from its config dict.
+
+The counts are checked against the real transformers models of the same configs: tiny
+ones built for real on the CPU, the shipped full-size ones built on the meta device
+(shapes without memory).
+"""
+
+import pytest
+
+from toolkit.errors import ConfigError
+from toolkit.models import build_model, load_model_config, transformers_config
+from toolkit.modelshape import ModelShape, ffn_size, hidden_size, largest_param_numel
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 344,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+              "max_position_embeddings": 512}
+"""A LLaMA-like config: grouped-query attention, SwiGLU, untied head (LLaMA's default)."""
+
+TINY = {
+    "tiny-gpt2": load_model_config("tiny-gpt2"),
+    "tiny-bert": load_model_config("tiny-bert"),
+    "gpt2-untied-default-ffn": {**load_model_config("tiny-gpt2"), "tie_word_embeddings": False, "n_inner": None},
+    "bert-untied-5-labels": {**load_model_config("tiny-bert"), "tie_word_embeddings": False, "num_labels": 5},
+    "llama-gqa": TINY_LLAMA,
+    "llama-tied-biases": {**TINY_LLAMA, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+    "mistral-head-dim": {**TINY_LLAMA, "model_type": "mistral", "head_dim": 48},
+    "qwen2": {**TINY_LLAMA, "model_type": "qwen2"},
+}
+TASKS = ("causal-lm", "seq-cls")
+
+
+def real_model(cfg, task, meta=False):
+    config = transformers_config(cfg, task)
+    if meta:
+        with torch.device("meta"):
+            return build_model(config, task)
+    return build_model(config, task)
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_n_params_and_largest_equal_the_real_tiny_model(name, task):
+    model = real_model(TINY[name], task)
+    shape = ModelShape.from_config(TINY[name], task)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert shape.largest_param_numel == max(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("name", ["gpt2", "bert-large", "llama-7b"])
+def test_n_params_equal_the_real_full_size_model(name, task):
+    cfg = load_model_config(name)
+    model = real_model(cfg, task, meta=True)
+    assert ModelShape.from_config(cfg, task).n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_well_known_counts():
+    assert ModelShape.from_config(load_model_config("gpt2")).n_params == 124_439_808
+    assert ModelShape.from_config(load_model_config("llama-7b")).n_params == 6_738_415_616
+
+
+def test_layer_tensors_are_one_real_layer():
+    cfg = TINY["llama-tied-biases"]
+    model = real_model(cfg, "causal-lm")
+    shape = ModelShape.from_config(cfg, "causal-lm")
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    linear = sum(m.weight.numel() for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    assert shape.layer_linear_params == linear
+
+
+def test_sizes_read_from_each_spelling():
+    gpt2 = ModelShape.from_config(load_model_config("gpt2"))
+    assert (gpt2.family, gpt2.hidden, gpt2.layers, gpt2.heads, gpt2.ffn, gpt2.vocab) == ("gpt2", 768, 12, 12, 3072, 50257)
+    assert gpt2.tied and gpt2.activation == "gelu_new" and not gpt2.gated and gpt2.max_positions == 1024
+    llama = ModelShape.from_config(load_model_config("llama-7b"))
+    assert (llama.family, llama.ffn, llama.kv_heads, llama.head_dim, llama.gated, llama.tied) == ("llama", 11008, 32, 128, True, False)
+    assert ModelShape.from_config(TINY_LLAMA).kv_heads == 2
+    bert = ModelShape.from_config(load_model_config("bert-large"), "seq-cls")
+    assert (bert.family, bert.hidden, bert.ffn, bert.num_labels, bert.hidden_dropout) == ("bert", 1024, 4096, 2, 0.1)
+
+
+def test_kv_cache_only_for_decoder_classifiers():
+    assert ModelShape.from_config(TINY["tiny-gpt2"], "seq-cls").kv_cache
+    assert not ModelShape.from_config(TINY["tiny-gpt2"], "causal-lm").kv_cache
+    assert not ModelShape.from_config({**TINY["tiny-gpt2"], "use_cache": False}, "seq-cls").kv_cache
+    assert not ModelShape.from_config(TINY["tiny-bert"], "seq-cls").kv_cache
+
+
+def test_legacy_helpers_keep_their_behaviour():
+    cfg = load_model_config("gpt2")
+    assert (hidden_size(cfg), ffn_size(cfg), largest_param_numel(cfg)) == (768, 3072, 50257 * 768)
+    llama = load_model_config("llama-7b")
+    assert (hidden_size(llama), ffn_size(llama), largest_param_numel(llama)) == (4096, 11008, 32000 * 4096)
+    assert largest_param_numel({"hidden_size": 64}) == 4 * 64 * 64  # the default FFN (4 h) beats QKV (3 h^2)
+
+
+@pytest.mark.parametrize("cfg, field", [
+    ({k: v for k, v in load_model_config("gpt2").items() if k != "n_embd"}, "n_embd"),
+    ({k: v for k, v in load_model_config("bert-large").items() if k != "num_hidden_layers"}, "num_hidden_layers"),
+    ({k: v for k, v in load_model_config("bert-large").items() if k != "intermediate_size"}, "intermediate_size"),
+    ({k: v for k, v in load_model_config("llama-7b").items() if k != "vocab_size"}, "vocab_size"),
+    ({k: v for k, v in load_model_config("llama-7b").items() if k != "num_attention_heads"}, "num_attention_heads"),
+])
+def test_a_missing_field_is_named_in_one_line(cfg, field):
+    with pytest.raises(ConfigError, match=field) as err:
+        ModelShape.from_config(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ConfigError, match="traced"):
+        ModelShape.from_config({"model_type": "t5", "d_model": 512})
+    with pytest.raises(ConfigError, match="multiple"):
+        ModelShape.from_config({**TINY_LLAMA, "num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="positive integer"):
+        ModelShape.from_config({**TINY_LLAMA, "hidden_size": "128"})
+    with pytest.raises(ConfigError, match="task"):
+        ModelShape.from_config(TINY_LLAMA, "image-cls")
+
+
+def test_from_param_count_is_exact_and_shaped():
+    shape = ModelShape.from_param_count(7_000_000_000, hidden=4096, layers=32, heads=32, vocab=32000, seq=4096)
+    assert shape.n_params == 7_000_000_000
+    assert (shape.hidden, shape.layers, shape.heads, shape.vocab, shape.max_positions) == (4096, 32, 32, 32000, 4096)
+    assert 4 * 4096 < shape.ffn < 5 * 4096  # GPT-style layers of ~12 h^2 fill the count
+    assert shape.largest_param_numel == max(32000 * 4096, 4096 * shape.ffn)
+    cls = ModelShape.from_param_count(10**9, hidden=2048, layers=16, heads=16, vocab=50000, task="seq-cls")
+    assert cls.n_params == 10**9 and cls.task == "seq-cls"
+    with pytest.raises(ConfigError, match="too few"):
+        ModelShape.from_param_count(1_000_000, hidden=4096, layers=32, heads=32, vocab=32000)
+    with pytest.raises(ConfigError, match="multiple"):
+        ModelShape.from_param_count(10**9, hidden=1000, layers=8, heads=16, vocab=1000)

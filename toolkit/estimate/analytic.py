@@ -1,0 +1,541 @@
+"""Analytic estimate: a training step's memory from the model's shape, by arithmetic alone.
+
+Three layers, as in accelerate's estimator: the arithmetic here (pure functions of a
+``ModelShape``, a ``Plan`` and a ``Partition``, all in bytes), data gathering in the
+caller (``ModelShape.from_config``), formatting in the CLI.
+
+What a rank holds (bytes, per GPU):
+
+model states   params, grads, optimizer states, as the runtime (toolkit/train.py) makes them.
+               torchrun: torch autocast keeps fp32 weights and grads under fp16/bf16-mixed
+               (the weights are the master copy: 4 + 4 + 8 = 16 B/param with AdamW) and
+               bf16-true keeps everything in bf16 (AdamW states too: 2 + 2 + 4 B/param).
+               DeepSpeed: 16-bit weights and grads plus an fp32 master copy and the
+               states (2 + 2 + 12 = 16 B/param with AdamW), sharded by ZeRO stage:
+               1: 4Ψ + 12Ψ/N, 2: 2Ψ + 14Ψ/N, 3: 16Ψ/N (+ the largest layer gathered).
+               Optimizer states on top of any master copy: AdamW 2 states; 8-bit AdamW
+               1 byte per state + an fp32 absmax per 256-block (32-bit states for tensors
+               under 4096 elements, as bitsandbytes does); Adafactor (no momentum) a row
+               and a column vector per matrix, a full vector per 1-D tensor; SGD one
+               momentum buffer.
+activations    what autograd saves in the forward, per transformer layer, tensor by tensor
+               for the HF block of the model's family (see ``layer_bytes_per_token``).
+               It reduces to Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes for the
+               Megatron GPT layer in 16-bit (``korthikanti_layer_bytes``). Eager attention
+               stores the a·s² matrix; SDPA and flash do not. Full checkpointing keeps each
+               layer's input (s·b·h in the residual's dtype) and recomputes one layer at a
+               time in the backward. Outside the layers: embeddings, final norm, the head's
+               input, and for a causal LM the fp32 log-probabilities of the loss (4·b·s·V;
+               transformers upcasts the logits), plus the input ids and labels. Dropout
+               keeps a mask: a byte per element on CUDA, a tensor of the input's dtype on
+               the CPU. A decoder's classifier builds a KV cache (transformers' use_cache).
+               CUDA's autocast runs a few more ops in fp32 than the CPU's (pow in
+               gelu_new, LayerNorm and softmax on 16-bit inputs): the formulas follow the
+               partition's kind. The CPU side is checked against real steps; the CUDA
+               side is by reading the kernels' autocast lists.
+temporaries    short-lived tensors at the peak: the loss's gradients (2 x 4·b·s·V at the
+               start of the backward), one layer's backward, the optimizer's step copies
+               (torch's foreach AdamW on a GPU copies exp_avg_sq whole; on a CPU one
+               tensor at a time), autocast's 16-bit weight copies, ZeRO/DDP buckets.
+
+Phases, the peak being the largest (model states are not all live at once):
+  forward end     params + optimizer + (grads, when accumulating) + activations + logits
+  backward start  the above + the loss's gradients (grads not yet allocated with accum 1)
+  backward        activations freed layer by layer as gradients are allocated (the two ends
+                  of that straight line, plus one layer's transient and its recompute)
+  backward end    params + optimizer + all grads + the embedding's dense gradient
+  optimizer step  params + grads + optimizer + the step's transient copies
+
+``components`` are what is live at the peak phase, so they add up to the peak.
+Device memory as nvidia-smi shows it: CUDA context + peak allocated x (1 + allocator
+overhead). Fits: that is at most capacity minus a safety margin, and the host memory
+(offload, and the model each rank builds on the host first) within the job's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from ..dsconfig import NVME_PARAM_BUFFERS, nvme_buffer_elements
+from ..modelshape import ModelShape
+from ..plan import Plan
+from ..sites import Partition
+from . import COMPONENTS, Estimate
+
+MIB = 1024 * 1024
+
+DEFAULT_ALLOCATOR_OVERHEAD_FRAC = 0.08
+"""Caching allocator: reserved-but-unallocated memory at the peak, as a fraction of the
+peak allocated (PyTorch training steps typically show 5-10 %; calibration replaces it)."""
+SAFETY_MARGIN_FRAC = 0.03
+"""Kept free when deciding "fits": a card's usable memory is ~1.5 % under its nominal size
+(ECC, driver), and NCCL/cuDNN allocate outside the caching allocator."""
+SAFETY_MARGIN_MIN_MIB = 256.0
+OFFLOAD_BUFFER_FACTOR = 1.5
+"""DeepSpeed's own estimators multiply offloaded host memory by 1.5 for buffers."""
+DS_BUCKET_ELEMENTS = 50_000_000
+"""reduce_bucket_size / allgather_bucket_size as toolkit/dsconfig.py writes them."""
+DS_SUB_GROUP_ELEMENTS = 1_000_000_000
+"""ZeRO-3 sub_group_size default: the unit the optimizer steps (and swaps to NVMe)."""
+NVME_OPTIMIZER_BUFFERS = 4
+"""offload_optimizer buffer_count as toolkit/dsconfig.py writes it: AdamW swaps the fp32
+weights, two states and the grads of one sub-group through 4 pinned buffers."""
+ADAM8_MIN_NUMEL = 4096
+ADAM8_BLOCK = 256
+LN_STATS_BYTES = 8
+"""LayerNorm saves fp32 mean and rstd per token."""
+ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of what a rank holds under a plan's precision and launcher."""
+
+    param: int
+    """weights on the device and the residual stream between layers"""
+    compute: int
+    """matmul inputs and outputs, activation-function tensors"""
+    grad: int
+    master: int
+    """extra fp32 master copy per parameter (DeepSpeed mixed precision), 0 when the weights are the master"""
+    state: int
+    """optimizer state element (torch: the param's dtype; DeepSpeed: fp32)"""
+    autocast: bool
+    gpu: bool
+    mask: int
+    """a dropout mask element: a bool on CUDA, a noise tensor of the input's dtype on the CPU"""
+
+
+def dtypes_for(plan: Plan, gpu: bool) -> Dtypes:
+    """How the runtime (toolkit/train.py) stores things for ``plan`` on a GPU (or CPU) rank."""
+    mixed = plan.precision in ("fp16-mixed", "bf16-mixed", "bf16-true")
+    if plan.uses_deepspeed and mixed:  # the engine casts the model to 16-bit, keeps fp32 master + states
+        return Dtypes(param=2, compute=2, grad=2, master=4, state=4, autocast=False, gpu=gpu, mask=1 if gpu else 2)
+    if plan.precision == "bf16-true":
+        return Dtypes(param=2, compute=2, grad=2, master=0, state=2, autocast=False, gpu=gpu, mask=1 if gpu else 2)
+    compute = 2 if mixed else 4
+    return Dtypes(param=4, compute=compute, grad=4, master=0, state=4, autocast=mixed, gpu=gpu,
+                  mask=1 if gpu else compute)
+
+
+# -- model states ----------------------------------------------------------------------------
+
+
+def optimizer_state_bytes(shape: ModelShape, optimizer: str, state_bytes: int) -> float:
+    """Bytes of optimizer state for the whole model (unsharded), states of ``state_bytes`` each."""
+    if optimizer == "adamw":
+        return 2.0 * state_bytes * shape.n_params
+    if optimizer == "sgd":
+        return 1.0 * state_bytes * shape.n_params
+    total = 0.0
+    for dims, count in shape.shape_counts:
+        numel = prod(dims)
+        if optimizer == "adamw-8bit":
+            if numel >= ADAM8_MIN_NUMEL:
+                total += count * (2 * numel + 2 * 4 * -(-numel // ADAM8_BLOCK))
+            else:
+                total += count * 2 * 4 * numel
+        elif optimizer == "adafactor":  # row and column second moments per matrix, full for 1-D
+            total += count * state_bytes * (numel // dims[-1] + numel // dims[-2] if len(dims) >= 2 else numel)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}")
+    return total
+
+
+def optimizer_step_temp_bytes(shape: ModelShape, optimizer: str, state_bytes: int, numel: float, gpu: bool,
+                              grad_bytes: int) -> float:
+    """Transient bytes of one optimizer step over ``numel`` parameters (the rank's share).
+
+    torch's AdamW steps all tensors at once on a GPU (foreach: a copy of every
+    exp_avg_sq) and one tensor at a time on a CPU (two copies of the largest);
+    Adafactor two fp32 copies of the largest tensor (four when the grads are 16-bit);
+    SGD with momentum and 8-bit AdamW update in place.
+    """
+    largest = min(shape.largest_param_numel, numel)
+    if optimizer == "adamw":
+        return state_bytes * numel if gpu else 2.0 * state_bytes * largest
+    if optimizer == "adafactor":
+        return (2 if grad_bytes == 4 else 4) * 4.0 * largest
+    return 0.0
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-rank bytes of weights, gradients and optimizer, and what offload puts on the host."""
+
+    params_bytes: float
+    """resident on the device between steps"""
+    grads_bytes: float
+    """on the device once all are allocated"""
+    optimizer_bytes: float
+    """on the device: states and any fp32 master copy"""
+    persistent_grads: bool
+    """grads stay allocated across steps (DeepSpeed buffers) instead of being set to None"""
+    buffer_bytes: float
+    """communication buffers that live through the step (DDP buckets, ZeRO reduce buckets)"""
+    gathered_bytes: float
+    """ZeRO-3: a full layer's 16-bit weights and grads gathered during forward/backward"""
+    step_temp_bytes: float
+    host_bytes_per_rank: float
+    """offloaded states (x 1.5 buffer factor) and pinned NVMe buffers"""
+
+
+def model_states(shape: ModelShape, plan: Plan, dt: Dtypes) -> ModelStates:
+    """Params, grads and optimizer per rank for the plan's launcher, precision, optimizer, ZeRO and offload."""
+    psi = float(shape.n_params)
+    n = plan.world_size
+    if not plan.uses_deepspeed:
+        ddp = dt.grad * psi if n > 1 else 0.0  # DDP's flat buckets hold a second copy of the grads
+        return ModelStates(
+            params_bytes=dt.param * psi, grads_bytes=dt.grad * psi,
+            optimizer_bytes=optimizer_state_bytes(shape, plan.optimizer, dt.state),
+            persistent_grads=False, buffer_bytes=ddp, gathered_bytes=0.0,
+            step_temp_bytes=optimizer_step_temp_bytes(shape, plan.optimizer, dt.state, psi, dt.gpu, dt.grad),
+            host_bytes_per_rank=0.0)
+    stage = plan.zero_stage
+    shard = psi / n if stage >= 1 else psi  # the parameters whose optimizer state this rank owns
+    opt_full = dt.master * psi + optimizer_state_bytes(shape, plan.optimizer, dt.state)
+    params = dt.param * (shard if stage == 3 else psi)
+    grads = dt.grad * (shard if stage >= 2 else psi)
+    optimizer = opt_full * shard / psi
+    bucket = dt.grad * min(psi, DS_BUCKET_ELEMENTS) if stage >= 1 else 0.0
+    gathered = 2.0 * dt.param * shape.largest_param_numel if stage == 3 else 0.0
+    # The step: an fp32 copy of this rank's 16-bit grads for the optimizer, then its own transient.
+    step = (4.0 * shard if dt.grad != 4 else 0.0) + optimizer_step_temp_bytes(
+        shape, plan.optimizer, dt.state, shard, dt.gpu, 4)
+    host = 0.0
+    if plan.offload_optimizer != "none":
+        # Master copy, states and fp32 grads live on the host and step there; from ZeRO-2 on
+        # the grads are reduced through the bucket straight into the host's partition.
+        optimizer, step = 0.0, 0.0
+        if stage >= 2:
+            grads = 0.0
+        if plan.offload_optimizer == "cpu":
+            host += OFFLOAD_BUFFER_FACTOR * (opt_full * shard / psi + 4.0 * shard)
+        else:  # NVMe: states and grads swap through pinned fp32 buffers, each one sub-group large
+            host += NVME_OPTIMIZER_BUFFERS * 4.0 * min(shard, DS_SUB_GROUP_ELEMENTS)
+    if plan.offload_params != "none":
+        params = 0.0
+        if plan.offload_params == "cpu":
+            host += OFFLOAD_BUFFER_FACTOR * dt.param * shard
+        else:  # pinned buffers DeepSpeed stages NVMe parameters through
+            host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
+    return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+                       persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
+                       step_temp_bytes=step, host_bytes_per_rank=host)
+
+
+# -- activations -------------------------------------------------------------------------------
+
+# Tensors of the FFN's width an activation function leaves saved, counting the output the
+# next matmul saves: a fused kernel keeps its input and output (2); HF's python GELUs keep
+# their intermediates (gelu_new: x, tanh, 1 + tanh, x/2 and the product); ReLU only its output.
+ACTIVATION_SAVED = {"gelu_new": 5, "quick_gelu": 3, "relu": 1}
+DEFAULT_ACTIVATION_SAVED = 2
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, stores_scores: bool = True) -> float:
+    """Korthikanti et al. (2022): bytes one Megatron GPT layer saves with 16-bit activations.
+
+    s·b·h·(34 + 5·a·s/h); without the attention matrix (flash/SDPA) s·b·h·34.
+    """
+    return s * b * h * (34 + (5 * a * s / h if stores_scores else 0))
+
+
+def _ffn_bytes(shape: ModelShape, dt: Dtypes) -> float:
+    """Per token: what the MLP's activation function and its output keep (width ffn)."""
+    c, f = dt.compute, shape.ffn
+    if shape.gated:  # act(gate) keeps gate and act out; the product keeps both factors; down_proj the product
+        return 4 * c * f
+    if shape.activation == "gelu_new" and dt.autocast and dt.gpu:
+        # CUDA autocast runs pow in fp32: x, tanh and 1 + tanh become fp32, the product is cast back.
+        return (3 * 4 + 2 * c) * f
+    return ACTIVATION_SAVED.get(shape.activation, DEFAULT_ACTIVATION_SAVED) * c * f
+
+
+def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+    """Per token: the attention kernel's saved Q, K, V and output, and the score matrix when stored."""
+    c, a, s = dt.compute, shape.heads, plan.seq_len
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if not stores_scores(shape, plan, dt):
+        return (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
+    # Eager: K and V repeated to every head (GQA), softmax output, its 16-bit copy or dropout.
+    causal = shape.family != "bert"
+    # The causal mask is in the weights' dtype (fp32 under autocast) and CUDA's autocast
+    # runs softmax in fp32: then softmax's output is fp32 and a 16-bit copy feeds the matmul.
+    # LLaMA's eager attention asks softmax for fp32 outright.
+    soft = 4 if shape.family == "llama" or (dt.autocast and (causal or dt.gpu)) else c
+    if shape.attn_dropout > 0:
+        extra = dt.mask + c
+    else:
+        extra = c if soft != c else 0
+    return 4 * q_dim * c + a * s * (soft + extra)
+
+
+def stores_scores(shape: ModelShape, plan: Plan, dt: Dtypes) -> bool:
+    """Whether attention keeps the a x s x s matrix: eager always; PyTorch's CPU SDPA with dropout
+    (its fused CPU kernel has none, so it falls back to the math path)."""
+    if plan.attention == "eager":
+        return True
+    return not dt.gpu and shape.attn_dropout > 0
+
+
+def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+    """Bytes one transformer layer saves for backward, per token of the micro-batch.
+
+    Tensor by tensor for the HF block of the model's family (verified against a real
+    training step's live tensors on the CPU). Under autocast a matmul whose input is fp32
+    (a norm's output) saves its own 16-bit copy of it.
+    """
+    h, p, c = shape.hidden, dt.param, dt.compute
+    drop = 2 * h * dt.mask if shape.hidden_dropout > 0 else 0
+    core = _attention_bytes(shape, plan, dt) + _ffn_bytes(shape, dt) + drop
+    if shape.family == "gpt2":
+        # A KV cache (kept off by checkpointing) concatenates copies of K and V for the
+        # kernel, while Q's view keeps the fused QKV output alive too.
+        cache = 2 * shape.kv_heads * shape.head_dim * c if shape.kv_cache and not plan.checkpointing else 0
+        # ln_1 input, c_attn input, ln_2 input, c_fc input (+ LayerNorm stats)
+        return core + cache + 2 * (h * p + LN_STATS_BYTES) + 2 * h * c
+    if shape.family == "bert":
+        qkv_in = 3 * h * c if dt.autocast else h * p
+        # Q/K/V input, two post-LayerNorm inputs, the intermediate dense's input
+        return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
+    # llama: RMSNorm in python keeps its fp32 input, rstd and the normalised tensor
+    rms = 4 * h + 4 + h * p
+    qkv_in = 3 * h * c if dt.autocast else h * p
+    mlp_in = 2 * h * c if dt.autocast else h * p
+    return core + 2 * rms + qkv_in + mlp_in
+
+
+def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
+    """Per token, what is saved outside the layers: ids, embeddings, final norm, head input, log-probs."""
+    h, p, c = shape.hidden, dt.param, dt.compute
+    causal = shape.task == "causal-lm"
+    ids = ID_BYTES * (3 if causal else 1)  # input ids; labels and their shifted copy for the loss
+    logprobs = 4 * shape.vocab if causal else 0  # transformers upcasts the logits; log_softmax keeps fp32
+    if shape.family == "gpt2":
+        emb = h * dt.mask if shape.embd_dropout > 0 else 0
+        return ids + emb + h * p + LN_STATS_BYTES + h * c + logprobs
+    if shape.family == "bert":
+        emb = ID_BYTES + h * p + LN_STATS_BYTES + (h * dt.mask if shape.embd_dropout > 0 else 0)  # token types, LN
+        if causal:  # transform dense, GELU, LayerNorm, decoder inputs (CUDA autocast: LayerNorm in fp32)
+            head = 3 * h * c + 4 * h + LN_STATS_BYTES if dt.autocast and dt.gpu else 4 * h * c + LN_STATS_BYTES
+        else:  # the pooler's first-token view keeps the whole last hidden state, unless autocast copied it
+            head = 0 if dt.autocast else h * p
+        return ids + emb + head + logprobs
+    return ids + (4 * h + 4 + h * p) + h * c + logprobs
+
+
+# Net transient of one layer's backward: gradients alive while that layer's saved tensors
+# are not yet freed, per token, as (x ffn in the compute dtype, x hidden in the residual
+# gradient's dtype: the weights' dtype, fp32 inside LLaMA's RMSNorm). Fitted on real
+# training steps on the CPU (torch 2.13, transformers 5.23; see tests/unit/test_estimate_analytic.py).
+LAYER_BACKWARD_TEMP = {("gpt2", "gelu_new"): (2.25, 0.5), "gpt2": (0.8, 2.3), "bert": (0.4, 4.4), "llama": (0.55, 5.3)}
+# With eager attention, in (a x s per token) in the compute dtype: GPT-2's peak inside a
+# layer's backward comes after part of its score matrix is freed.
+EAGER_BACKWARD_TEMP = {"gpt2": -1.0}
+
+
+def layer_backward_temp_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+    """Bytes per token one layer's backward holds beyond its saved tensors."""
+    ffn, hid = LAYER_BACKWARD_TEMP.get((shape.family, shape.activation)) or LAYER_BACKWARD_TEMP[shape.family]
+    grad = 4 if shape.family == "llama" else dt.param
+    temp = ffn * shape.ffn * dt.compute + hid * shape.hidden * grad
+    if stores_scores(shape, plan, dt):
+        temp += EAGER_BACKWARD_TEMP.get(shape.family, 0.0) * shape.heads * plan.seq_len * dt.compute
+    return temp
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of one micro-batch's forward and backward on one rank."""
+
+    layer_bytes: float
+    """one layer's saved tensors"""
+    kept_layer_bytes: float
+    """what one layer keeps until its backward: layer_bytes, or its input under checkpointing"""
+    outside_bytes: float
+    """saved outside the layers (embeddings, final norm, head input, log-probs, ids)"""
+    layer_cast_bytes: float
+    """autocast's 16-bit copies of one layer's matmul weights"""
+    head_cast_bytes: float
+    loss_forward_temp_bytes: float
+    """the logits and their fp32 copy while the loss is computed"""
+    loss_backward_temp_bytes: float
+    """the gradients of the log-probs and of the logits (fp32) at the start of the backward"""
+    head_backward_temp_bytes: float
+    """the logits' gradient in the compute dtype and the head weight's 16-bit gradient"""
+    layer_backward_temp_bytes: float
+    """gradients flowing through one layer's backward (and its recompute under checkpointing)"""
+
+
+def activations(shape: ModelShape, plan: Plan, dt: Dtypes) -> Activations:
+    """Activation bytes of one micro-batch (plan.micro_batch x plan.seq_len tokens) on one rank."""
+    tokens = plan.micro_batch * plan.seq_len
+    h, c = shape.hidden, dt.compute
+    layer = tokens * layer_bytes_per_token(shape, plan, dt)
+    kept = tokens * h * dt.param if plan.checkpointing else layer
+    layer_cast = 2.0 * shape.layer_linear_params if dt.autocast else 0.0
+    head_cast = 2.0 * shape.head_linear_params if dt.autocast else 0.0
+    causal = shape.task == "causal-lm"
+    logits = tokens * shape.vocab if causal else 0
+    loss_fwd = logits * (c + (4 if c != 4 else 0))
+    loss_bwd = 8.0 * logits
+    head_weight = shape.vocab * h if causal else 0
+    head_bwd = logits * c + (head_weight * c if dt.autocast else 0)
+    layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)
+    if plan.checkpointing:
+        layer_bwd += layer + layer_cast  # the layer is recomputed (and its weights re-cast) first
+    outside = tokens * outside_bytes_per_token(shape, dt) + ID_BYTES * plan.seq_len  # + position ids
+    return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
+                       layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
+                       loss_forward_temp_bytes=loss_fwd, loss_backward_temp_bytes=loss_bwd,
+                       head_backward_temp_bytes=head_bwd, layer_backward_temp_bytes=layer_bwd)
+
+
+# -- phases -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What is live at one moment of the step (bytes per rank, by component)."""
+
+    name: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    temporaries: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+
+def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts: Activations) -> tuple[Phase, ...]:
+    """The moments of a steady-state step (optimizer states exist) where the peak can be."""
+    L, ckpt, causal = shape.layers, plan.checkpointing, shape.task == "causal-lm"
+    params, opt, buf, grads = states.params_bytes, states.optimizer_bytes, states.buffer_bytes, states.grads_bytes
+    fwd_params = params + states.gathered_bytes
+    # Grads present from the start of the backward (DeepSpeed's buffers, a previous
+    # micro-batch's); the rest is allocated during it: the head's first, then layer by layer.
+    live = grads if states.persistent_grads or plan.grad_accum > 1 else 0.0
+    head_g = (grads - live) * shape.head_linear_params / shape.n_params
+    layer_g = (grads - live) * shape.layer_params / shape.n_params
+    kept = L * acts.kept_layer_bytes
+    layer_casts = 0.0 if ckpt else L * acts.layer_cast_bytes  # recomputed layers re-cast their weights
+    # Adding a new gradient to an existing one (the tied LM head's, or a previous
+    # micro-batch's) holds the new one and the sum at once: two vocab x hidden transients.
+    vocab_grad = 2.0 * dt.grad * shape.vocab * shape.hidden
+    emb_temp = vocab_grad if live or (causal and shape.tied) else 0.0
+    head_temp = acts.head_backward_temp_bytes + (vocab_grad if live and causal else 0.0)
+    return (
+        # autocast's cache holds every 16-bit weight copy until the forward returns
+        Phase("forward end", fwd_params, live, opt, kept + acts.outside_bytes,
+              buf + L * acts.layer_cast_bytes + acts.head_cast_bytes + acts.loss_forward_temp_bytes),
+        Phase("backward start", fwd_params, live, opt, kept + acts.outside_bytes,
+              buf + layer_casts + acts.head_cast_bytes + acts.loss_backward_temp_bytes),
+        Phase("head backward", fwd_params, live + head_g, opt, kept, buf + layer_casts + head_temp),
+        Phase("backward, last layer", fwd_params, live + head_g, opt, kept,
+              buf + layer_casts + acts.layer_backward_temp_bytes),
+        Phase("backward, first layer", fwd_params, live + head_g + (L - 1) * layer_g, opt, acts.kept_layer_bytes,
+              buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
+        Phase("backward end", fwd_params, grads, opt, 0.0, buf + emb_temp),
+        Phase("optimizer step", params, grads, opt, 0.0, buf + states.step_temp_bytes),
+    )
+
+
+# -- the estimate ------------------------------------------------------------------------------------
+
+
+def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
+                      allocator_overhead_frac: float | None = None,
+                      cuda_context_mib: float | None = None) -> Estimate:
+    """A training step's memory per rank for ``plan`` on ``partition``, from ``shape`` alone (MiB).
+
+    ``components`` are what is live at the peak phase (they add up to ``peak_allocated_mib``,
+    plus the CUDA context and the allocator's overhead to ``device_used_mib``).
+    ``allocator_overhead_frac`` (default DEFAULT_ALLOCATOR_OVERHEAD_FRAC) and
+    ``cuda_context_mib`` (default: the partition's) replace the profile's values, e.g.
+    with ones fitted from measured runs. On a CPU partition the "device" is the host:
+    capacity is the job's memory per rank and there is no CUDA context.
+    """
+    gpu = partition.has_gpu
+    dt = dtypes_for(plan, gpu)
+    states = model_states(shape, plan, dt)
+    acts = activations(shape, plan, dt)
+    peak = max(phases(shape, plan, dt, states, acts), key=lambda ph: ph.total)
+    frac = DEFAULT_ALLOCATOR_OVERHEAD_FRAC if allocator_overhead_frac is None else allocator_overhead_frac
+    context = (partition.cuda_context_mib if cuda_context_mib is None else cuda_context_mib) if gpu else 0.0
+    peak_mib = peak.total / MIB
+    components = {"params": peak.params / MIB, "grads": peak.grads / MIB, "optimizer": peak.optimizer / MIB,
+                  "activations": peak.activations / MIB, "temporaries": peak.temporaries / MIB,
+                  "cuda_context": context, "allocator_overhead": peak_mib * frac}
+    assert tuple(components) == COMPONENTS
+    device_used = context + peak_mib * (1 + frac)
+    ranks = plan.gpus_per_node
+    host = states.host_bytes_per_rank * ranks / MIB
+    capacity = capacity_mib(partition, plan)
+    fits_device = device_used <= capacity - safety_margin_mib(capacity)
+    # On a CPU partition the ranks' own memory comes out of the same host memory; on a GPU
+    # partition the ranks first build the model on the host (before the offload buffers exist).
+    host_needed = max(host, startup_host_bytes_per_rank(shape, plan) * ranks / MIB) if gpu else host + device_used * ranks
+    fits_host = host_needed <= job_host_mib(partition, plan)
+    notes = _notes(shape, plan, partition, peak, host_needed, fits_host, cuda_context_mib, allocator_overhead_frac)
+    return Estimate(method="analytic", components=components, peak_allocated_mib=peak_mib,
+                    device_used_mib=device_used, host_mib_per_node=host, capacity_mib=capacity,
+                    headroom_mib=capacity - device_used, fits=fits_device and fits_host, notes=notes)
+
+
+def startup_host_bytes_per_rank(shape: ModelShape, plan: Plan) -> float:
+    """Host bytes a GPU rank holds while it builds the model, before moving it to its GPU:
+    full weights (fp32; bf16 for bf16-true under torchrun), or a ZeRO-3 shard (zero.Init)."""
+    if plan.uses_deepspeed and plan.zero_stage == 3:
+        return 4.0 * shape.n_params / plan.world_size
+    return (2.0 if plan.precision == "bf16-true" and not plan.uses_deepspeed else 4.0) * shape.n_params
+
+
+def job_host_mib(partition: Partition, plan: Plan) -> float:
+    """Host memory a job gets per node: --mem (plan.mem_mib), else the partition's default, else the node's."""
+    return float(plan.mem_mib or partition.default_mem_mib or partition.host_mem_gib * 1024)
+
+
+def capacity_mib(partition: Partition, plan: Plan) -> float:
+    """Memory one rank may use: the GPU's; on a CPU partition the job's host memory
+    (--mem, else the partition's default, else the node's) shared by the ranks of a node."""
+    if partition.has_gpu:
+        return partition.gpu_mem_gib * 1024
+    return job_host_mib(partition, plan) / plan.gpus_per_node
+
+
+def safety_margin_mib(capacity: float) -> float:
+    """Left free when deciding whether a plan fits (see SAFETY_MARGIN_FRAC)."""
+    return max(SAFETY_MARGIN_MIN_MIB, SAFETY_MARGIN_FRAC * capacity)
+
+
+def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, host_needed: float, fits_host: bool,
+           context_arg: float | None, overhead_arg: float | None) -> tuple[str, ...]:
+    """The assumptions that matter for this estimate, for a person to read."""
+    notes = [f"peak at the {peak.name} (steady state: optimizer states exist)"]
+    if partition.has_gpu and context_arg is None:
+        if getattr(partition, "calibrated", False):
+            notes.append(f"CUDA context {partition.cuda_context_mib:g} MiB as measured on the partition")
+        else:
+            notes.append(f"partition not calibrated: using the profile's cuda_context_mib ({partition.cuda_context_mib:g} MiB)")
+    if overhead_arg is None:
+        notes.append(f"allocator overhead assumed {DEFAULT_ALLOCATOR_OVERHEAD_FRAC:.0%} of peak allocated")
+    if not partition.has_gpu:
+        notes.append(f"CPU partition: capacity is the job's host memory shared by {plan.gpus_per_node} rank(s); "
+                     "the Python/torch process itself is not counted")
+    if plan.uses_deepspeed and plan.precision == "bf16-true":
+        notes.append("DeepSpeed runs bf16-true as bf16 with fp32 master weights")
+    if shape.max_positions is not None and plan.seq_len > shape.max_positions:
+        notes.append(f"seq_len {plan.seq_len} is longer than the model's {shape.max_positions} positions")
+    if shape.kv_cache and not plan.checkpointing and shape.family == "gpt2":
+        notes.append("the classifier's forward builds a KV cache (config use_cache), copying K and V in every layer")
+    if "nvme" in (plan.offload_optimizer, plan.offload_params) or plan.offload_optimizer == "cpu" or plan.offload_params == "cpu":
+        notes.append(f"offload: host memory x{OFFLOAD_BUFFER_FACTOR:g} for DeepSpeed's buffers (CPU), pinned NVMe buffers")
+    if not fits_host:
+        notes.append(f"host memory: {host_needed:.0f} MiB needed per node, {job_host_mib(partition, plan):.0f} MiB available")
+    return tuple(notes)
