@@ -18,6 +18,7 @@ from .classify import classify_paths
 from .errors import HpcmemError
 from .jobspec import load_spec
 from .plan import parse_sets
+from .errors import PlanError
 from .sites import all_sites, load_site
 
 
@@ -94,9 +95,10 @@ def render_cmd(ctx, job, site, partition, sets, out_dir, as_json) -> None:
 @click.option("--wait", is_flag=True, help="Follow the run (retrying OOMs) to its end; exit 0 only on success.")
 @click.option("--detach", is_flag=True, help="Hand the run's controller loop to a job that outlives this session.")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between polls with --wait.")
+@click.option("--plan", "use_planner", is_flag=True, help="Start from the planner's fastest plan predicted to fit.")
 @_json_opt
 @click.pass_context
-def submit(ctx, job, site, partition, sets, wait, detach, interval, as_json) -> None:
+def submit(ctx, job, site, partition, sets, wait, detach, interval, use_planner, as_json) -> None:
     """Submit JOB (a spec file or a shipped spec name) as a new run.
 
     Without --wait or --detach the run advances whenever `hpcmem tick` (cron) or
@@ -105,6 +107,8 @@ def submit(ctx, job, site, partition, sets, wait, detach, interval, as_json) -> 
     if wait and detach:
         raise click.UsageError("--wait and --detach exclude each other")
     spec, site_obj, part, plan = _target(ctx, job, site, partition, sets)
+    if use_planner:
+        plan = _planned(spec, part, plan)
     with runs.open_ledger() as ledger:
         run = controller.start(ledger, spec, site_obj, part, plan)
         if not as_json:
@@ -122,6 +126,18 @@ def submit(ctx, job, site, partition, sets, wait, detach, interval, as_json) -> 
             _emit_json(runs.run_view(ledger, run.run_id))
     if wait and run.state != "succeeded":
         sys.exit(1)
+
+
+def _planned(spec, part, plan):
+    """The planner's choice for ``spec`` starting from ``plan`` (an error when nothing is predicted to fit)."""
+    from . import planner
+    from .estimate import spec_model
+
+    chosen = planner.choose(planner.plan_candidates(spec_model(spec), plan, part, spec.allow))
+    if chosen is None:
+        raise PlanError(f"no plan the spec allows is predicted to fit {part.site}:{part.name} "
+                        "(see `hpcmem plan`); allow more moves in retry.allow or choose a bigger partition")
+    return chosen.plan
 
 
 def _follow(ledger, run_id, interval, quiet=False):
@@ -250,6 +266,108 @@ def calibrate(ctx, site, partition, as_json) -> None:
     click.echo(f"calibrated {site_obj.name}:{part.name} -> {path}")
     for key, value in measured.items():
         click.echo(f"  {key:<18} {value}")
+
+
+_METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"]), default="analytic", show_default=True,
+                           help="analytic: arithmetic, instant; traced: one real step under fake tensors (seconds).")
+
+
+@main.command("estimate")
+@click.argument("job", required=False)
+@_site_opt
+@_partition_opt
+@_set_opt
+@_METHOD_OPT
+@click.option("--model", help="Instead of JOB: a model name in jobs/models, a config.json (or its directory), or a HF id in the local cache.")
+@click.option("--task", type=click.Choice(["causal-lm", "seq-cls"]), default="causal-lm", show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--micro-batch", type=int, default=1, show_default=True)
+@click.option("--grad-accum", type=int, default=1, show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16-mixed", "bf16-mixed", "bf16-true"]), default="fp32", show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "adamw-8bit", "adafactor", "sgd"]), default="adamw", show_default=True)
+@click.option("--checkpointing", is_flag=True)
+@click.option("--attention", type=click.Choice(["eager", "sdpa", "flash"]), default="sdpa", show_default=True)
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--offload-optimizer", type=click.Choice(["none", "cpu", "nvme"]), default="none", show_default=True)
+@click.option("--offload-params", type=click.Choice(["none", "cpu", "nvme"]), default="none", show_default=True)
+@click.option("--nodes", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=1, show_default=True)
+@_json_opt
+@click.pass_context
+def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, micro_batch, grad_accum, precision,
+                 optimizer, checkpointing, attention, zero_stage, offload_optimizer, offload_params, nodes,
+                 gpus_per_node, as_json) -> None:
+    """Predict a training step's peak memory per GPU (and host memory under offload) before submitting."""
+    from .estimate import estimate, model_ref, spec_model
+    from .plan import Plan
+
+    if job:
+        spec, _, part, plan = _target(ctx, job, site, partition, sets)
+        ref = spec_model(spec)
+    else:
+        if not model:
+            raise click.UsageError("give a JOB spec or --model")
+        part = load_site(site, ctx.obj["sites_dirs"]).partition(partition)
+        launcher = "deepspeed" if zero_stage or offload_optimizer != "none" or offload_params != "none" else "torchrun"
+        plan = Plan(launcher=launcher, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len,
+                    micro_batch=micro_batch, grad_accum=grad_accum,
+                    global_batch=micro_batch * grad_accum * nodes * gpus_per_node, precision=precision,
+                    optimizer=optimizer, checkpointing=checkpointing, attention=attention, zero_stage=zero_stage,
+                    offload_optimizer=offload_optimizer, offload_params=offload_params)
+        part.check_plan(plan)
+        ref = model_ref(model, task)
+    est = estimate(ref, plan, part, method)
+    if as_json:
+        _emit_json(est.to_dict())
+        return
+    click.echo(f"{ref.name} {ref.task} on {part.site}:{part.name} ({method}): {render.plan_summary(plan)}")
+    for name, mib in sorted(est.components.items(), key=lambda kv: -kv[1]):
+        click.echo(f"  {name:<20} {mib:>12,.0f} MiB")
+    click.echo(f"  {'peak allocated':<20} {est.peak_allocated_mib:>12,.0f} MiB   (torch.cuda.max_memory_allocated)")
+    click.echo(f"  {'device used':<20} {est.device_used_mib:>12,.0f} MiB   (nvidia-smi)")
+    if est.host_mib_per_node:
+        click.echo(f"  {'host per node':<20} {est.host_mib_per_node:>12,.0f} MiB")
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    click.echo(f"  {verdict} in {est.capacity_mib:,.0f} MiB, headroom {est.headroom_mib:,.0f} MiB")
+    for note in est.notes:
+        click.echo(f"  note: {note}")
+
+
+@main.command("plan")
+@click.argument("job")
+@_site_opt
+@_partition_opt
+@_set_opt
+@_METHOD_OPT
+@click.option("--top", default=12, show_default=True, help="How many candidates to list (fastest first).")
+@_json_opt
+@click.pass_context
+def plan_cmd(ctx, job, site, partition, sets, method, top, as_json) -> None:
+    """List candidate plans with predicted memory and throughput; mark the fastest that fits."""
+    from . import planner
+    from .estimate import spec_model
+
+    spec, _, part, plan = _target(ctx, job, site, partition, sets)
+    cands = planner.plan_candidates(spec_model(spec), plan, part, spec.allow, method)
+    chosen = planner.choose(cands)
+    if as_json:
+        _emit_json({"site": part.site, "partition": part.name, "chosen": chosen.to_dict() if chosen else None,
+                    "candidates": [c.to_dict() for c in cands]})
+        return
+    click.echo(f"{len(cands)} candidate plans for {spec.name} on {part.site}:{part.name}; "
+               f"capacity {cands[0].estimate.capacity_mib:,.0f} MiB")
+    click.echo(f"  {'':2}{'speed':>6} {'device MiB':>11} {'fits':>5}  plan")
+    shown = [c for c in cands if c.fits_with_margin()][:top] or cands[:top]
+    if cands[0] not in shown:
+        shown = [cands[0]] + shown
+    for c in shown:
+        mark = "->" if c is chosen else "  "
+        click.echo(f"  {mark}{c.throughput:>6.2f} {c.estimate.device_used_mib:>11,.0f} {'yes' if c.fits_with_margin() else 'no':>5}"
+                   f"  {render.plan_summary(c.plan)}")
+    if chosen is None:
+        click.echo("no candidate is predicted to fit with a margin; allow more moves in the spec's retry.allow")
+    else:
+        click.echo("submit it with: hpcmem submit " + job + f" --site {part.site} --partition {part.name} --plan")
 
 
 def entry() -> None:

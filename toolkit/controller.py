@@ -31,6 +31,7 @@ from .backends import get_backend
 from .backends.base import JobStatus
 from .classify import Verdict, classify, classify_paths
 from .errors import HpcmemError, SchedulerError
+from .estimate import estimate, saving_model, spec_model
 from .jobspec import JobSpec
 from .ladder import Decision, next_plan
 from .ledger import AttemptRow, Ledger, Run
@@ -192,7 +193,8 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
     bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
               and (p.gpu_mem_gib, p.host_mem_gib) > (partition.gpu_mem_gib, partition.host_mem_gib)]
     decision = next_plan(Plan.from_dict(last.plan), verdict, partition, allow=spec.allow, tried=tried,
-                         attempts_made=len(attempts), max_attempts=spec.max_attempts, bigger=bigger)
+                         attempts_made=len(attempts), max_attempts=spec.max_attempts, bigger=bigger,
+                         saving=_estimator_saving(spec, partition))
     if decision.action == "retry":
         ledger.add_attempt(run.run_id, last.n + 1, decision.plan.to_dict(), _attempt_dir(run, last.n + 1),
                            decision.partition.name, decision.to_dict())
@@ -201,6 +203,18 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
         ledger.set_run_state(run.run_id, "gave_up", decision.reason)
     else:
         ledger.set_run_state(run.run_id, "failed", f"attempt {last.n} (job {last.job_id}): {decision.reason}")
+
+
+def _estimator_saving(spec: JobSpec, partition: Partition):
+    """The estimator as the ladder's memory model when the spec names a model it can read (else the ladder's own)."""
+    if not partition.has_gpu or not spec.model.get("config"):
+        return None
+    try:
+        ref = spec_model(spec)
+        estimate(ref, Plan(), partition)  # a model the analytic method does not cover fails here, not mid-ladder
+    except (HpcmemError, KeyError, TypeError, ValueError):
+        return None
+    return saving_model(ref, partition)
 
 
 def _attempt_dir(run: Run, n: int) -> str:

@@ -43,7 +43,11 @@ def load_model_config(name_or_path: str) -> dict[str, Any]:
         return _read_config(shipped)
     cached = _cached_hub_config(name_or_path)
     if cached is not None:
-        return cached
+        return _read_config(cached)
+    if "/" in name_or_path:
+        raise ConfigError(f"model {name_or_path!r} is not in the local Hugging Face cache ({hub_cache_dir()}); "
+                          f"nothing is downloaded: on a machine with network run `huggingface-cli download {name_or_path} "
+                          "config.json` (with the same HF_HOME), or copy its config.json here and give its path")
     raise UnknownNameError("model", name_or_path, shipped_models())
 
 
@@ -57,15 +61,23 @@ def _read_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def _cached_hub_config(model_id: str) -> dict[str, Any] | None:
-    """A Hugging Face config already in the local cache (offline; no download is tried)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from transformers import AutoConfig
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser() / "hub"
 
-        return AutoConfig.from_pretrained(model_id, local_files_only=True).to_dict()
-    except Exception:  # noqa: BLE001 - not cached: the caller lists the shipped names
-        return None
+
+def _cached_hub_config(model_id: str) -> Path | None:
+    """The config.json of a model already in the local hub cache (read as files: no download, no transformers)."""
+    repo = hub_cache_dir() / ("models--" + model_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        candidate = repo / "snapshots" / ref.read_text().strip() / "config.json"
+        if candidate.is_file():
+            return candidate
+    found = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 def transformers_config(cfg: dict[str, Any], task: str):

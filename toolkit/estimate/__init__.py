@@ -46,3 +46,74 @@ class Estimate:
                 "peak_allocated_mib": self.peak_allocated_mib, "device_used_mib": self.device_used_mib,
                 "host_mib_per_node": self.host_mib_per_node, "capacity_mib": self.capacity_mib,
                 "fits": self.fits, "headroom_mib": self.headroom_mib, "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What is trained, for estimation: a transformers config dict, the task and its labels."""
+
+    config: Mapping[str, Any]
+    task: str = "causal-lm"
+    num_labels: int | None = None
+    name: str = ""
+
+
+def model_ref(name_or_path: str, task: str = "causal-lm", num_labels: int | None = None) -> ModelRef:
+    """Resolve a model (a name in jobs/models, a config.json or its directory, or a HF id in the local cache)."""
+    from ..models import load_model_config
+
+    return ModelRef(load_model_config(name_or_path), task, num_labels, name_or_path)
+
+
+def spec_model(spec) -> ModelRef:
+    """The model a job spec trains (its ``model:`` section), for estimation."""
+    from ..errors import ConfigError
+    from ..jobspec import fill_placeholders
+
+    model = dict(spec.model)
+    if not model.get("config"):
+        raise ConfigError(f"{spec.path}: model.config: the spec names no model to estimate (add model: {{config: ...}} "
+                          "or give --model)")
+    name = fill_placeholders(model["config"], {"spec_dir": str(spec.spec_dir)}, spec.path)
+    return model_ref(name, model.get("task", "causal-lm"), model.get("num_labels"))
+
+
+def estimate(model: ModelRef, plan, partition, method: str = "analytic") -> Estimate:
+    """The memory of one training step of ``model`` under ``plan`` on ``partition`` (MiB)."""
+    from ..errors import ConfigError
+
+    overhead = partition.allocator_overhead_frac
+    if method == "analytic":
+        from ..modelshape import ModelShape
+        from .analytic import estimate_analytic
+
+        shape = ModelShape.from_config(model.config, task=model.task, num_labels=model.num_labels)
+        return estimate_analytic(shape, plan, partition, allocator_overhead_frac=overhead)
+    if method == "traced":
+        from .traced import estimate_traced  # imports torch: only when asked for
+
+        kwargs = {} if overhead is None else {"allocator_overhead_frac": overhead}
+        return estimate_traced(dict(model.config), model.task, plan, partition, **kwargs)
+    raise ConfigError(f"unknown estimation method {method!r}; valid: {', '.join(METHODS)}")
+
+
+def saving_model(model: ModelRef, partition):
+    """The ladder's ``saving`` seam from the analytic estimate, corrected by what the OOM message stated.
+
+    The message gives a lower bound of the failed plan's need (in use + tried to allocate). The estimate
+    of every candidate is scaled by max(1, stated / estimated) for the failed plan, so an estimate that
+    was too low is corrected and one that is higher (the step had not reached its peak) is kept.
+    """
+    from ..ladder import footprint
+
+    def saving(plan, new_plan, numbers, context_mib):
+        fp = footprint(plan, numbers, context_mib)
+        if fp is None:
+            return None
+        before = estimate(model, plan, partition).device_used_mib
+        if before <= 0:
+            return None
+        after = estimate(model, new_plan, partition).device_used_mib * max(1.0, fp.demand_mib / before)
+        return fp.demand_mib - after
+
+    return saving

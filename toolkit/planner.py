@@ -1,0 +1,118 @@
+"""The planner: candidate plans along the ladder, their predicted memory and speed, the fastest that fits.
+
+Candidates keep what is learned (global batch, sequence length, model, world size) and vary what the
+job spec allows: precision the GPU has, attention, micro-batch (accumulation follows), checkpointing,
+optimizer (only if allowed), ZeRO stage and offload. Each is estimated (analytic: instant) and given a
+relative throughput from a simple cost model:
+
+    throughput = precision speed-up / (accumulation x checkpointing x optimizer x ZeRO x offload costs)
+
+with the cost factors of ``toolkit.ladder`` (the same numbers that scale ``--time`` on a retry) and a
+precision speed-up of 2.0 for fp16/bf16 over fp32 on GPUs without TF32 (V100), 1.6 over TF32 on GPUs
+with it (A100 and later), 1.0 on a CPU. Flash attention counts 1.1 over SDPA, eager 0.9. These are
+starting values for the nightly benchmarks to calibrate. The chosen plan is the fastest one that fits
+with ``MARGIN`` of the capacity to spare.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from . import ladder
+from .errors import PlanError
+from .estimate import Estimate, ModelRef, estimate
+from .plan import Plan, with_changes
+from .sites import Partition
+
+MARGIN = 0.05
+"""Share of the capacity a chosen plan must leave free."""
+MIXED_SPEEDUP = {"no-tf32": 2.0, "tf32": 1.6, "cpu": 1.0}
+ATTENTION_SPEED = {"eager": 0.9, "sdpa": 1.0, "flash": 1.1}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    estimate: Estimate
+    throughput: float
+    """Relative samples per second (the first plan = 1.0)."""
+    moves: tuple[str, ...]
+    """What changed from the first plan."""
+
+    def fits_with_margin(self) -> bool:
+        return self.estimate.fits and self.estimate.headroom_mib >= MARGIN * self.estimate.capacity_mib
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {"plan": self.plan.to_dict(), "moves": list(self.moves), "peak_allocated_mib": e.peak_allocated_mib,
+                "device_used_mib": e.device_used_mib, "host_mib_per_node": e.host_mib_per_node,
+                "capacity_mib": e.capacity_mib, "headroom_mib": e.headroom_mib, "fits": e.fits,
+                "fits_with_margin": self.fits_with_margin(), "relative_throughput": round(self.throughput, 4)}
+
+
+def speed(plan: Plan, partition: Partition) -> float:
+    """Relative samples per second of ``plan`` (arbitrary unit; only ratios mean something)."""
+    if not partition.has_gpu or plan.precision == "fp32":
+        gain = 1.0
+    else:
+        gain = MIXED_SPEEDUP["tf32" if partition.tf32 else "no-tf32"]
+    cost = ladder.ACCUM_PER_HALVING ** max(0.0, _log2(plan.grad_accum))
+    cost *= ladder.CHECKPOINTING_SLOWDOWN if plan.checkpointing else 1.0
+    cost *= ladder.OPTIMIZER_COST[plan.optimizer] * ladder.ZERO_COST[plan.zero_stage]
+    cost *= ladder.OFFLOAD_COST[plan.offload_optimizer] * ladder.OFFLOAD_COST[plan.offload_params]
+    return gain * ATTENTION_SPEED[plan.attention] / cost
+
+
+def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> list[Plan]:
+    """Every valid plan reachable from ``base`` with the allowed moves on ``partition`` (base first)."""
+    allow = set(allow)
+    precisions = {base.precision}
+    if "precision" in allow and partition.has_gpu:
+        precisions |= {"bf16-mixed" if partition.bf16 else "fp16-mixed", "fp32"}
+    attentions = {base.attention} | ({"sdpa"} | ({"flash"} if partition.flash_attention else set())
+                                     if "attention" in allow else set())
+    per_rank = base.global_batch // base.world_size
+    micros = [m for m in range(1, per_rank + 1) if per_rank % m == 0] if "micro_batch" in allow else [base.micro_batch]
+    ckpts = {base.checkpointing, True} if "checkpointing" in allow else {base.checkpointing}
+    optimizers = {base.optimizer} | ({"adamw-8bit", "adafactor"} if "optimizer" in allow else set())
+    zeros = range(4) if "zero" in allow else [base.zero_stage]
+    offloads = [("none", "none")]
+    if "offload" in allow:
+        offloads += [("cpu", "none"), ("cpu", "cpu")]
+    if "nvme" in allow:
+        offloads += [("nvme", "none"), ("nvme", "nvme"), ("cpu", "nvme")]
+    out = [base]
+    for prec, att, micro, ckpt, opt, zero, (o_opt, o_par) in itertools.product(
+            sorted(precisions), sorted(attentions), micros, sorted(ckpts), sorted(optimizers), zeros, offloads):
+        changes = {"precision": prec, "attention": att, "micro_batch": micro, "checkpointing": ckpt, "optimizer": opt,
+                   "zero_stage": zero, "offload_optimizer": o_opt, "offload_params": o_par,
+                   "launcher": "deepspeed" if zero or base.launcher == "deepspeed" else "torchrun"}
+        try:
+            plan = with_changes(base, changes)
+            partition.check_plan(plan)
+        except PlanError:
+            continue
+        if plan != base:
+            out.append(plan)
+    return out
+
+
+def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: Iterable[str],
+                    method: str = "analytic") -> list[Candidate]:
+    """Every candidate with its estimate and relative throughput, fastest first."""
+    base_speed = speed(base, partition)
+    cands = [Candidate(p, estimate(model, p, partition, method), speed(p, partition) / base_speed,
+                       ladder.move_names(base, p)) for p in candidate_plans(base, partition, allow)]
+    return sorted(cands, key=lambda c: (-c.throughput, c.estimate.device_used_mib))
+
+
+def choose(candidates: list[Candidate]) -> Candidate | None:
+    """The fastest candidate that fits with the margin (None when none does)."""
+    return next((c for c in candidates if c.fits_with_margin()), None)
+
+
+def _log2(x: float) -> float:
+    import math
+    return math.log2(x) if x > 0 else 0.0
