@@ -55,12 +55,14 @@ def submit_json(home, *args):
 
 @pytest.mark.parametrize("partition, sets", [
     ("cpu", ["gpus_per_node=2"]),
+    ("v100", ["gpus_per_node=2", "precision=fp16-mixed"]),
+    ("a100", ["gpus_per_node=1", "precision=bf16-mixed"]),
     ("v100", ["gpus_per_node=2", "launcher=deepspeed", "zero_stage=1"]),
     ("a100", ["gpus_per_node=2", "launcher=deepspeed", "zero_stage=2", "precision=bf16-mixed"]),
     ("a100", ["gpus_per_node=2", "launcher=deepspeed", "zero_stage=3"]),
     ("cpu", ["gpus_per_node=2", "launcher=deepspeed", "zero_stage=3", "offload_optimizer=cpu", "offload_params=cpu"]),
     ("a100", ["gpus_per_node=2", "launcher=deepspeed", "zero_stage=3", "offload_optimizer=nvme", "offload_params=nvme"]),
-], ids=["torchrun-2ranks", "zero1", "zero2-bf16", "zero3", "zero3-cpu-offload", "zero3-nvme-offload"])
+], ids=["torchrun-2ranks", "torchrun-v100-fp16", "torchrun-a100-bf16", "zero1", "zero2-bf16", "zero3", "zero3-cpu-offload", "zero3-nvme-offload"])
 def test_real_training_jobs(slurm_cluster, tmp_path, partition, sets):
     args = ["--partition", partition]
     for s in sets:
@@ -73,7 +75,7 @@ def test_real_training_jobs(slurm_cluster, tmp_path, partition, sets):
     assert attempt["state"] == "COMPLETED" and attempt["job_id"]
     metrics = json.loads((Path(attempt["attempt_dir"]) / "metrics.json").read_text())
     assert metrics["peak_rss_mib"] > 0 and metrics["steps"] > 0
-    assert metrics["world_size"] == 2
+    assert metrics["world_size"] == attempt["plan"]["world_size"]
     assert metrics["plan"] == attempt["plan"]
     if "launcher=deepspeed" in sets:
         cfg = json.loads((Path(attempt["attempt_dir"]) / "ds_config.json").read_text())

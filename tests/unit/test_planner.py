@@ -123,3 +123,15 @@ def test_estimator_corrects_the_ladder_with_the_stated_numbers():
     from toolkit.estimate import estimate
     assert estimate(model, decision.plan, part).fits
     assert decision.plan.global_batch == 32
+
+
+def test_submit_plan_starts_from_the_planners_choice(tmp_path):
+    chosen = json.loads(hpcmem("plan", "quickstart", "--site", "local", "--set", "micro_batch=16", "--json",
+                               tmp_path=tmp_path).stdout)["chosen"]["plan"]
+    out = hpcmem("submit", "quickstart", "--site", "local", "--set", "micro_batch=16", "--plan", "--json",
+                 tmp_path=tmp_path)
+    view = json.loads(out.stdout)
+    try:
+        assert view["attempts"][0]["plan"] == chosen
+    finally:
+        hpcmem("cancel", view["run_id"], tmp_path=tmp_path)
