@@ -187,6 +187,13 @@ class Verdict:
             "reason": self.reason,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Verdict":
+        """The inverse of ``to_dict`` (a verdict read back from the ledger)."""
+        return cls(kind=data["kind"], numbers=dict(data.get("numbers") or {}), gpu=data.get("gpu"),
+                   rank=data.get("rank"), reason=data.get("reason", ""),
+                   evidence=tuple((e["line"], e["text"]) for e in data.get("evidence") or ()))
+
 
 # --------------------------------------------------------------------------- sizes
 

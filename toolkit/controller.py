@@ -175,8 +175,7 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
         ledger.set_run_state(run.run_id, "succeeded")
         return
     spec = runs.spec_for(run)
-    verdict = Verdict(**{k: v for k, v in (last.verdict or {}).items() if k != "evidence"},
-                      evidence=tuple((e["line"], e["text"]) for e in (last.verdict or {}).get("evidence", ())))
+    verdict = Verdict.from_dict(last.verdict) if last.verdict else classify(None, "")
     attempts = ledger.attempts(run.run_id)
     partition = site.partition(last.partition)
     if not verdict.is_oom:

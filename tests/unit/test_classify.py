@@ -791,3 +791,11 @@ def test_classify_is_fast_on_a_full_8_mib_tail():
     start = time.monotonic()
     v = classify(None, text)
     assert time.monotonic() - start < 5.0 and v.kind == "gpu_oom"
+
+
+def test_verdict_round_trips_through_its_dict():
+    from toolkit.classify import Verdict, classify
+
+    v = classify(None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                       "capacity of 15.77 GiB of which 1.00 GiB is free.")
+    assert v.is_oom and Verdict.from_dict(v.to_dict()) == v
