@@ -121,6 +121,12 @@ def calibration_path(site: Site, home: Path) -> Path:
     return home / "calibration" / beside.name
 
 
+def load_measured(path: Path, partition: str) -> dict[str, Any]:
+    """What the calibration file already holds for one partition ({} when nothing)."""
+    data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return dict(((data or {}).get("partitions") or {}).get(partition) or {})
+
+
 def write_calibration(path: Path, partition: str, measured: dict[str, Any]) -> Path:
     """Merge one partition's measurements into the calibration file (other partitions are kept)."""
     data = yaml.safe_load(path.read_text()) if path.is_file() else None
@@ -130,3 +136,33 @@ def write_calibration(path: Path, partition: str, measured: dict[str, Any]) -> P
     write_atomic(path, "# Written by `hpcmem calibrate`: measured values, applied over the site profile.\n"
                  + yaml.safe_dump(data, sort_keys=True))
     return path
+
+
+MIN_FIT_POINTS = 3
+"""Measured attempts needed before overheads are fitted from them."""
+
+
+def fit_overheads(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Allocator overhead and CUDA context fitted from jobs' metrics.json (GPU runs only).
+
+    allocator_overhead_frac = median(peak_reserved / peak_allocated - 1) and cuda_context_mib =
+    median(device_used - peak_reserved), per rank, over the runs that report all three (MiB).
+    Returns {} when fewer than MIN_FIT_POINTS ranks measured them (CPU runs report none).
+    """
+    reserve, context = [], []
+    for m in metrics:
+        for rank in (m.get("ranks") or {}).values():
+            alloc, reserved, used = (rank.get(k) for k in ("peak_allocated_mib", "peak_reserved_mib", "device_used_mib"))
+            if alloc and reserved and used and reserved >= alloc and used >= reserved:
+                reserve.append(reserved / alloc - 1.0)
+                context.append(used - reserved)
+    if len(reserve) < MIN_FIT_POINTS:
+        return {}
+    return {"allocator_overhead_frac": round(_median(reserve), 4), "cuda_context_mib": round(_median(context), 1),
+            "fitted_from_ranks": len(reserve)}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -249,16 +249,29 @@ def triage(logs, as_json) -> None:
 @main.command()
 @_site_opt
 @_partition_opt
+@click.option("--from-runs", is_flag=True, help="Fit allocator overhead and CUDA context from the metrics of past "
+                                                 "attempts on the partition instead of running a probe.")
 @_json_opt
 @click.pass_context
-def calibrate(ctx, site, partition, as_json) -> None:
+def calibrate(ctx, site, partition, from_runs, as_json) -> None:
     """Measure a partition (GPU, CUDA context, bf16/flash, host memory, NVMe) and keep it beside the site profile."""
-    from .calibrate import calibration_path, run_probe, write_calibration
+    from .calibrate import calibration_path, fit_overheads, load_measured, run_probe, write_calibration
     from .resources import home_dir
 
     site_obj = load_site(site, ctx.obj["sites_dirs"])
     part = site_obj.partition(partition)
-    measured = run_probe(site_obj, part, home_dir() / "calibration" / "jobs")
+    if from_runs:
+        with runs.open_ledger() as ledger:
+            metrics = [a.metrics for r in ledger.runs() if r.site == site_obj.name
+                       for a in ledger.attempts(r.run_id) if a.partition == part.name and a.metrics]
+        fitted = fit_overheads(metrics)
+        if not fitted:
+            raise HpcmemError(f"{site_obj.name}:{part.name}: fewer than 3 GPU ranks with measured memory among "
+                              f"{len(metrics)} recorded attempts; nothing to fit yet")
+        path = calibration_path(site_obj, home_dir())
+        measured = {**load_measured(path, part.name), **fitted}
+    else:
+        measured = run_probe(site_obj, part, home_dir() / "calibration" / "jobs")
     path = write_calibration(calibration_path(site_obj, home_dir()), part.name, measured)
     if as_json:
         _emit_json({"site": site_obj.name, "partition": part.name, "file": str(path), "measured": measured})

@@ -218,9 +218,12 @@ def apply_calibration(part: Partition, measured: dict | None) -> Partition:
         return part
     changes: dict = {"calibrated": True}
     if part.has_gpu and measured.get("gpus"):
-        for key in ("gpu_mem_gib", "cuda_context_mib", "bf16", "flash_attention"):
+        for key in ("gpu_mem_gib", "bf16", "flash_attention"):
             if measured.get(key) is not None:
                 changes[key] = measured[key]
+    if part.has_gpu and (measured.get("gpus") or measured.get("fitted_from_ranks")) \
+            and measured.get("cuda_context_mib") is not None:
+        changes["cuda_context_mib"] = measured["cuda_context_mib"]
     if measured.get("allocator_overhead_frac") is not None:
         changes["allocator_overhead_frac"] = float(measured["allocator_overhead_frac"])
     return dataclasses.replace(part, **changes)

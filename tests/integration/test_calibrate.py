@@ -51,3 +51,45 @@ def test_local_calibration_is_in_process(tmp_path):
     result = hpcmem("calibrate", "--site", "local", "--json", home=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["measured"]["host_mem_gib"] > 0
+
+
+def _record_attempts(home, site_name, partition, rank_metrics):
+    """Runs in the ledger whose attempts carry metrics.json as a GPU job writes it. FAKE: the per-rank GPU
+    figures are literal numbers (no GPU exists here), in the shape toolkit.runtime writes them."""
+    from toolkit import runs
+    from toolkit.jobspec import load_spec
+    from toolkit.sites import load_site
+
+    site = load_site(site_name)
+    part = site.partition(partition)
+    spec = load_spec("quickstart")
+    with runs.open_ledger(home) as ledger:
+        for ranks in rank_metrics:
+            run = runs.create_run(ledger, spec, site, part, spec.first_plan(part), home=home)
+            ledger.update_attempt(run.run_id, 1, state="COMPLETED", metrics={"ranks": ranks})
+
+
+def test_calibrate_from_runs_fits_overheads_and_the_estimate_uses_them(tmp_path, monkeypatch):
+    gpu_rank = lambda alloc, reserved, used: {"peak_allocated_mib": alloc, "peak_reserved_mib": reserved,
+                                              "device_used_mib": used}
+    _record_attempts(tmp_path, "example-hpc", "a100-40gb", [
+        {"0": gpu_rank(10000, 11000, 11600), "1": gpu_rank(10000, 11000, 11620)},
+        {"0": gpu_rank(20000, 21800, 22400)},
+    ])
+    out = hpcmem("calibrate", "--site", "example-hpc", "--partition", "a100-40gb", "--from-runs", "--json", home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    fitted = json.loads(out.stdout)["measured"]
+    assert fitted["allocator_overhead_frac"] == 0.1 and fitted["cuda_context_mib"] == 600.0
+    monkeypatch.setenv("HPCMEM_HOME", str(tmp_path))
+    part = sites.load_site("example-hpc").partition("a100-40gb")
+    assert part.calibrated and part.allocator_overhead_frac == 0.1 and part.cuda_context_mib == 600.0
+    est = json.loads(hpcmem("estimate", "gpt2-clm", "--site", "example-hpc", "--partition", "a100-40gb", "--json",
+                            home=tmp_path).stdout)
+    assert est["components"]["cuda_context"] == 600.0
+    assert est["components"]["allocator_overhead"] == pytest.approx(0.1 * est["peak_allocated_mib"], rel=1e-6)
+
+
+def test_calibrate_from_runs_without_gpu_measurements_says_so(tmp_path):
+    _record_attempts(tmp_path, "testcluster", "cpu", [{"0": {"peak_rss_mib": 800.0}}])
+    out = hpcmem("calibrate", "--site", "testcluster", "--partition", "cpu", "--from-runs", home=tmp_path)
+    assert out.returncode != 0 and "nothing to fit yet" in out.stderr and len(out.stderr.strip().splitlines()) == 1
