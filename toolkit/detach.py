@@ -17,8 +17,10 @@ from .errors import SchedulerError
 from .ledger import Run
 from .sites import Site
 
-CONTROLLER_TIME_MIN = 24 * 60
+CONTROLLER_TIME_MIN = int(os.environ.get("HPCMEM_CONTROLLER_TIME_MIN", 24 * 60))
 """The controller job's time limit before submitit requeues it (capped by the partition)."""
+SIGNAL_DELAY_S = min(90, CONTROLLER_TIME_MIN * 30)
+"""How long before its limit the controller job is warned (and requeues itself)."""
 
 
 class Follower:
@@ -53,7 +55,8 @@ def detach(run: Run, site: Site, home: Path) -> str:
     partition = site.partition(run.partition)
     executor = submitit.AutoExecutor(folder=str(Path(run.run_dir) / "controller"), cluster="slurm")
     params = {"slurm_partition": partition.slurm_partition, "timeout_min": min(CONTROLLER_TIME_MIN, partition.max_time_min),
-              "cpus_per_task": 1, "slurm_mem": "1G", "name": f"hpcmem-controller.{run.run_id}"}
+              "cpus_per_task": 1, "slurm_mem": "1G", "name": f"hpcmem-controller.{run.run_id}",
+              "slurm_signal_delay_s": SIGNAL_DELAY_S}
     if partition.account:
         params["slurm_account"] = partition.account
     if partition.qos:

@@ -258,3 +258,22 @@ def test_a_job_slurm_forgot_is_marked_lost_not_retried(slurm_cluster, tmp_path):
             controller.LOST_AFTER_S = 900
         assert after.state == "failed" and "no longer knows job 987654" in after.reason
         assert ledger.attempts(run.run_id)[0].state == "LOST"
+
+
+@pytest.mark.slurm
+def test_detached_controller_requeues_itself_on_its_time_limit(slurm_cluster, tmp_path):
+    """The controller job gets a 1-minute limit; the run's job outlives it; submitit requeues the controller
+    (warned 30 s before its limit) and the requeued controller finishes the run."""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(75)\nprint('done')\n")
+    spec = tmp_path / "slow.yaml"
+    spec.write_text("name: slow\ncommand: {script: slow.py}\ngpus_per_node: 1\ntraining: {global_batch: 1}\n")
+    out = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--detach", home=tmp_path,
+                 env={"HPCMEM_CONTROLLER_TIME_MIN": "1"}, check=True).stdout
+    assert "controller detached" in out
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
+    view = wait_for_end(run["run_id"], tmp_path, timeout_s=400)
+    assert view["state"] == "succeeded"
+    name = f"hpcmem-controller.{run['run_id']}"
+    lines = subprocess.run(["sacct", "-n", "-P", "-D", "-S", "now-1hour", f"--name={name}", "-X", "-o", "JobID,State"],
+                           capture_output=True, text=True).stdout.splitlines()
+    assert len(lines) >= 2, lines  # -D shows every start of the requeued job
