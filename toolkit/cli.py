@@ -13,12 +13,11 @@ from pathlib import Path
 import click
 
 from . import __version__, controller, render, runs
-from .detach import detach as detach_run
 from .classify import classify_paths
-from .errors import HpcmemError
+from .detach import detach as detach_run
+from .errors import HpcmemError, PlanError
 from .jobspec import load_spec
 from .plan import parse_sets
-from .errors import PlanError
 from .sites import all_sites, load_site
 
 
