@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from toolkit import models  # noqa: E402
 from toolkit.estimate.traced import MIB, run_training_steps, trace_training  # noqa: E402
+from toolkit.estimate.measure import allocator_peak_bytes  # noqa: E402
 from toolkit.plan import Plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,22 +69,7 @@ def test_llama_7b_traces_in_under_90_s_and_little_memory():
 
 
 def _allocator_peak(run) -> int:
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
-        run()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-        stack.extend(event.children)
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
+    return allocator_peak_bytes(run)[0]
 
 
 @pytest.mark.slow

@@ -28,11 +28,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from torch import nn  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from toolkit import models  # noqa: E402
 from toolkit.errors import ConfigError, PlanError  # noqa: E402
 from toolkit.estimate import COMPONENTS, Estimate  # noqa: E402
+from toolkit.estimate.measure import allocator_peak_bytes  # noqa: E402
 from toolkit.estimate.traced import (  # noqa: E402
     CATEGORIES, HOST_BUFFER_FACTOR, MIB, PHASES, Trace, TracedModel, _device_behaviour, estimate_traced,
     run_training_steps, shard, trace_training,
@@ -75,23 +75,7 @@ def peak_bytes(trace: Trace) -> float:
     return sum(trace.peak()[1].values())
 
 
-def allocator_peak(run):
-    """(highest sum of live CPU allocations while ``run()`` runs, its result), from the profiler's memory events."""
-    from torch._C._profiler import _EventType
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
-        result = run()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-        stack.extend(event.children)
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak, result
+allocator_peak = allocator_peak_bytes
 
 
 def gpu_partition(**changes) -> Partition:

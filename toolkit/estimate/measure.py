@@ -118,3 +118,26 @@ def measured_peak_bytes(cfg, task, p: Plan) -> int:
     return mode.peak
 
 
+
+
+def allocator_peak_bytes(run):
+    """(highest sum of live CPU allocations while ``run()`` runs, its result), from the profiler's memory events.
+
+    Sees what the CPU allocator hands out, also buffers no tensor-level counter sees (oneDNN scratch).
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        result = run()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak, result
