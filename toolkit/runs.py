@@ -18,7 +18,9 @@ from typing import Any, Iterator
 
 from . import render
 from .backends.base import FINISHED_STATES
+from .errors import HpcmemError
 from .jobspec import JobSpec, load_spec
+from .logtail import read_tail
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
 from .resources import home_dir
@@ -108,9 +110,24 @@ def finished(state: str) -> bool:
 
 
 def status_line(run: Run, attempts: list[AttemptRow]) -> str:
-    """One line: run, attempt, job id, state, plan."""
+    """One line: run, attempt, job id, state, plan, and the job's last progress line while it runs."""
     if not attempts:
         return f"{run.run_id} {run.state}"
     a = attempts[-1]
     plan = render.plan_summary(Plan.from_dict(a.plan))
-    return f"{run.run_id} attempt {a.n} job {a.job_id or '-'} {a.state:<13} {plan}"
+    line = f"{run.run_id} attempt {a.n} job {a.job_id or '-'} {a.state:<13} {plan}"
+    progress = last_progress(Path(a.attempt_dir)) if a.state == "RUNNING" else ""
+    return f"{line} | {progress}" if progress else line
+
+
+def last_progress(attempt_dir: Path, max_bytes: int = 16384) -> str:
+    """The last ``step N/M ...`` line a job printed (the reference trainer's progress), or ""."""
+    for log in sorted(attempt_dir.glob("slurm-*.out"))[-1:]:
+        try:
+            text = read_tail(log, max_bytes).text
+        except HpcmemError:
+            return ""
+        for line in reversed(text.splitlines()):
+            if line.lstrip().startswith("step "):
+                return line.strip()
+    return ""

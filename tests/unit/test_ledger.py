@@ -71,3 +71,15 @@ def test_garbage_file_is_a_clear_error(tmp_path):
     with pytest.raises(LedgerError):
         Ledger(path)
     assert path.read_bytes().startswith(b"this is not a database")
+
+
+def test_status_line_shows_the_jobs_last_progress_line(tmp_path):
+    from toolkit.ledger import AttemptRow
+    from toolkit.runs import status_line
+
+    (tmp_path / "slurm-7.out").write_text("hpcmem: job 7\nstep 1/8 loss 8.3\nstep 2/8 loss 8.2 samples/s 41\nnoise\n")
+    row = AttemptRow(run_id="r1", n=1, job_id="7", state="RUNNING", plan={"micro_batch": 8, "global_batch": 8},
+                     verdict=None, metrics=None, decision=None, attempt_dir=str(tmp_path), partition="cpu",
+                     exit_code=None, created=0, submitted=0, finished=None, updated=0)
+    line = status_line(make_run(), [row])
+    assert "attempt 1 job 7 RUNNING" in line and line.endswith("| step 2/8 loss 8.2 samples/s 41")
