@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, UnknownNameError
+from .errors import ConfigError, HpcmemError, UnknownNameError
 from .resources import data_dir
 
 TASKS = ("causal-lm", "seq-cls")
@@ -130,3 +130,38 @@ def build_model(config, task: str, attn_implementation: str = "sdpa", dtype=None
 def count_parameters(model) -> int:
     """Parameters of ``model`` (ZeRO-3 partitioned ones counted at full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+SGD_MOMENTUM = 0.9
+
+
+def build_optimizer(name: str, params, lr: float, foreach: bool | None = None):
+    """The plan's optimizer as the reference trainer uses it (adamw, sgd with momentum, adafactor, adamw-8bit).
+
+    ``foreach`` picks torch's multi-tensor implementation (None: torch's default for the tensors' device).
+    """
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, foreach=foreach)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    if name == "adamw-8bit":
+        return import_bitsandbytes().optim.AdamW8bit(params, lr=lr)
+    raise ConfigError(f"unknown optimizer {name!r}")
+
+
+def import_bitsandbytes():
+    """bitsandbytes for optimizer=adamw-8bit, or an error saying it is missing (never a substitute)."""
+    try:
+        import bitsandbytes
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken CUDA set-up inside bitsandbytes
+        first = str(exc).strip().splitlines()
+        raise HpcmemError(f"optimizer=adamw-8bit needs bitsandbytes, which cannot be imported here "
+                          f"({type(exc).__name__}: {first[0] if first else ''}); hpcmem does not substitute "
+                          "another optimizer (pip install bitsandbytes, or set optimizer=adamw or adafactor)") from exc
+    return bitsandbytes

@@ -60,6 +60,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
+from . import models
 from .errors import ConfigError, HpcmemError, PlanError
 from .plan import Plan, parse_sets, with_changes
 from .runtime import jobenv
@@ -315,7 +316,6 @@ class Trainer:
     def run(self) -> None:
         import torch
 
-        from . import models
 
         plan, args = self.plan, self.args
         device = self.setup_distributed()
@@ -326,7 +326,7 @@ class Trainer:
                               f"HPCMEM_GPU_MEM_GIB={cap['gpu_mem_gib']} on a {cap['card_gib']} GiB card")
         self.check_precision(device)
         if plan.optimizer == "adamw-8bit":
-            import_bitsandbytes()  # fail before building a large model, not after
+            models.import_bitsandbytes()  # fail before building a large model, not after
         torch.manual_seed(args.seed)  # the same initial weights on every rank
 
         config = models.transformers_config(models.load_model_config(args.model), args.task)
@@ -387,7 +387,6 @@ class Trainer:
     def build_model(self, config, attn: str):
         import torch
 
-        from . import models
 
         dtype = torch.bfloat16 if self.plan.precision == "bf16-true" and not self.plan.uses_deepspeed else None
         if self.plan.uses_deepspeed and self.plan.zero_stage == 3:
@@ -401,20 +400,7 @@ class Trainer:
         return model
 
     def make_optimizer(self, params):
-        import torch
-
-        name, lr = self.plan.optimizer, self.args.lr or DEFAULT_LR
-        if name == "adamw":
-            return torch.optim.AdamW(params, lr=lr)
-        if name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=0.9)
-        if name == "adafactor":
-            from transformers.optimization import Adafactor
-
-            return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
-        if name == "adamw-8bit":
-            return import_bitsandbytes().optim.AdamW8bit(params, lr=lr)
-        raise PlanError(f"unknown optimizer {name!r}")
+        return models.build_optimizer(self.plan.optimizer, params, self.args.lr or DEFAULT_LR)
 
     # -- loops --
 
@@ -527,18 +513,6 @@ class Terminated(BaseException):
 
 def _raise_terminated(signum, frame):
     raise Terminated(f"received signal {signal.Signals(signum).name}")
-
-
-def import_bitsandbytes():
-    """bitsandbytes for optimizer=adamw-8bit, or an error saying it is missing (never a substitute)."""
-    try:
-        import bitsandbytes
-    except Exception as exc:  # noqa: BLE001 - ImportError or a broken CUDA set-up inside bitsandbytes
-        first = str(exc).strip().splitlines()
-        raise HpcmemError(f"optimizer=adamw-8bit needs bitsandbytes, which cannot be imported here "
-                          f"({type(exc).__name__}: {first[0] if first else ''}); hpcmem does not substitute "
-                          "another optimizer (pip install bitsandbytes, or set optimizer=adamw or adafactor)") from exc
-    return bitsandbytes
 
 
 def _single_process_rendezvous() -> None:

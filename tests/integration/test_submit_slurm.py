@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from toolkit import jobspec, render, sites
-from toolkit.plan import Plan
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]

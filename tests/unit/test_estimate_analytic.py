@@ -22,7 +22,7 @@ from toolkit import sites
 from toolkit.estimate import COMPONENTS
 from toolkit.estimate import analytic as an
 from toolkit.estimate.analytic import estimate_analytic
-from toolkit.models import build_model, load_model_config, transformers_config
+from toolkit.models import load_model_config
 from toolkit.modelshape import ModelShape
 from toolkit.plan import Plan
 

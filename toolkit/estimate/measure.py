@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..models import build_model, transformers_config
+from ..models import build_model, build_optimizer, transformers_config
 from ..plan import Plan
 
 
@@ -64,14 +64,7 @@ def train_setup(cfg, task, p: Plan):
     if p.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    if p.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    elif p.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    else:
-        from transformers.optimization import Adafactor
-
-        opt = Adafactor(model.parameters(), lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
+    opt = build_optimizer(p.optimizer, model.parameters(), lr=1e-4)
     dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(p.precision)
     scaler = torch.amp.GradScaler("cpu") if p.precision == "fp16-mixed" else None
     gen = torch.Generator().manual_seed(1)

@@ -73,6 +73,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._pytree import tree_map_only
 
+from .. import models
 from ..errors import ConfigError, HpcmemError, PlanError
 from ..plan import Plan
 from ..sites import Partition
@@ -87,7 +88,6 @@ HOST_BUFFER_FACTOR = 1.5
 """DeepSpeed's estimators multiply offloaded host memory by 1.5 for pinned and staging buffers (REFERENCE)."""
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes keeps 32-bit optimizer state for tensors with fewer elements than this."""
-SGD_MOMENTUM = 0.9
 LR = 1e-4
 LOSS_SCALE = 65536.0
 """GradScaler's initial scale (fp16-mixed)."""
@@ -370,7 +370,6 @@ def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_f
                              "traced without")
         traced.module.train()
         return traced
-    from .. import models
     from ..runtime.adapters import HF_ATTENTION
 
     config = models.transformers_config(dict(model_config), task)
@@ -459,15 +458,8 @@ def _make_optimizer(plan: Plan, params: list, layout: _Layout, target: str, note
 def _base_optimizer(plan: Plan, params: list, target: str, notes: list[str]):
     # torch picks the multi-tensor (foreach) implementation for CUDA tensors and the
     # per-tensor loop for CPU ones; the foreach step holds a parameter-sized temporary.
-    foreach = target == "cuda"
-    if plan.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=LR, foreach=foreach)
-    if plan.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=LR, momentum=SGD_MOMENTUM, foreach=foreach)
-    if plan.optimizer == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=LR, scale_parameter=False, relative_step=False, warmup_init=False)
+    if plan.optimizer in ("adamw", "sgd", "adafactor"):
+        return models.build_optimizer(plan.optimizer, params, LR, foreach=target == "cuda")
     if plan.optimizer == "adamw-8bit":
         notes.append("adamw-8bit (bitsandbytes) cannot run on the CPU: its state is sized analytically, 2 bytes per "
                      f"parameter (fp32 moments for tensors under {BNB_MIN_8BIT_SIZE} elements; block scales ignored)")
