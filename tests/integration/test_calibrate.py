@@ -1,9 +1,6 @@
 """hpcmem calibrate: a real probe job on the Slurm test cluster (submitit) and locally; the site then uses it."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +11,7 @@ from toolkit import sites
 REPO = Path(__file__).resolve().parents[2]
 
 
-def hpcmem(*args, home):
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HPCMEM_HOME": str(home)}, cwd=REPO)
+from hpcmem_cli import run_cli as hpcmem  # noqa: E402
 
 
 @pytest.mark.slurm

@@ -28,13 +28,7 @@ MEM_SCRIPT = textwrap.dedent("""\
     """)
 
 
-def hpcmem(*args, home, env=None, timeout=900, check=False):
-    full = {**os.environ, "HPCMEM_HOME": str(home), **(env or {})}
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, env=full,
-                            timeout=timeout, cwd=REPO)
-    if check and result.returncode:
-        raise AssertionError(f"{args}: {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    return result
+from hpcmem_cli import run_cli as hpcmem  # noqa: E402
 
 
 def mem_spec(tmp_path, mem_mib=1000, allow="[mem]", max_attempts=4, need_mib=1200):

@@ -1,19 +1,13 @@
 """The embedded default (--site local): the quickstart finishes; a job over its cap fails with PyTorch's own error."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def hpcmem(*args, home, timeout=900):
-    env = {**os.environ, "HPCMEM_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=REPO)
+from hpcmem_cli import run_cli as hpcmem  # noqa: E402
 
 
 def test_quickstart_runs_locally(tmp_path):

@@ -3,28 +3,22 @@
 through `hpcmem submit --wait`, leaving metrics.json; a job over its --mem ends OUT_OF_MEMORY."""
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from toolkit import jobspec, render, sites
+from hpcmem_cli import run_cli  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 TC = sites.load_site("testcluster")
 
 
-def hpcmem(*args, home, check=True, timeout=900):
-    env = {**os.environ, "HPCMEM_HOME": str(home)}
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, env=env,
-                            timeout=timeout, cwd=REPO)
-    if check and result.returncode != 0:
-        raise AssertionError(f"hpcmem {' '.join(args)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
+def hpcmem(*args, check=True, **kwargs):
+    return run_cli(*args, check=check, **kwargs)
 
 
 COMBOS = [("torchrun", 0, "none", "none"), ("deepspeed", 1, "none", "none"), ("deepspeed", 2, "cpu", "none"),

@@ -1,9 +1,6 @@
 """Bad input at the command line: one clear line on stderr and a non-zero exit; --json where it reports."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def hpcmem(*args, home):
-    env = {**os.environ, "HPCMEM_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=REPO)
+from hpcmem_cli import run_cli as hpcmem  # noqa: E402
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -1,9 +1,6 @@
 """The planner and the estimator's use by the CLI and the ladder."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +12,14 @@ from toolkit.jobspec import load_spec
 from toolkit.ladder import next_plan
 from toolkit.plan import Plan
 from toolkit.sites import load_site
+from hpcmem_cli import run_cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 EX = load_site("example-hpc")
 
 
 def hpcmem(*args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HPCMEM_HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}, cwd=REPO)
+    return run_cli(*args, home=tmp_path, env={"HF_HOME": str(tmp_path / "hf")}, timeout=120)
 
 
 @pytest.mark.parametrize("job, part", [("gpt2-clm", "a100-40gb"), ("bert-large-cls", "v100-16gb"),

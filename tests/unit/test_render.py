@@ -150,10 +150,3 @@ def test_cpu_partition_gets_no_gres_and_the_memory_asked():
     lines = render.directives(spec, part, plan, Path("/r/a"))
     assert "--mem=900M" in lines and not any(l.startswith("--gpus") for l in lines)
     assert "--cpus-per-task=2" in lines
-
-
-def test_render_is_fast_enough_to_not_matter(tmp_path):
-    spec = jobspec.load_spec("quickstart")
-    part = TC.partition("a100")
-    plan = spec.first_plan(part)
-    render.render_attempt(spec, part, plan, tmp_path / "a")  # correctness only; timing is benchmarks/
