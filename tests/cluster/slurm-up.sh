@@ -81,6 +81,17 @@ pid_alive() {
 }
 
 # stop_pids NAME PID...: SIGTERM, wait up to 20 s, then SIGKILL.
+# stop_strays NAME KEEP: stop every NAME daemon except, when KEEP is set, the one in $RUNDIR/NAME.pid
+stop_strays() {
+    local name=$1 keep=$2 old="" p
+    for p in $(daemon_pids "$name"); do
+        [ -n "$keep" ] && [ "$p" = "$(tr -dc 0-9 <"$RUNDIR/$name.pid")" ] && continue
+        old="$old $p"
+    done
+    # shellcheck disable=SC2086
+    if [ -n "${old// /}" ]; then stop_pids "$name" $old; fi
+}
+
 stop_pids() {
     local name=$1; shift
     local pid
@@ -352,20 +363,8 @@ else
         ctld_up=; slurmd_up=
     fi
     # Stop what is not ours or must restart (leftovers of earlier runs hold the ports).
-    old=""
-    for p in $(daemon_pids slurmctld); do
-        [ -n "$ctld_up" ] && [ "$p" = "$(tr -dc 0-9 <"$RUNDIR/slurmctld.pid")" ] && continue
-        old="$old $p"
-    done
-    # shellcheck disable=SC2086
-    [ -n "${old// /}" ] && stop_pids slurmctld $old
-    old=""
-    for p in $(daemon_pids slurmd); do
-        [ -n "$slurmd_up" ] && [ "$p" = "$(tr -dc 0-9 <"$RUNDIR/slurmd.pid")" ] && continue
-        old="$old $p"
-    done
-    # shellcheck disable=SC2086
-    [ -n "${old// /}" ] && stop_pids slurmd $old
+    stop_strays slurmctld "$ctld_up"
+    stop_strays slurmd "$slurmd_up"
     if [ -z "$ctld_up" ]; then
         log "starting slurmctld"
         timeout 30 slurmctld </dev/null >>"$LOGDIR/slurmctld.out" 2>&1 9>&- || die "slurmctld failed to start"
