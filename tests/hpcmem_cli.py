@@ -8,11 +8,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args, home, env=None, timeout=900, check=False):
-    """``python -m toolkit.cli ARGS`` with HPCMEM_HOME=home (plus ``env``); ``check``: fail the test on a non-zero exit."""
+def run_cli(*args, home, env=None, timeout=900, check=False, input=None):
+    """``python -m toolkit.cli ARGS`` with HPCMEM_HOME=home (plus ``env``), ``input`` on stdin;
+    ``check``: fail the test on a non-zero exit."""
     full = {**os.environ, "HPCMEM_HOME": str(home), **(env or {})}
     result = subprocess.run([sys.executable, "-m", "toolkit.cli", *map(str, args)], capture_output=True, text=True,
-                            env=full, timeout=timeout, cwd=REPO)
+                            env=full, timeout=timeout, cwd=REPO, input=input)
     if check and result.returncode:
         raise AssertionError(f"hpcmem {' '.join(map(str, args))} exited {result.returncode}\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -166,6 +166,10 @@ class Verdict:
     """(line_number, line) pairs, 1-based, verbatim, in line order."""
     reason: str = ""
     """One sentence for a person."""
+    ranks: tuple = ()
+    """When two or more ranks show a failure: the first failure of each rank, in log order, as dicts
+    ``{rank, kind, what, line}`` (kind: the verdict kind that line alone would give; line: 1-based;
+    ``file`` too when several logs were read). The first entry is the rank that failed first."""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -185,6 +189,7 @@ class Verdict:
             "rank": self.rank,
             "evidence": [{"line": n, "text": s} for n, s in self.evidence],
             "reason": self.reason,
+            "ranks": [dict(r) for r in self.ranks],
         }
 
     @classmethod
@@ -192,7 +197,8 @@ class Verdict:
         """The inverse of ``to_dict`` (a verdict read back from the ledger)."""
         return cls(kind=data["kind"], numbers=dict(data.get("numbers") or {}), gpu=data.get("gpu"),
                    rank=data.get("rank"), reason=data.get("reason", ""),
-                   evidence=tuple((e["line"], e["text"]) for e in data.get("evidence") or ()))
+                   evidence=tuple((e["line"], e["text"]) for e in data.get("evidence") or ()),
+                   ranks=tuple(dict(r) for r in data.get("ranks") or ()))
 
 
 # --------------------------------------------------------------------------- sizes
@@ -804,7 +810,24 @@ def _finish(verdict: Verdict, event: _Event | None, events: list, log: _Log) -> 
             wanted.extend(e.lines)
     chosen = sorted(list(dict.fromkeys(wanted))[:MAX_EVIDENCE])  # dedupe, keep the most important
     evidence = tuple((j + 1, log.raw[j]) for j in chosen)
-    return Verdict(verdict.kind, verdict.numbers, verdict.gpu, verdict.rank, evidence, verdict.reason)
+    return replace(verdict, evidence=evidence, ranks=_rank_failures(events))
+
+
+_RANK_KIND = {"fault": "not_oom", "not_oom": "not_oom", "exception": "not_oom", "sigkill": "unknown",
+              "ambiguous": "unknown"}
+
+
+def _rank_failures(events: list) -> tuple:
+    """The first failure event of each rank, in log order; () unless two or more ranks show one."""
+    first: dict[int, _Event] = {}
+    for e in events:
+        if e.rank is not None and e.rank not in first:
+            first[e.rank] = e
+    if len(first) < 2:
+        return ()
+    return tuple({"rank": e.rank, "kind": e.kind if e.group == "oom" else _RANK_KIND[e.group],
+                  "what": e.detail or e.kind, "line": e.index + 1}
+                 for e in sorted(first.values(), key=lambda e: e.index))
 
 
 # --------------------------------------------------------------------------- files
@@ -822,16 +845,18 @@ def classify_file(path: str | os.PathLike, record: Any = None, max_bytes: int = 
 
 
 def classify_paths(
-    paths: Iterable[str | os.PathLike], record: Any = None, max_bytes: int = DEFAULT_MAX_BYTES
+    paths: Iterable[str | os.PathLike], record: Any = None, max_bytes: int = DEFAULT_MAX_BYTES,
+    number_lines: bool = False,
 ) -> Verdict:
     """Classify from several log files (e.g. one per rank), read up to ``max_bytes`` each.
 
     The tails are concatenated in the order given ("first in the log" means first in that order)
     and classified as one text. Evidence keeps the lines of the file holding the decisive line
-    (numbered as in ``classify_file``), and with more than one file the reason names that file.
+    (numbered as in ``classify_file``; ``number_lines`` counts the lines of a skipped head so the
+    numbers are the file's own), and with more than one file the reason names that file.
     """
     paths = [os.fspath(p) for p in paths]
-    tails = [read_tail(p, max_bytes) for p in paths]
+    tails = [read_tail(p, max_bytes, number_lines) for p in paths]
     origin: list[tuple[int, int]] = []  # combined line index -> (file index, 0-based line in tail)
     chunks = []
     for k, tail in enumerate(tails):
@@ -841,13 +866,24 @@ def classify_paths(
         origin.extend((k, j) for j in range(len(lines)))
         chunks.extend(lines)
     verdict, decisive = _classify(record, "\n".join(chunks))
+    if verdict.ranks:
+        verdict = replace(verdict, ranks=tuple(_file_line(r, origin, tails, paths) for r in verdict.ranks))
     if not verdict.evidence:
         return _annotate(verdict, tails, paths, None, max_bytes, len(paths) > 1)
     k = origin[decisive][0] if decisive is not None else origin[verdict.evidence[0][0] - 1][0]
     offset = (tails[k].first_line or 1) - 1
     evidence = tuple((origin[n - 1][1] + 1 + offset, s) for n, s in verdict.evidence if origin[n - 1][0] == k)
-    verdict = Verdict(verdict.kind, verdict.numbers, verdict.gpu, verdict.rank, evidence, verdict.reason)
+    verdict = replace(verdict, evidence=evidence)
     return _annotate(verdict, tails, paths, k, max_bytes, len(paths) > 1)
+
+
+def _file_line(entry: Mapping, origin: list, tails: list[Tail], paths: list[str]) -> dict:
+    """A rank entry's line number in its own file (and the file, when several were read)."""
+    k, j = origin[entry["line"] - 1]
+    out = {**entry, "line": j + (tails[k].first_line or 1)}
+    if len(paths) > 1:
+        out["file"] = paths[k]
+    return out
 
 
 def _annotate(
@@ -865,4 +901,4 @@ def _annotate(
     if not notes:
         return verdict
     reason = verdict.reason.rstrip(".") + " (" + "; ".join(notes) + ")."
-    return Verdict(verdict.kind, verdict.numbers, verdict.gpu, verdict.rank, verdict.evidence, reason)
+    return replace(verdict, reason=reason)

@@ -32,6 +32,7 @@ DEFAULT_MAX_BYTES = 8 * 2**20
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _READ_CHUNK = 2**20  # compressed bytes read per call
+_COUNT_CHUNK = 8 * 2**20  # bytes read per step when counting the lines of a skipped head
 _OUT_CHUNK = 2**20  # most decompressed bytes produced per call (guards against gzip bombs)
 
 
@@ -60,10 +61,11 @@ class Tail:
         return iter((self.text, self.first_line, self.truncated))
 
 
-def read_tail(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Tail:
+def read_tail(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, number_lines: bool = False) -> Tail:
     """Return at most the last ``max_bytes`` bytes (decompressed, for gzip) of ``path`` as text.
 
-    Raises ``LogError`` with a one-line message when the file is missing or unreadable.
+    ``number_lines``: when the head of a plain file is skipped, count its newlines (one streaming
+    pass, no memory held) so ``first_line`` is known; gzip tails always know it. Raises ``LogError`` with a one-line message when the file is missing or unreadable.
     """
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
@@ -72,12 +74,12 @@ def read_tail(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Ta
             if f.read(2) == _GZIP_MAGIC:
                 f.seek(0)
                 return _gzip_tail(f, max_bytes)
-            return _plain_tail(f, max_bytes)
+            return _plain_tail(f, max_bytes, number_lines)
     except OSError as e:
         raise LogError(f"cannot read log {os.fspath(path)}: {e.strerror or e}") from e
 
 
-def _plain_tail(f, max_bytes: int) -> Tail:
+def _plain_tail(f, max_bytes: int, number_lines: bool = False) -> Tail:
     """Tail of an uncompressed file: one seek, one read of at most ``max_bytes + 1`` bytes."""
     size = os.fstat(f.fileno()).st_size
     if size <= max_bytes:
@@ -86,7 +88,24 @@ def _plain_tail(f, max_bytes: int) -> Tail:
     # One byte more than asked: if it is a newline, the tail starts on a whole line.
     f.seek(size - max_bytes - 1)
     data = f.read(max_bytes + 1)
-    return Tail(_decode(_from_line_start(data)), None, True)
+    tail = _from_line_start(data)
+    first_line = None
+    if number_lines:
+        first_line = _newlines_before(f, size - len(tail)) + 1
+    return Tail(_decode(tail), first_line, True)
+
+
+def _newlines_before(f, end: int) -> int:
+    """Newlines in the first ``end`` bytes of ``f``, read in chunks."""
+    f.seek(0)
+    count, left = 0, end
+    while left > 0:
+        chunk = f.read(min(_COUNT_CHUNK, left))
+        if not chunk:
+            break
+        count += chunk.count(b"\n")
+        left -= len(chunk)
+    return count
 
 
 def _from_line_start(data: bytes) -> bytes:

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from . import __version__
 from .dsconfig import deepspeed_config
 from .errors import ConfigError, HpcmemError, RenderError
@@ -25,8 +23,8 @@ from .modelshape import largest_param_numel
 from .models import load_model_config
 from .jobspec import JobSpec, fill_placeholders
 from .plan import Plan
-from .resources import data_dir
 from .sites import Partition, format_minutes
+from .templating import render_template
 
 TEMPLATES = {"torchrun": "torchrun.sbatch.j2", "deepspeed": "deepspeed.sbatch.j2"}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._+-]")
@@ -143,20 +141,9 @@ def plan_summary(plan: Plan) -> str:
     return " ".join(parts)
 
 
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    env.filters["q"] = lambda v: shlex.quote(str(v))
-    env.filters["qjoin"] = lambda vs: " ".join(shlex.quote(str(v)) for v in vs)
-    return env
-
-
 def render_script(launcher: str, context: dict[str, Any]) -> str:
     """The job script text for a launcher."""
-    try:
-        return _environment().get_template(TEMPLATES[launcher]).render(**context).rstrip("\n") + "\n"
-    except jinja2.TemplateError as exc:
-        raise RenderError(f"template {TEMPLATES[launcher]}: {exc}") from exc
+    return render_template(TEMPLATES[launcher], **context).rstrip("\n") + "\n"
 
 
 def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, **context_args) -> Attempt:

@@ -93,8 +93,9 @@ def test_verdict_to_dict_and_is_oom():
     v = Verdict("gpu_oom", {"tried_to_allocate_mib": 20.0}, 0, 3, ((7, "x"),), "r.")
     assert v.to_dict() == {
         "kind": "gpu_oom", "numbers": {"tried_to_allocate_mib": 20.0}, "gpu": 0, "rank": 3,
-        "evidence": [{"line": 7, "text": "x"}], "reason": "r.",
+        "evidence": [{"line": 7, "text": "x"}], "reason": "r.", "ranks": [],
     }
+    assert Verdict.from_dict(v.to_dict()) == v
     assert v.is_oom and not Verdict("not_oom").is_oom and not Verdict("unknown").is_oom
     assert set(OOM_KINDS) | {"not_oom", "unknown"} == set(KINDS) and len(OOM_KINDS) == 7
 
@@ -799,3 +800,32 @@ def test_verdict_round_trips_through_its_dict():
     v = classify(None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                        "capacity of 15.77 GiB of which 1.00 GiB is free.")
     assert v.is_oom and Verdict.from_dict(v.to_dict()) == v
+
+
+def test_ranks_that_failed_differently_first_one_first():
+    text = "\n".join([
+        "[rank0]: step 10 loss 2.1",
+        "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity "
+        "of 15.77 GiB of which 1.10 GiB is free. Including non-PyTorch memory, this process has 14.66 GiB memory in use. "
+        "Of the allocated memory 13.90 GiB is allocated by PyTorch, and 0.40 GiB is reserved by PyTorch but unallocated.",
+        "[rank0]: [E ProcessGroupNCCL.cpp:475] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42)",
+        "[rank0]: RuntimeError: NCCL communicator was aborted on rank 0.",
+    ])
+    v = classify(None, text)
+    assert v.kind == "gpu_oom" and v.rank == 1
+    assert [(r["rank"], r["kind"], r["line"]) for r in v.ranks] == [(1, "gpu_oom", 2), (0, "not_oom", 3)]
+    assert "timeout" in v.ranks[1]["what"].lower()
+    assert Verdict.from_dict(v.to_dict()).ranks == v.ranks
+
+
+def test_one_rank_gives_no_rank_list():
+    v = classify(None, "[rank0]: RuntimeError: boom\n[rank0]: ValueError: again\n")
+    assert v.ranks == ()
+
+
+def test_rank_lines_are_numbered_in_their_own_files(tmp_path):
+    a, b = tmp_path / "rank0.log", tmp_path / "rank1.log"
+    a.write_text("hello\n[rank0]: RuntimeError: NCCL communicator was aborted on rank 0.\n")
+    b.write_text("x\ny\n[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    v = classify_paths([a, b])
+    assert {(r["rank"], r["line"], r["file"]) for r in v.ranks} == {(0, 2, str(a)), (1, 3, str(b))}

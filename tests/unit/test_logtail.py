@@ -173,3 +173,13 @@ def test_directory_raises_log_error(tmp_path):
 def test_bad_max_bytes(tmp_path, bad):
     with pytest.raises(ValueError):
         read_tail(write(tmp_path, "a.log", b"x"), max_bytes=bad)
+
+
+def test_number_lines_counts_the_skipped_head(tmp_path):
+    path = tmp_path / "big.log"
+    lines = [f"line {i}" for i in range(1, 5001)]
+    path.write_text("\n".join(lines) + "\n")
+    tail = read_tail(path, 1000, number_lines=True)
+    first = tail.text.split("\n")[0]
+    assert tail.truncated and first == f"line {tail.first_line}"
+    assert read_tail(path, 1000).first_line is None
