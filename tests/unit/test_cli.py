@@ -51,14 +51,3 @@ def test_sites_and_render_json(tmp_path):
                             "launcher=deepspeed", "--set", "zero_stage=2", "-o", str(tmp_path / "r"), "--json",
                             home=tmp_path).stdout)
     assert out["plan"]["zero_stage"] == 2 and len(out["files"]) == 3
-
-
-def test_triage_prints_the_verdict_as_text_and_json(tmp_path):
-    log = REPO / "tests" / "fixtures" / "logs" / "hf_trainer_gpu_oom_torch22.log"
-    data = json.loads(hpcmem("triage", "--json", str(log), home=tmp_path).stdout)
-    assert set(data) >= {"kind", "numbers", "gpu", "rank", "evidence"}
-    assert data["kind"].startswith("gpu_oom") and data["numbers"]["tried_to_allocate_mib"] > 0
-    text = hpcmem("triage", str(log), home=tmp_path).stdout
-    assert text.startswith(data["kind"] + ":")
-    missing = hpcmem("triage", str(tmp_path / "nope.log"), home=tmp_path)
-    assert missing.returncode != 0 and len(missing.stderr.strip().splitlines()) == 1

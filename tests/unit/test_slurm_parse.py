@@ -1,10 +1,14 @@
 """Slurm's text formats, parsed by pure functions. The literal outputs come from the
 test cluster (Slurm 22.05) unless a comment says otherwise."""
 
+import time
+
 import pytest
 
 from toolkit.backends.base import JobStatus
 from toolkit.backends.slurm import (
+    SACCT_FACT_FIELDS, batch_script_command, expand_filename_pattern, parse_batch_scripts, parse_sacct_facts,
+    parse_scontrol_facts, parse_tres, sacct_facts_command, sacct_time, sacct_window_command, scontrol_all_command,
     clean_environment, first_error_line, gpus_requested, normalize_state, parse_duration_s, parse_exit_code,
     parse_key_values, parse_mem_mib, parse_sacct, parse_sbatch, parse_scontrol, parse_squeue, parse_time_limit_s,
     read_directives, sacct_command, sbatch_command, scancel_command, scontrol_command, squeue_command,
@@ -338,3 +342,159 @@ def test_job_status_checks_its_state_and_round_trips():
         JobStatus("1", "DONE")
     assert not JobStatus("1", "UNKNOWN").finished
     assert not JobStatus("1", "COMPLETED", exit_code=0, signal=9).succeeded
+
+
+# ---------------------------------------------------------------- job facts (triage)
+
+# sacct -P -n -j 781,782 -o <SACCT_FACT_FIELDS> on the test cluster: a job that failed with exit 3
+# (one srun step), and an array job whose task 2 failed.
+SACCT_FACTS = """\
+781|781|trx-fail|root|cpu|testcluster|FAILED|3:0|00:00:07|00:02:00||billing=1,cpu=1,mem=200M,node=1|billing=1,cpu=1,mem=200M,node=1|vm|/tmp/trx|2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:51|None
+781.batch|781.batch|batch|||testcluster|FAILED|3:0|00:00:07||5120K||cpu=1,mem=200M,node=1|vm||2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:51|
+781.0|781.0|true|||testcluster|COMPLETED|0:0|00:00:00||812K||cpu=1,mem=200M,node=1|vm||2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:44|
+782_1|783|trx-arr|root|cpu|testcluster|COMPLETED|0:0|00:00:00|02:00:00||billing=1,cpu=1,mem=100M,node=1|billing=1,cpu=1,mem=100M,node=1|vm|/tmp/trx|2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:44|None
+782_1.batch|783.batch|batch|||testcluster|COMPLETED|0:0|00:00:00||0||cpu=1,mem=100M,node=1|vm||2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:44|
+782_2|782|trx-arr|root|cpu|testcluster|FAILED|5:0|00:00:00|02:00:00||billing=1,cpu=1,mem=100M,node=1|billing=1,cpu=1,mem=100M,node=1|vm|/tmp/trx|2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:44|None
+782_2.batch|782.batch|batch|||testcluster|FAILED|5:0|00:00:00||0||cpu=1,mem=100M,node=1|vm||2026-11-21T08:34:44|2026-11-21T08:34:44|2026-11-21T08:34:44|
+"""
+
+
+def test_sacct_facts_of_a_failed_job_with_its_steps():
+    facts = parse_sacct_facts(SACCT_FACTS)
+    assert set(facts) == {"781", "782_1", "782_2"}
+    job = facts["781"]
+    assert (job["name"], job["user"], job["partition"], job["cluster"]) == ("trx-fail", "root", "cpu", "testcluster")
+    assert (job["state"], job["exit_code"], job["signal"]) == ("FAILED", 3, 0)
+    assert (job["elapsed_s"], job["timelimit_s"]) == (7.0, 120.0)
+    assert job["max_rss_mib"] == 5.0  # the largest step
+    assert job["req_tres"] == {"billing": "1", "cpu": "1", "mem": "200M", "node": "1"}
+    assert (job["nodes"], job["workdir"], job["reason"]) == ("vm", "/tmp/trx", None)
+    assert (job["submit"], job["end"]) == ("2026-11-21T08:34:44", "2026-11-21T08:34:51")
+    assert [s["step"] for s in job["steps"]] == ["781.batch", "781.0"]
+    assert job["steps"][1] == {"step": "781.0", "name": "true", "state": "COMPLETED", "exit_code": 0, "signal": 0,
+                               "max_rss_mib": pytest.approx(812 / 1024)}
+    assert (job["raw_id"], job["array_job_id"], job["array_task_id"]) == ("781", None, None)
+
+
+def test_sacct_facts_of_array_tasks_keep_their_own_raw_ids():
+    facts = parse_sacct_facts(SACCT_FACTS)
+    first, second = facts["782_1"], facts["782_2"]
+    assert (first["raw_id"], first["array_job_id"], first["array_task_id"], first["state"]) == ("783", "782", "1", "COMPLETED")
+    assert (second["raw_id"], second["state"], second["exit_code"]) == ("782", "FAILED", 5)
+    assert second["timelimit_s"] == 7200
+
+
+def test_sacct_facts_out_of_memory_step_and_unlimited_time_and_pending_array():
+    text = (
+        "8|8|big|ann|cpu|c1|FAILED|1:0|00:01:00|UNLIMITED||cpu=2,mem=1G,node=1,gres/gpu=2|||/w|2026-01-01T00:00:00|Unknown|Unknown|None\n"
+        "8.batch|8.batch|batch|||c1|OUT_OF_MEMORY|0:125|00:01:00||1.5G||||||||\n"
+        "9_[2-3]|9|arr|ann|cpu|c1|PENDING|0:0|00:00:00|01:00:00||cpu=1|||/w|2026-01-01T00:00:00|Unknown|Unknown|Priority\n"
+    )
+    facts = parse_sacct_facts(text)
+    job = facts["8"]
+    assert (job["state"], job["state_text"], job["reason"]) == ("OUT_OF_MEMORY", "FAILED", "step 8.batch ran out of memory")
+    assert job["max_rss_mib"] == 1536 and job["timelimit_s"] is None
+    assert job["req_tres"]["gres/gpu"] == "2" and job["alloc_tres"] == {} and job["nodes"] is None
+    assert (job["start"], job["end"]) == (None, None)
+    assert set(facts) == {"8", "9_2", "9_3"}
+    assert facts["9_3"]["raw_id"] is None  # the tasks of a pending range have no own id yet
+    assert (facts["9_3"]["state"], facts["9_3"]["reason"]) == ("PENDING", "Priority")
+
+
+def test_parse_tres():
+    assert parse_tres("billing=8,cpu=8,gres/gpu:a100=2,gres/gpu=2,mem=64G,node=1") == {
+        "billing": "8", "cpu": "8", "gres/gpu:a100": "2", "gres/gpu": "2", "mem": "64G", "node": "1"}
+    assert parse_tres("") == {} and parse_tres("junk") == {}
+
+
+# sacct -B -j 781,782 with AccountingStoreFlags=job_script (a job from before the flag says NONE)
+SACCT_B = """\
+Batch Script for 781
+--------------------------------------------------------------------------------
+#!/bin/bash
+#SBATCH -J trx-fail
+#SBATCH -o /tmp/trx/out-%x-%j.log
+echo hi; srun true; exit 3
+
+Batch Script for 782_2
+--------------------------------------------------------------------------------
+#!/bin/bash
+#SBATCH -a 1-2
+echo task $SLURM_ARRAY_TASK_ID
+
+Batch Script for 778
+--------------------------------------------------------------------------------
+NONE
+
+"""
+
+
+def test_parse_batch_scripts():
+    scripts = parse_batch_scripts(SACCT_B)
+    assert set(scripts) == {"781", "782_2"}
+    assert scripts["781"] == ("#!/bin/bash\n#SBATCH -J trx-fail\n#SBATCH -o /tmp/trx/out-%x-%j.log\n"
+                              "echo hi; srun true; exit 3\n")
+    assert scripts["782_2"].endswith("echo task $SLURM_ARRAY_TASK_ID\n")
+    assert parse_batch_scripts("") == {}
+
+
+SCONTROL_TASK = (
+    "JobId=779 ArrayJobId=779 ArrayTaskId=2 JobName=trx-arr UserId=root(0) GroupId=root(0) JobState=FAILED "
+    "Reason=NonZeroExitCode Dependency=(null) ExitCode=5:0 RunTime=00:00:04 TimeLimit=02:00:00 "
+    "SubmitTime=2026-11-21T08:34:24 StartTime=2026-11-21T08:34:24 EndTime=2026-11-21T08:34:28 Partition=cpu "
+    "NodeList=vm BatchHost=vm NumNodes=1 TRES=cpu=1,mem=100M,node=1,billing=1 MinMemoryNode=100M "
+    "Command=/tmp/trx/a.sh WorkDir=/tmp/trx StdErr=/tmp/trx/err-779_2.out StdIn=/dev/null "
+    "StdOut=/tmp/my runs/slurm-779_2.out Power= \n"
+    "JobId=790 ArrayJobId=790 ArrayTaskId=3-5 JobName=p JobState=PENDING Reason=Priority\n"
+)
+
+
+def test_parse_scontrol_facts():
+    facts = parse_scontrol_facts(SCONTROL_TASK)
+    assert set(facts) == {"779_2"}  # a pending task range is not one job
+    job = facts["779_2"]
+    assert (job["raw_id"], job["array_job_id"], job["array_task_id"], job["user"]) == ("779", "779", "2", "root")
+    assert (job["state"], job["exit_code"], job["elapsed_s"], job["timelimit_s"]) == ("FAILED", 5, 4.0, 7200.0)
+    assert job["alloc_tres"] == {"cpu": "1", "mem": "100M", "node": "1", "billing": "1"}
+    assert (job["stdout"], job["stderr"]) == ("/tmp/my runs/slurm-779_2.out", "/tmp/trx/err-779_2.out")
+    assert (job["command"], job["workdir"], job["end"]) == ("/tmp/trx/a.sh", "/tmp/trx", "2026-11-21T08:34:28")
+    assert job["max_rss_mib"] is None and job["steps"] == []
+
+
+@pytest.mark.parametrize("pattern, kwargs, expected", [
+    ("slurm-%j.out", {"job_id": "42"}, "slurm-42.out"),
+    ("slurm-%A_%a.out", {"job_id": "782_1", "raw_id": "783"}, "slurm-782_1.out"),
+    ("out-%x-%j.log", {"job_id": "782_1", "raw_id": "783", "job_name": "trx"}, "out-trx-783.log"),
+    ("%u/%N/%J.%s.%n.%t", {"job_id": "5", "user": "ann", "node": "gpu[01-04],cpu1"}, "ann/gpu01/5.batch.batch.0.0"),
+    ("%4a-%5j-100%%", {"job_id": "7_3"}, "0003-00007-100%"),
+    ("/abs/\\\\%j.out", {"job_id": "5"}, "/abs/%j.out"),  # \\ turns patterns off, as in sbatch
+    ("plain.log", {"job_id": "5"}, "plain.log"),
+])
+def test_expand_filename_pattern(pattern, kwargs, expected):
+    assert expand_filename_pattern(pattern, **kwargs) == expected
+
+
+def test_fact_commands_are_argv_lists():
+    assert sacct_facts_command(["1", "2_3"]) == ["sacct", "-P", "-n", "-j", "1,2_3", "-o", ",".join(SACCT_FACT_FIELDS)]
+    assert "-X" not in sacct_facts_command(["1"])  # steps are needed for MaxRSS and OOM steps
+    assert batch_script_command(["1", "2"]) == ["sacct", "-B", "-j", "1,2"]
+    assert scontrol_all_command() == ["scontrol", "show", "job", "-o"]
+
+
+def test_sacct_window_command():
+    fields = ",".join(SACCT_FACT_FIELDS)
+    assert sacct_window_command("2026-11-21T08:00:00", "2026-11-21T09:00:00") == [
+        "sacct", "-P", "-n", "-S", "2026-11-21T08:00:00", "-E", "2026-11-21T09:00:00", "-s", "BF,CA,DL,F,NF,OOM,PR,TO",
+        "-o", fields, "-a"]
+    argv = sacct_window_command("a", "b", partition="a100", user="ann")
+    assert argv[-4:] == ["-u", "ann", "-r", "a100"] and "-a" not in argv
+
+
+def test_sacct_time_is_local_time(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        assert sacct_time(1795250100) == "2026-11-21T08:35:00"
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -419,6 +419,223 @@ def scancel_command(job_ids: Iterable[str]) -> list[str]:
     return ["scancel", *job_ids]
 
 
+# ---------------------------------------------------------------- pure: job facts (for triage)
+
+SACCT_FACT_FIELDS = (
+    "JobID", "JobIDRaw", "JobName", "User", "Partition", "Cluster", "State", "ExitCode", "Elapsed", "Timelimit",
+    "MaxRSS", "ReqTRES", "AllocTRES", "NodeList", "WorkDir", "Submit", "Start", "End", "Reason",
+)
+"""What ``sacct_facts_command`` asks for: everything triage says about a job."""
+
+_ARRAY_TASK = re.compile(r"^(\d+)_(\d+)$")
+_BATCH_HEADER = re.compile(r"^Batch Script for (\S+)\s*$")
+
+
+def sacct_facts_command(job_ids: Iterable[str]) -> list[str]:
+    """``sacct`` for the facts of many jobs in one call (with their steps: no ``-X``).
+
+    A bare array job id (``123``) brings all its tasks (``123_1``, ``123_2`` ...).
+    """
+    return ["sacct", "-P", "-n", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FACT_FIELDS)]
+
+
+WINDOW_STATES = "BF,CA,DL,F,NF,OOM,PR,TO"
+"""The states ``sacct_window_command`` asks for: every way a job can end badly."""
+
+
+def sacct_window_command(start: str, end: str, *, partition: str | None = None, user: str | None = None) -> list[str]:
+    """``sacct`` for every job that ended badly between ``start`` and ``end`` (sacct times, e.g.
+    ``2026-11-21T08:00:00``), all users unless ``user``, with their steps; fields as ``sacct_facts_command``."""
+    argv = ["sacct", "-P", "-n", "-S", start, "-E", end, "-s", WINDOW_STATES, "-o", ",".join(SACCT_FACT_FIELDS)]
+    argv += ["-u", user] if user else ["-a"]
+    return argv + (["-r", partition] if partition else [])
+
+
+def sacct_time(seconds: float) -> str:
+    """Unix seconds -> sacct's local ``YYYY-MM-DDTHH:MM:SS`` (sacct reads times in the local zone)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(seconds))
+
+
+def batch_script_command(job_ids: Iterable[str]) -> list[str]:
+    """``sacct -B``: the batch scripts accounting kept (needs ``AccountingStoreFlags=job_script``)."""
+    return ["sacct", "-B", "-j", ",".join(job_ids)]
+
+
+def scontrol_all_command() -> list[str]:
+    """``scontrol show job -o``: every job the controller still remembers, one line each."""
+    return ["scontrol", "show", "job", "-o"]
+
+
+def parse_tres(text: str) -> dict[str, str]:
+    """A TRES list ``billing=1,cpu=8,mem=6G,node=1,gres/gpu=2`` -> ``{"cpu": "8", "mem": "6G", ...}``."""
+    out = {}
+    for item in text.strip().split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def parse_sacct_facts(text: str) -> dict[str, dict]:
+    """``sacct -P -n -o <SACCT_FACT_FIELDS>`` -> one dict of facts per job (array tasks as ``123_4``).
+
+    Steps are folded into their job as ``parse_sacct`` does (MaxRSS in MiB is the largest of the
+    job and its steps; a FAILED job with an OUT_OF_MEMORY step is OUT_OF_MEMORY) and listed under
+    ``steps``. Keys: job_id, raw_id, array_job_id, array_task_id, name, user, partition, cluster,
+    state (normalized), state_text, exit_code, signal, elapsed_s, timelimit_s, max_rss_mib,
+    req_tres, alloc_tres (dicts), nodes, workdir, submit, start, end, reason, steps.
+    """
+    width = len(SACCT_FACT_FIELDS)
+    jobs: dict[str, dict[str, str]] = {}
+    steps: dict[str, list[dict[str, str]]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        values = line.split("|", width - 1)
+        values += [""] * (width - len(values))
+        row = dict(zip(SACCT_FACT_FIELDS, (v.strip() for v in values)))
+        job_id, _, step = row["JobID"].partition(".")
+        for one in _expand_job_ids(job_id):
+            if step:
+                steps.setdefault(one, []).append({**row, "step": f"{one}.{step}"})
+            else:
+                jobs[one] = {**row, "JobIDRaw": row["JobIDRaw"] if one == job_id else ""}
+    return {job_id: _sacct_job_facts(job_id, row, steps.get(job_id, [])) for job_id, row in jobs.items()}
+
+
+def _sacct_job_facts(job_id: str, row: Mapping[str, str], steps: list[dict[str, str]]) -> dict:
+    rss = [parse_mem_mib(r["MaxRSS"]) for r in [row, *steps]]
+    rss = [v for v in rss if v]  # 0: the step was never sampled (killed first), not "used nothing"
+    status = _status(job_id, row["State"], exit_text=row["ExitCode"], elapsed_text=row["Elapsed"],
+                     rss_mib=max(rss, default=None), node=row["NodeList"], reason=row["Reason"])
+    oom_steps = [s["step"] for s in steps if normalize_state(s["State"]) == OUT_OF_MEMORY]
+    state, reason = status.state, status.reason
+    if state == FAILED and oom_steps:
+        state, reason = OUT_OF_MEMORY, f"step {oom_steps[0]} ran out of memory"
+    elif state == PENDING and steps:
+        state, reason = RUNNING, None
+    return {
+        **_array_ids(job_id),
+        "job_id": job_id, "raw_id": _none_if_empty(row["JobIDRaw"]),
+        "name": _none_if_empty(row["JobName"]), "user": _none_if_empty(row["User"]),
+        "partition": _none_if_empty(row["Partition"]), "cluster": _none_if_empty(row["Cluster"]),
+        "state": state, "state_text": row["State"], "exit_code": status.exit_code, "signal": status.signal,
+        "elapsed_s": status.elapsed_s, "timelimit_s": parse_duration_s(row["Timelimit"]),
+        "max_rss_mib": status.max_rss_mib, "req_tres": parse_tres(row["ReqTRES"]),
+        "alloc_tres": parse_tres(row["AllocTRES"]), "nodes": status.node, "workdir": _none_if_empty(row["WorkDir"]),
+        "submit": _time_or_none(row["Submit"]), "start": _time_or_none(row["Start"]), "end": _time_or_none(row["End"]),
+        "reason": reason,
+        "steps": [_step_facts(s) for s in steps],
+    }
+
+
+def _step_facts(row: Mapping[str, str]) -> dict:
+    code, sig = parse_exit_code(row["ExitCode"])
+    return {"step": row["step"], "name": _none_if_empty(row["JobName"]), "state": normalize_state(row["State"]),
+            "exit_code": code, "signal": sig, "max_rss_mib": parse_mem_mib(row["MaxRSS"])}
+
+
+def _array_ids(job_id: str) -> dict:
+    match = _ARRAY_TASK.match(job_id)
+    return {"array_job_id": match.group(1) if match else None, "array_task_id": match.group(2) if match else None}
+
+
+def _time_or_none(text: str) -> str | None:
+    text = text.strip()
+    return None if text in ("", "Unknown", "None", "N/A") else text
+
+
+def parse_batch_scripts(text: str) -> dict[str, str]:
+    """``sacct -B -j ID,...`` -> job id -> the batch script accounting kept.
+
+    Each script follows a ``Batch Script for ID`` line and a line of dashes; a job whose
+    script was not kept (``NONE``: stored before ``AccountingStoreFlags=job_script``) is left out.
+    """
+    lines = text.splitlines()
+    starts = [i for i in range(len(lines) - 1)
+              if _BATCH_HEADER.match(lines[i]) and lines[i + 1].strip() and set(lines[i + 1].strip()) == {"-"}]
+    out = {}
+    for k, i in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(lines)
+        body = "\n".join(lines[i + 2:end]).rstrip("\n")
+        if body.strip() and body.strip() != "NONE":
+            out[_BATCH_HEADER.match(lines[i]).group(1)] = body + "\n"
+    return out
+
+
+def parse_scontrol_facts(text: str) -> dict[str, dict]:
+    """``scontrol show job -o`` -> facts per job, with the keys of ``parse_sacct_facts`` (no steps,
+    no MaxRSS: the controller does not measure) plus ``stdout``, ``stderr`` and ``command`` (paths).
+
+    Array tasks are keyed ``ArrayJobId_ArrayTaskId``; a pending array's ``1-3`` task range is skipped.
+    """
+    out = {}
+    for line in text.splitlines():
+        pairs = parse_key_values(line)
+        if "JobId" not in pairs or "JobState" not in pairs:
+            continue
+        job_id, task = pairs["JobId"], pairs.get("ArrayTaskId", "")
+        if pairs.get("ArrayJobId", "").isdigit():
+            if not task.isdigit():
+                continue
+            job_id = f"{pairs['ArrayJobId']}_{task}"
+        status = _status(job_id, pairs["JobState"], exit_text=pairs.get("ExitCode", ""),
+                         elapsed_text=pairs.get("RunTime", ""), node=pairs.get("NodeList", ""),
+                         reason=pairs.get("Reason", ""))
+        tres = pairs.get("TRES", "")
+        out[job_id] = {
+            **_array_ids(job_id),
+            "job_id": job_id, "raw_id": pairs["JobId"], "name": _none_if_empty(pairs.get("JobName", "")),
+            "user": _none_if_empty(pairs.get("UserId", "").split("(")[0]),
+            "partition": _none_if_empty(pairs.get("Partition", "")), "cluster": None,
+            "state": status.state, "state_text": pairs["JobState"], "exit_code": status.exit_code,
+            "signal": status.signal, "elapsed_s": status.elapsed_s,
+            "timelimit_s": parse_duration_s(pairs.get("TimeLimit", "")), "max_rss_mib": None,
+            "req_tres": parse_tres(pairs.get("ReqTRES", tres)), "alloc_tres": parse_tres(tres),
+            "nodes": status.node, "workdir": _none_if_empty(pairs.get("WorkDir", "")),
+            "submit": _time_or_none(pairs.get("SubmitTime", "")), "start": _time_or_none(pairs.get("StartTime", "")),
+            "end": _time_or_none(pairs.get("EndTime", "")), "reason": status.reason, "steps": [],
+            "stdout": _none_if_empty(pairs.get("StdOut", "")), "stderr": _none_if_empty(pairs.get("StdErr", "")),
+            "command": _none_if_empty(pairs.get("Command", "")),
+        }
+    return out
+
+
+_FILENAME_FIELD = re.compile(r"%(\d*)([%AajJNnstux])")
+
+
+def expand_filename_pattern(pattern: str, *, job_id: str, raw_id: str | None = None, user: str | None = None,
+                            job_name: str | None = None, node: str | None = None) -> str:
+    """An sbatch ``--output``/``--error`` pattern -> the file name of the batch step's output.
+
+    ``job_id`` is ``123`` or ``123_4`` (array task); ``raw_id`` the task's own job id (``%j``;
+    when unknown: the job id, or for a task the array's id, which is right for its last task). ``%A`` array job, ``%a`` task, ``%j`` job id, ``%J`` ``jobid.batch``,
+    ``%x`` name, ``%u`` user, ``%N`` first node, ``%n``/``%t`` 0, ``%s`` ``batch``, ``%%`` ``%``;
+    a number after ``%`` zero-pads (``%4a``). A pattern holding ``\\\\`` is taken literally, as sbatch does.
+    """
+    if "\\\\" in pattern:
+        return pattern.replace("\\\\", "")
+    match = _ARRAY_TASK.match(job_id)
+    array_job, task = (match.group(1), match.group(2)) if match else (job_id, "4294967294")
+    own = raw_id or array_job
+    values = {"A": array_job, "a": task, "j": own, "J": f"{own}.batch", "x": job_name or "", "u": user or "",
+              "N": _first_node(node or ""), "n": "0", "t": "0", "s": "batch"}
+
+    def sub(m: re.Match) -> str:
+        width, code = m.groups()
+        if code == "%":
+            return "%" + width
+        value = values[code]
+        return value.zfill(int(width)) if width and value.isdigit() else value
+    return _FILENAME_FIELD.sub(sub, pattern)
+
+
+def _first_node(nodelist: str) -> str:
+    """``n[01-04,07],m1`` -> ``n01``; ``vm`` -> ``vm``."""
+    match = re.match(r"([^,\[]*)(?:\[([^\],-]+))?", nodelist.strip())
+    return (match.group(1) + (match.group(2) or "")) if match else ""
+
+
 # ---------------------------------------------------------------- the backend
 
 
@@ -543,6 +760,57 @@ class SlurmBackend(Backend):
                 if attempt == self.tries:
                     raise SchedulerError(f"scancel failed {self.tries} times: {message}") from exc
                 self._pause(attempt)
+
+    # -- facts (triage)
+
+    def job_facts(self, job_ids: list[str]) -> dict[str, dict]:
+        """Everything sacct knows of the jobs, in one call (``parse_sacct_facts``); a bare array
+        job id brings its tasks, an unknown id is simply absent. Raises ``SchedulerError``
+        ("accounting unavailable: ...") when accounting is off or slurmdbd cannot be reached, and
+        ``proc.CommandNotFoundError`` when sacct is not installed."""
+        ids = _check_ids(job_ids)
+        if not ids:
+            return {}
+        try:
+            return parse_sacct_facts(self._query(sacct_facts_command(ids)))
+        except _AccountingUnavailable as exc:
+            raise SchedulerError(f"accounting unavailable: {exc}") from exc
+
+    def failed_jobs(self, start_s: float, end_s: float, *, partition: str | None = None,
+                    user: str | None = None) -> dict[str, dict]:
+        """Facts (``parse_sacct_facts``) of every job that ended badly between ``start_s`` and ``end_s``
+        (unix seconds), in one sacct call; errors as ``job_facts``."""
+        argv = sacct_window_command(sacct_time(start_s), sacct_time(end_s), partition=partition, user=user)
+        try:
+            return parse_sacct_facts(self._query(argv))
+        except _AccountingUnavailable as exc:
+            raise SchedulerError(f"accounting unavailable: {exc}") from exc
+
+    def batch_scripts(self, job_ids: list[str]) -> dict[str, str]:
+        """The batch scripts accounting kept (``sacct -B``, one call); jobs without one are absent.
+        Errors as ``job_facts``."""
+        ids = _check_ids(job_ids)
+        if not ids:
+            return {}
+        try:
+            return parse_batch_scripts(self._query(batch_script_command(ids)))
+        except _AccountingUnavailable as exc:
+            raise SchedulerError(f"accounting unavailable: {exc}") from exc
+
+    def controller_facts(self, job_ids: list[str], one_by_one_max: int = 10) -> dict[str, dict]:
+        """What the controller still remembers of the jobs (``parse_scontrol_facts``: StdOut, StdErr,
+        Command, WorkDir ...; it forgets a job MinJobAge after it ends). Up to ``one_by_one_max`` ids are
+        asked one by one, more with one ``scontrol show job`` of every job. A bare array id brings its tasks."""
+        ids = _check_ids(job_ids)
+        if len(ids) > one_by_one_max:
+            found = parse_scontrol_facts(self._query(scontrol_all_command()))
+            wanted = set(ids)
+            return {k: v for k, v in found.items()
+                    if k in wanted or v["raw_id"] in wanted or v["array_job_id"] in wanted}
+        found = {}
+        for job_id in ids:
+            found.update(parse_scontrol_facts(self._query(scontrol_command(job_id))))
+        return found
 
     def _pause(self, attempt: int) -> None:
         self._sleep(self.backoff_s * 2 ** (attempt - 1))

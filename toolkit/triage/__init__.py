@@ -1,0 +1,90 @@
+"""Triage: from a ticket's job id, run id or log to a diagnosis and ranked remedies (docs/triage.md).
+
+``run_triage`` and ``run_since`` are what ``hpcmem triage`` calls: they find the cases
+(sources.py), diagnose each (diagnose.py) and format the report (report.py, formats.py).
+The modules under them know nothing of the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterable
+
+from ..errors import HpcmemError
+from .report import TriageReport
+
+
+def run_triage(targets: Iterable[str], site, fmt: str, *, stdin=None, colour: bool = False, max_remedies: int = 5,
+               partition: str | None = None, sites_dirs: Iterable[str] = ()) -> str:
+    """The report for TARGETs, formatted (``text``, ``markdown`` or ``json``).
+
+    ``partition``: the partition the jobs ran on, for logs whose scheduler record cannot say.
+    """
+    from .diagnose import diagnose
+    from .formats import render_report
+    from .sources import cases
+
+    backend = _backend()
+    with _ledger() as ledger:
+        found = []
+        for target in targets:
+            for case in cases(target, backend=backend, ledger=ledger, stdin=stdin):
+                found.append(diagnose(case, site or _case_site(case, sites_dirs), ledger=ledger,
+                                      max_remedies=max_remedies, partition=partition))
+    data = TriageReport(tuple(found)).to_dict()
+    return _dump(data) if fmt == "json" else render_report(data, fmt, colour)
+
+
+def run_since(since: str, site, fmt: str, *, partition: str | None = None, user: str | None = None,
+              colour: bool = False) -> str:
+    """The ``--since`` window report, formatted."""
+    from .formats import render_since
+    from .since import parse_since, since_report
+
+    start, end = parse_since(since), time.time()
+    with _ledger() as ledger:
+        report = since_report(_backend(), start, end, partition=partition, user=user, site=site, ledger=ledger)
+    data = report.to_dict()
+    return _dump(data) if fmt == "json" else render_since(data, fmt, colour)
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, indent=2, default=str) + "\n"
+
+
+def _backend():
+    from ..backends.slurm import SlurmBackend
+
+    return SlurmBackend(tries=2, backoff_s=0.5, timeout_s=30.0)
+
+
+class _NoLedger:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _ledger():
+    """The hpcmem ledger when this machine has one (triage never creates one)."""
+    from ..resources import home_dir
+    from ..runs import open_ledger
+
+    if not (home_dir() / "ledger.sqlite").exists():
+        return _NoLedger()
+    return open_ledger()
+
+
+def _case_site(case, sites_dirs):
+    """The site an hpcmem run was submitted to, when --site was not given."""
+    name = getattr(case.facts, "site", None)
+    if not name:
+        return None
+    from ..sites import load_site
+
+    try:
+        return load_site(name, sites_dirs)
+    except HpcmemError:
+        return None

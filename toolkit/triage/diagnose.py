@@ -1,0 +1,207 @@
+"""One case (a job, a run's attempt, a log) -> a Finding: verdict, the plan as it ran, memory picture, remedies.
+
+The steps, each with what it needs and what it says when that is missing:
+    1. the verdict: the classifier on the log tails (or pasted text) and the scheduler's record;
+    2. the partition: ``--site`` (or the run's site) and the job's Slurm partition, else the site's
+       partition whose GPU memory matches the capacity the OOM message states;
+    3. the plan as it ran: the knobs found (plan.json, DeepSpeed config, job script, Trainer args),
+       completed with defaults that are named as assumptions (picture.fill_plan);
+    4. the model, when a config can be found (for the estimator);
+    5. for an out-of-memory verdict: the memory picture and the ranked remedies; otherwise what the
+       failure is and where to look, and no memory advice.
+Nothing here raises for a bad log or a job that cannot be found: the Finding says what could not be read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..classify import Verdict, classify, classify_paths
+from ..errors import HpcmemError
+from ..logtail import DEFAULT_MAX_BYTES
+from ..sites import Partition, Site
+from .report import Finding
+
+NON_TEXT_SHARE = 0.10
+"""Share of replacement/control characters above which a log is called binary."""
+
+
+def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, partition: str | None = None,
+             max_bytes: int = DEFAULT_MAX_BYTES) -> Finding:
+    """The Finding for one ``sources.Case`` on ``site`` (None: no site profile, so no remedies that fit).
+
+    ``ledger``: hpcmem's ledger, for a job that was an attempt of a run (its spec gives the submit command).
+    ``partition``: the partition (profile or Slurm name) when the job's record does not say.
+    """
+    from .picture import fill_plan, memory_picture
+    from .lookup import where_to_look
+    from .remedies import remedies
+
+    facts = case.facts
+    notes: list[str] = []
+    verdict = read_verdict(case, max_bytes, notes)
+    said, partition = facts.partition or partition, None
+    if site is not None:
+        partition, note = pick_partition(site, said, verdict)
+        if note:
+            notes.append(note)
+    elif verdict.is_oom:
+        notes.append("no site profile given (--site): remedies cannot be checked against a partition")
+    try:
+        known = fill_plan(facts.plan_knobs, partition)
+    except HpcmemError as exc:
+        notes.append(f"the plan read from the job's files does not hold together ({exc}); defaults assumed")
+        known = fill_plan(None, partition)
+    if known.note and verdict.is_oom:
+        notes.append(known.note)
+    model, note = load_model(facts)
+    if note and verdict.is_oom:
+        notes.append(note)
+    picture, found, look = None, (), ()
+    if verdict.is_oom:
+        spec, base = run_spec(facts, ledger, partition)
+        try:
+            picture = memory_picture(verdict, known, partition, model, max_rss_mib=facts.max_rss_mib,
+                                     mem_request_mib=_mem_request_mib(facts))
+            if partition is not None:
+                found = tuple(remedies(verdict, known, partition, model, spec=spec, site=site.name,
+                                       max_items=max_remedies, base=base))
+        except HpcmemError as exc:
+            notes.append(f"no remedies: {exc}")
+    else:
+        look = tuple(where_to_look(verdict))
+    return Finding(target=case.target, source=case.kind, verdict=verdict, facts=facts, log_paths=tuple(case.log_paths),
+                   site=site.name if site is not None else facts.site,
+                   partition=partition.name if partition is not None else facts.partition,
+                   plan=known.plan if known.known else None, plan_assumed=known.assumed, picture=picture,
+                   remedies=found, where_to_look=look, notes=tuple(notes))
+
+
+# --------------------------------------------------------------------------- 1. verdict
+
+
+def read_verdict(case, max_bytes: int, notes: list[str]) -> Verdict:
+    """Classify the case's logs with its scheduler record; a log that cannot be read is a note, not an error."""
+    record = {"state": case.facts.state, "exit_code": case.facts.exit_code, "signal": case.facts.signal}
+    if case.log_text is not None:
+        text = case.log_text
+        _describe_text(text, "the pasted log", notes)
+        return classify(record, text)
+    readable = []
+    for path in case.log_paths:
+        try:
+            with open(path, "rb"):
+                pass
+            readable.append(path)
+        except OSError as exc:
+            notes.append(f"cannot read {path}: {exc.strerror or exc}")
+    if not readable:
+        return classify(record, "")
+    try:
+        verdict = classify_paths(readable, record, max_bytes, number_lines=True)
+    except HpcmemError as exc:  # logtail.LogError: unreadable or not a log
+        notes.append(str(exc))
+        return classify(record, "")
+    if all(_is_empty(p) for p in readable):
+        notes.append("the log is empty" if len(readable) == 1 else "the logs are empty")
+    elif not verdict.evidence:
+        _describe_files(readable, max_bytes, notes)
+    return verdict
+
+
+def _is_empty(path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
+
+
+def _describe_files(paths, max_bytes: int, notes: list[str]) -> None:
+    from ..logtail import read_tail
+
+    for path in paths:
+        try:
+            tail = read_tail(path, min(max_bytes, 1 << 20))
+        except HpcmemError:
+            continue
+        _describe_text(tail.text, str(path), notes)
+
+
+def _describe_text(text: str, name: str, notes: list[str]) -> None:
+    """A note when the text is not a text log (binary garbage) or is empty."""
+    if not text.strip():
+        notes.append(f"{name} is empty")
+        return
+    sample = text[-65536:]
+    odd = sum(1 for c in sample if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t"))
+    if odd > NON_TEXT_SHARE * len(sample):
+        notes.append(f"{name} does not look like a text log ({100 * odd / len(sample):.0f} % binary characters)")
+
+
+# --------------------------------------------------------------------------- 2. partition
+
+
+def pick_partition(site: Site, slurm_partition: str | None, verdict: Verdict) -> tuple[Partition | None, str]:
+    """The site's partition the job ran on: by Slurm or profile name, else by the stated GPU capacity."""
+    if slurm_partition:
+        for name in slurm_partition.split(","):
+            for part in site.partitions.values():
+                if name in (part.name, part.slurm_partition):
+                    return part, ""
+    capacity = verdict.numbers.get("total_capacity_mib")
+    gpus = [p for p in site.partitions.values() if p.has_gpu]
+    if capacity and gpus:
+        part = min(gpus, key=lambda p: abs(p.gpu_mem_gib * 1024 - capacity))
+        return part, (f"partition {part.name} assumed: its {part.gpu_mem_gib:g} GiB GPUs are the closest to the "
+                      f"{capacity / 1024:.1f} GiB the message states")
+    if len(site.partitions) == 1:
+        return next(iter(site.partitions.values())), ""
+    if slurm_partition:
+        return None, f"partition {slurm_partition!r} is not in site {site.name}'s profile"
+    return None, (f"which partition of site {site.name} the job ran on is not known: give it with --partition "
+                  f"({', '.join(sorted(site.partitions))})")
+
+
+# --------------------------------------------------------------------------- 3. the run's spec
+
+
+def run_spec(facts, ledger, partition: Partition | None) -> tuple[str | None, Any]:
+    """For an attempt of an hpcmem run: the spec to resubmit and the plan `hpcmem submit SPEC` starts from.
+
+    Remedies give their ``--set`` knobs relative to that plan, so the command reproduces every earlier move.
+    (None, None) when the job was not an hpcmem attempt or its spec cannot be read any more.
+    """
+    if not facts.run_id or ledger is None or partition is None:
+        return None, None
+    from ..jobspec import load_spec
+
+    try:
+        run = ledger.run(facts.run_id)
+        spec = load_spec(run.spec_path)
+        return run.spec_path, spec.first_plan(partition)
+    except (HpcmemError, OSError, KeyError):
+        return None, None
+
+
+# --------------------------------------------------------------------------- 4. model
+
+
+def load_model(facts) -> tuple[Any, str]:
+    """The ModelRef for the job's model config, or (None, why not)."""
+    if not facts.model:
+        return None, "the model is not known (no model config found): memory is predicted from the message's numbers"
+    from ..estimate import model_ref
+
+    try:
+        return model_ref(facts.model, facts.task or "causal-lm"), ""
+    except HpcmemError as exc:
+        return None, f"model {facts.model}: {exc}"
+
+
+def _mem_request_mib(facts) -> float | None:
+    from ..backends.slurm import parse_mem_mib
+
+    for tres in (facts.alloc_tres, facts.req_tres):
+        if tres and tres.get("mem"):
+            return parse_mem_mib(str(tres["mem"]), default_unit="M")
+    return None

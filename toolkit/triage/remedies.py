@@ -1,0 +1,563 @@
+"""Ranked remedies for a job that ran out of memory, each as a concrete change.
+
+``remedies(verdict, plan, partition, model, allow=, spec=, site=, max_items=, base=)`` is pure. It reads the
+classifier's Verdict, what is known of the failed plan (a ``Plan``, a mapping of the knobs found, or None), the
+partition it ran on and (maybe) the model, and returns up to ``max_items`` ``Remedy`` objects, best first.
+Each carries the new plan, its predicted per-GPU peak, whether that fits, its slowdown, the ``hpcmem submit
+--set`` knobs and the lines of the job script, DeepSpeed config and HF Trainer arguments that change.
+
+Which failures get which remedies
+    not an OOM (``not_oom``, ``unknown``)  none: ``where_to_look(verdict)`` says where to look instead.
+    gpu_oom_other_process                  one: the GPU to yourself (another process holds it); no plan move.
+    host_oom, cpu_alloc_oom, nccl_oom about /dev/shm
+                                           the ladder's host rungs, walked (``ladder.next_plan``): NVMe instead
+                                           of CPU offload, more --mem (up to the node), fewer data-loader
+                                           workers, ...; each on top of the one before.
+    GPU OOMs (gpu_oom, gpu_oom_fragmentation, gpu_driver_oom, nccl_oom)
+                                           the planner's candidates (``planner.candidate_plans``: moves that keep
+                                           what is learned, only what the partition supports: no bf16 or flash
+                                           attention on a V100) from the failed plan, predicted, ranked below;
+                                           none undoes a saving the failed plan had (a larger micro-batch, a
+                                           lower ZeRO stage, less offload, fp32 again). Fragmentation:
+                                           ``expandable_segments:True`` first (free: no code change, no
+                                           slowdown), and on every other candidate too.
+
+Predicted peak (MiB per GPU, as nvidia-smi shows it)
+    model known      the analytic estimate of each candidate, scaled by max(1, stated demand / estimate of the
+                     failed plan) as ``estimate.saving_model`` does; the stated demand is ``ladder.footprint``'s
+                     (in use + the failed request; the idle reserved memory is left out for a candidate that
+                     newly sets expandable segments). Without numbers in the message the failed plan's demand is
+                     taken as at least the usable GPU memory (it did not fit). Fits: peak <= usable x (1 -
+                     ``planner.MARGIN``).
+    numbers only     ``ladder.footprint`` + ``ladder.predicted_peak_mib``, the larger prediction over the
+                     ladder's assumed activation shares; fits with the ladder's ``MARGIN`` (its rougher model).
+    neither, or the plan is unknown
+                     the ladder's moves in order (``next_plan`` without numbers, each on top of the one before),
+                     predicted peak and fits None.
+    Usable memory: the message's capacity (else the partition's) minus other processes.
+
+Ranking
+    Among the candidates predicted to fit: relative throughput (``planner.speed`` against the failed plan)
+    first, and only those on the speed/memory frontier (a slower candidate is shown only when it needs less
+    memory than every faster one). When none fits: where ``gpus`` is allowed, more GPUs per node (global batch
+    kept) are tried too; then the closest ones (least memory first, fits False; a larger one only when faster),
+    followed by the last resorts that fit, labelled ``LAST_RESORT``: half the sequence length, plain SGD, a
+    smaller model (fewer layers of the same shape; model known only). At most ``max_items`` in all, except that
+    at least one closest remedy is kept in front of the last resorts.
+
+The ``set_args`` are the knobs that differ from ``base`` (default: the failed plan), so
+``with_changes(base, parse_sets(set_args)) == remedy.plan``; ``grad_accum`` is left to follow from the
+micro-batch. The time limit is scaled by the slowdown (``ladder.scale_time``) only when the failed plan's
+``time_min`` was known.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
+
+from .. import ladder, planner
+from ..classify import Verdict
+from ..errors import HpcmemError, PlanError, UnknownNameError
+from ..estimate import ModelRef, estimate
+from ..modelshape import ModelShape, largest_param_numel
+from ..plan import KNOBS, Plan, parse_sets, with_changes
+from ..sites import Partition
+from .changes import ds_config_changes, script_changes, title, trainer_arg_changes
+from .picture import KnownPlan, fill_plan
+
+ALL_MOVES = tuple(name for name in ladder.ALLOW_NAMES if name != "partition")
+"""Every move a remedy may make (a bigger partition is the lead's to suggest: it needs the site)."""
+LAST_RESORT = "LAST RESORT (changes what is learned): "
+"""How the DeepSpeed config is named in Trainer arguments."""
+_LAYER_KEYS = ("n_layer", "num_hidden_layers")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One way to make the job fit, as a concrete change (MiB per GPU)."""
+
+    title: str
+    """What changes, in words: "Micro-batch 8 -> 2 with grad_accum 1 -> 4 (same global batch) + ..."."""
+    moves: tuple[str, ...]
+    """``ladder.move_names`` from the failed plan."""
+    plan: Plan | None
+    """The new plan (None: the remedy is not a plan change, or the failed plan was unknown and ``set_args`` are
+    relative to assumed defaults)."""
+    predicted_peak_mib: float | None
+    """Predicted per-GPU peak (device used) of the new plan, corrected by the message's numbers."""
+    fits: bool | None
+    """Predicted to fit with the margin (None: cannot say)."""
+    slowdown: float | None
+    """Relative time per sample against the failed plan (1.0 same, 1.33 is 33 % slower, 0.5 twice as fast)."""
+    set_args: tuple[str, ...]
+    """``knob=value`` for ``hpcmem submit --set``."""
+    submit_command: str
+    """The ``hpcmem submit`` command line (shell-quoted)."""
+    script_changes: tuple[str, ...]
+    """``#SBATCH`` and launcher lines that change: "#SBATCH --gpus-per-node=a100:2 -> a100:4"."""
+    ds_config_changes: tuple[str, ...]
+    """DeepSpeed config keys that change: "zero_optimization.stage: 2 -> 3"."""
+    trainer_args: tuple[str, ...]
+    """HF Trainer flags that change: "--per_device_train_batch_size 2", "drop --bf16"."""
+    changes_result: bool = False
+    """True for last resorts that change what is learned."""
+    note: str = ""
+    """Assumptions and caveats."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready (MiB rounded to 0.1, slowdown to 0.001)."""
+        return {
+            "title": self.title, "moves": list(self.moves),
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "predicted_peak_mib": None if self.predicted_peak_mib is None else round(self.predicted_peak_mib, 1),
+            "fits": self.fits, "slowdown": None if self.slowdown is None else round(self.slowdown, 3),
+            "set_args": list(self.set_args), "submit_command": self.submit_command,
+            "script_changes": list(self.script_changes), "ds_config_changes": list(self.ds_config_changes),
+            "trainer_args": list(self.trainer_args), "changes_result": self.changes_result, "note": self.note,
+        }
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def remedies(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] | None, partition: Partition,
+             model: ModelRef | None, *, allow: Iterable[str] = ALL_MOVES, spec: str | None = None,
+             site: str | None = None, max_items: int = 5, base: Plan | None = None) -> list[Remedy]:
+    """Remedies for ``verdict``, best first (the rules are in the module docstring).
+
+    ``plan``: the failed plan, the knobs found (a mapping or ``fill_plan``'s KnownPlan: the rest assumed and said
+    so, the time limit scaled only when known) or None. ``allow``:
+    the move names a remedy may use (``ALL_MOVES``). ``spec``, ``site``: for the submit command (default
+    ``SPEC`` and the partition's site). ``base``: the plan ``hpcmem submit SPEC`` starts from, against which
+    ``set_args`` are given (default: the failed plan). Raises ``UnknownNameError`` for an unknown move name.
+    """
+    allow = tuple(allow)
+    unknown = sorted(set(allow) - set(ALL_MOVES))
+    if unknown:
+        raise UnknownNameError("remedy move", unknown[0], ALL_MOVES)
+    if not verdict.is_oom or max_items < 1:
+        return []
+    known = fill_plan(plan, partition)
+    maker = _Maker(partition, known, model, spec, site, base or known.plan)
+    if verdict.kind == "gpu_oom_other_process":
+        return [_other_process(verdict, maker)]
+    if verdict.kind in ladder.HOST_KINDS or _shm(verdict):
+        return _walk(verdict, known, maker, allow, max_items, host=True)
+    pred = _predictor(verdict, known.plan, partition, model) if known.known else None
+    if pred is None:
+        return _walk(verdict, known, maker, allow, max_items, host=False)
+    return _gpu(verdict, known, maker, allow, pred, max_items)
+
+
+def _shm(verdict: Verdict) -> bool:
+    """An nccl_oom about /dev/shm is host shared memory (as the ladder reads it)."""
+    text = " ".join([verdict.reason, *(line for _, line in verdict.evidence)])
+    return verdict.kind == "nccl_oom" and "/dev/shm" in text
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+@dataclass(frozen=True)
+class _Predictor:
+    """Per-GPU peaks (MiB) of plans against the failed one, corrected by what the message stated."""
+
+    failed: Plan
+    partition: Partition
+    model: ModelRef | None
+    numbers: Mapping[str, float]
+    demand_mib: float
+    """What the failed plan needed at least (stated, else the usable memory)."""
+    idle_mib: float
+    """Reserved but unallocated when it failed (given back by expandable segments)."""
+    failed_estimate_mib: float | None
+    """The analytic estimate of the failed plan (model known)."""
+    usable_mib: float
+    margin: float
+
+    @property
+    def target_mib(self) -> float:
+        return self.usable_mib * (1 - self.margin)
+
+    def peak(self, plan: Plan, model: ModelRef | None = None) -> float | None:
+        """Predicted peak of ``plan`` (of ``model``, default the job's); None when it cannot be said."""
+        if self.model is not None:
+            newly = ladder.EXPANDABLE in plan.alloc_conf and ladder.EXPANDABLE not in self.failed.alloc_conf
+            demand = self.demand_mib - (self.idle_mib if newly else 0.0)
+            scale = max(1.0, demand / self.failed_estimate_mib) if self.failed_estimate_mib else 1.0
+            return estimate(model or self.model, plan, self.partition).device_used_mib * scale
+        if model is not None or plan.seq_len != self.failed.seq_len:
+            return None  # the numbers-only model knows nothing of other models or sequence lengths
+        ctx = self.partition.cuda_context_mib
+        prints = [ladder.footprint(self.failed, self.numbers, ctx, share=s) for s in ladder.ACTIVATION_SHARES]
+        return max(ladder.predicted_peak_mib(fp, plan) for fp in prints)
+
+    def fits(self, peak: float | None) -> bool | None:
+        return None if peak is None else peak <= self.target_mib
+
+
+def _predictor(verdict: Verdict, failed: Plan, partition: Partition, model: ModelRef | None) -> _Predictor | None:
+    """How peaks are predicted for this failure (None: neither a model nor enough numbers)."""
+    n = {k: float(v) for k, v in verdict.numbers.items() if v is not None}
+    fp = ladder.footprint(failed, n, partition.cuda_context_mib)
+    total = n.get("total_capacity_mib", partition.gpu_mem_gib * 1024 if partition.has_gpu else None)
+    if total is None:
+        return None
+    usable = total - n.get("other_process_mib", 0.0)
+    if model is not None:
+        base = estimate(model, failed, partition).device_used_mib
+        demand = fp.demand_mib if fp is not None else usable
+        return _Predictor(failed, partition, model, n, demand, fp.idle_mib if fp else 0.0, base, usable,
+                          planner.MARGIN)
+    if fp is None:
+        return None
+    return _Predictor(failed, partition, None, n, fp.demand_mib, fp.idle_mib, None, usable, ladder.MARGIN)
+
+
+@dataclass(frozen=True)
+class _Scored:
+    plan: Plan
+    peak: float | None
+    fits: bool | None
+    throughput: float
+    """Relative samples per second against the failed plan (``planner.speed``)."""
+
+
+def _score(plans: Iterable[Plan], pred: _Predictor, model: ModelRef | None = None) -> list[_Scored]:
+    base = planner.speed(pred.failed, pred.partition)
+    out = []
+    for plan in plans:
+        peak = pred.peak(plan, model)
+        out.append(_Scored(plan, peak, pred.fits(peak), planner.speed(plan, pred.partition) / base))
+    return out
+
+
+def _candidates(start: Plan, failed: Plan, partition: Partition, allow: Iterable[str]) -> list[Plan]:
+    """The planner's candidates from ``start`` that only add memory savings to the failed plan (never a larger
+    micro-batch, a lower ZeRO stage, less offload or fp32 again: the failed plan ran out of memory), without
+    the failed plan itself and without flash attention in fp32 (its kernels are 16-bit only)."""
+    plans = planner.candidate_plans(start, partition, allow)
+    return [p for p in plans if _knobs(p) != _knobs(failed) and not _steps_back(failed, p)
+            and not (p.attention == "flash" and p.precision == "fp32")]
+
+
+def _steps_back(failed: Plan, plan: Plan) -> bool:
+    """Whether ``plan`` undoes a memory saving ``failed`` already had."""
+    return (plan.micro_batch > failed.micro_batch or plan.zero_stage < failed.zero_stage
+            or (plan.precision == "fp32" and failed.precision != "fp32")
+            or (plan.checkpointing < failed.checkpointing)
+            or any(getattr(plan, k) == "none" != getattr(failed, k) for k in ("offload_optimizer", "offload_params")))
+
+
+def _more_gpu_starts(start: Plan, partition: Partition) -> list[Plan]:
+    """``start`` on each larger GPU count per node the partition has, global batch kept."""
+    out = []
+    for gpus in range(start.gpus_per_node + 1, partition.gpus_per_node + 1):
+        per_rank, rest = divmod(start.global_batch, start.nodes * gpus)
+        if rest:
+            continue
+        micro = max(d for d in range(1, min(per_rank, start.micro_batch) + 1) if per_rank % d == 0)
+        try:
+            plan = with_changes(start, {"gpus_per_node": gpus, "micro_batch": micro})
+            partition.check_plan(plan)
+        except PlanError:
+            continue
+        out.append(plan)
+    return out
+
+
+# --------------------------------------------------------------------------- GPU OOM
+
+
+def _gpu(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, pred: _Predictor,
+         max_items: int) -> list[Remedy]:
+    failed = known.plan.replace(time_min=min(known.plan.time_min, maker.partition.max_time_min))
+    start, first = failed, []
+    if verdict.kind == "gpu_oom_fragmentation" and "alloc_conf" in allow and ladder.EXPANDABLE not in failed.alloc_conf:
+        conf = f"{failed.alloc_conf},{ladder.EXPANDABLE}" if failed.alloc_conf else ladder.EXPANDABLE
+        start = failed.replace(alloc_conf=conf)
+        first = _score([start], pred)
+    scored = [s for s in _score(_candidates(start, failed, maker.partition, allow), pred) if s.plan != start]
+    if not any(s.fits for s in scored + first) and "gpus" in allow:
+        for wider in _more_gpu_starts(start, maker.partition):
+            scored += _score([wider, *_candidates(wider, failed, maker.partition, allow)], pred)
+    fitting = [s for s in scored if s.fits]
+    room = max_items - len(first)
+    if fitting:
+        chosen, last = _frontier(fitting)[:room], []
+    else:
+        last = [] if any(s.fits for s in first) else _last_resorts(start, failed, maker, allow, pred)
+        chosen = _closest(scored)[:max(1, room - len(last))]
+    out = [maker.remedy(failed, s.plan, s.peak, s.fits, note=_first_note(s, pred)) for s in first]
+    out += [maker.remedy(failed, s.plan, s.peak, s.fits, note=_note(s, pred, failed)) for s in chosen]
+    return out + last
+
+
+def _frontier(scored: list[_Scored]) -> list[_Scored]:
+    """Fastest first, keeping a slower one only when it needs less memory than every faster one."""
+    out, least = [], float("inf")
+    for s in sorted(scored, key=lambda s: (-round(s.throughput, 9), s.peak)):
+        if s.peak < least - 1e-6:
+            out.append(s)
+            least = s.peak
+    return out
+
+
+def _closest(scored: list[_Scored]) -> list[_Scored]:
+    """Least memory first, keeping a larger one only when it is faster than every smaller one."""
+    out, fastest = [], 0.0
+    for s in sorted(scored, key=lambda s: (s.peak, -s.throughput)):
+        if s.throughput > fastest + 1e-9:
+            out.append(s)
+            fastest = s.throughput
+    return out
+
+
+def _first_note(s: _Scored, pred: _Predictor) -> str:
+    return ("The allocator gives idle reserved memory back instead of failing on fragmentation; no code change "
+            "and no slowdown. " + _fit_text(s, pred)).strip()
+
+
+def _note(s: _Scored, pred: _Predictor, failed: Plan) -> str:
+    parts = [_fit_text(s, pred)]
+    if s.plan.world_size != failed.world_size:
+        parts.append(f"Asks for {s.plan.world_size} GPUs instead of {failed.world_size} (global batch kept).")
+    return " ".join(p for p in parts if p)
+
+
+def _fit_text(s: _Scored, pred: _Predictor) -> str:
+    how = "the estimate corrected by the message's numbers" if pred.model is not None else "the message's numbers"
+    if s.peak is None:
+        return ""
+    verdict = "fits" if s.fits else "does not fit"
+    return (f"Predicted peak {s.peak / 1024:.1f} GiB per GPU ({how}) {verdict} under "
+            f"{pred.target_mib / 1024:.1f} GiB ({pred.margin:.0%} margin).")
+
+
+# --------------------------------------------------------------------------- last resorts
+
+
+def _last_resorts(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred: _Predictor) -> list[Remedy]:
+    """The last resorts that are predicted to fit: half the context, plain SGD, a smaller model."""
+    out = []
+    if start.seq_len >= 2:
+        shorter = start.replace(seq_len=start.seq_len // 2)
+        best = _fastest_fitting(_score([shorter, *_candidates(shorter, failed, maker.partition, allow)], pred))
+        if best is not None:
+            out.append(maker.remedy(failed, best.plan, best.peak, True, changes_result=True,
+                                    prefix=f"{LAST_RESORT}half the sequence length: ",
+                                    note="Shorter samples change what the model learns. " + _fit_text(best, pred)))
+    if start.optimizer != "sgd":
+        sgd = start.replace(optimizer="sgd")
+        keep = [a for a in allow if a != "optimizer"]
+        best = _fastest_fitting(_score([sgd, *_candidates(sgd, failed, maker.partition, keep)], pred))
+        if best is not None:
+            out.append(maker.remedy(failed, best.plan, best.peak, True, changes_result=True,
+                                    prefix=f"{LAST_RESORT}plain SGD: ",
+                                    note="SGD (momentum) instead of AdamW needs other learning rates and "
+                                         "converges differently. " + _fit_text(best, pred)))
+    smaller = _smaller_model(start, failed, maker, allow, pred)
+    if smaller is not None:
+        out.append(smaller)
+    return out
+
+
+def _fastest_fitting(scored: list[_Scored]) -> _Scored | None:
+    fitting = _frontier([s for s in scored if s.fits])
+    return fitting[0] if fitting else None
+
+
+def _smaller_model(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred: _Predictor) -> Remedy | None:
+    """The same model with the most layers that fit (with the plan that needs least memory), model known only."""
+    model = pred.model
+    key = next((k for k in _LAYER_KEYS if model is not None and model.config.get(k)), None)
+    if key is None:
+        return None
+    layers = int(model.config[key])
+    scored = _score([start, *_candidates(start, failed, maker.partition, allow)], pred)
+    leanest = min(scored, key=lambda s: s.peak).plan
+
+    def with_layers(n: int) -> ModelRef:
+        return replace(model, config={**model.config, key: n})
+
+    low, high = 0, layers - 1  # the largest n in [1, layers - 1] whose leanest plan fits; 0: none
+    while low < high:
+        mid = (low + high + 1) // 2
+        if pred.fits(pred.peak(leanest, with_layers(mid))):
+            low = mid
+        else:
+            high = mid - 1
+    if low < 1:
+        return None
+    small = with_layers(low)
+    best = _fastest_fitting(_score([start, *_candidates(start, failed, maker.partition, allow)], pred, small))
+    if best is None:
+        return None
+    params = _params(model), _params(small)
+    size = f" (about {params[1] / 1e6:.0f}M parameters instead of {params[0] / 1e6:.0f}M)" if all(params) else ""
+    return maker.remedy(failed, best.plan, best.peak, True, changes_result=True,
+                        prefix=f"{LAST_RESORT}a smaller model, {low} of its {layers} layers{size}: ",
+                        note=f"Set {key}: {low} in the model config. " + _fit_text(best, pred))
+
+
+def _params(model: ModelRef) -> int | None:
+    try:
+        return ModelShape.from_config(model.config, task=model.task, num_labels=model.num_labels).n_params
+    except (HpcmemError, KeyError, TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- the ladder, walked
+
+
+def _walk(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, max_items: int,
+          host: bool) -> list[Remedy]:
+    """The ladder's moves in order, each on top of the one before, unpredicted (host memory, or a GPU OOM with
+    neither a model nor numbers, or an unknown plan). Consecutive micro-batch halvings count as one step."""
+    failed = known.plan.replace(time_min=min(known.plan.time_min, maker.partition.max_time_min))
+    said = verdict if host else Verdict(verdict.kind, reason=verdict.reason)  # without numbers: one rung a step
+    moves = [a for a in allow if a in ladder.ALLOW_NAMES]
+    out, plan, tried, previous = [], failed, [], ()
+    why = _walk_note(known, host)
+    while len(out) < max_items:
+        d = ladder.next_plan(plan, said, maker.partition, allow=moves, tried=tried, attempts_made=1, max_attempts=2)
+        if d.action != "retry":
+            break
+        tried.append(plan)
+        step = ladder.move_names(plan, d.plan)
+        plan = d.plan
+        if out and _same_knob(step, previous):
+            continue
+        previous = step
+        new = plan if "time_min" in known.given else plan.replace(time_min=failed.time_min)
+        more = " On top of the remedy before: for when that one is not enough." if out else ""
+        remedy = maker.remedy(failed, new, None, None, note=(why + more).strip(), scale_time=False)
+        out.append(remedy if known.known else replace(remedy, plan=None))  # no plan of the job's to show
+    return out
+
+
+def _same_knob(step: tuple, previous: tuple) -> bool:
+    """Both steps change the same one knob (micro-batch halved again, --mem raised again)."""
+    knobs = {m.split(":")[0] for m in step}
+    return len(knobs) == 1 and knobs == {m.split(":")[0] for m in previous}
+
+
+def _walk_note(known: KnownPlan, host: bool) -> str:
+    if host:
+        return "Host memory: the need is not predicted; --mem is capped at the node's memory less a reserve."
+    if not known.known:
+        return "Peak not predicted: the knob values are relative to assumed defaults."
+    return ("Neither the model nor the message's numbers are known: the peak is not predicted; "
+            "the ladder's moves in order, cheapest first. " + known.note).strip()
+
+
+# --------------------------------------------------------------------------- another process
+
+
+def _other_process(verdict: Verdict, maker: "_Maker") -> Remedy:
+    n = verdict.numbers
+    other = n.get("other_process_mib", 0.0)
+    fp = ladder.footprint(maker.known.plan, n, maker.partition.cuda_context_mib)
+    total = n.get("total_capacity_mib", maker.partition.gpu_mem_gib * 1024)
+    demand = fp.demand_mib if fp is not None else None
+    fits = None if demand is None else demand <= total * (1 - planner.MARGIN)
+    held = f" {other / 1024:.1f} GiB" if other else ""
+    argv = maker.submit_argv(())
+    return Remedy(
+        title=f"Another process holds{held} of the GPU: run with the GPU to yourself",
+        moves=(), plan=maker.known.plan if maker.known.known else None, predicted_peak_mib=demand, fits=fits,
+        slowdown=1.0, set_args=(), submit_command=shlex.join(argv),
+        script_changes=("#SBATCH --exclusive (the whole node), or ask the admins for the GPUs' EXCLUSIVE_PROCESS "
+                        "compute mode",),
+        ds_config_changes=(), trainer_args=(),
+        note=("No memory move: alone on the GPU the job would have had the memory it asked for. On the node "
+              "(srun --jobid=JOBID --overlap nvidia-smi) see which process holds it: a stray process of an "
+              "earlier job, a second copy of the training started by mistake (a launcher inside a launcher), "
+              "or another job sharing the GPU."),
+    )
+
+
+# --------------------------------------------------------------------------- a remedy from a plan change
+
+
+@dataclass(frozen=True)
+class _Maker:
+    """Turns a new plan into a Remedy: title, --set knobs, command, and the lines that change."""
+
+    partition: Partition
+    known: KnownPlan
+    model: ModelRef | None
+    spec: str | None
+    site: str | None
+    base: Plan
+
+    def remedy(self, failed: Plan, plan: Plan, peak: float | None, fits: bool | None, *, note: str = "",
+               changes_result: bool = False, prefix: str = "", scale_time: bool = True) -> Remedy:
+        if scale_time and "time_min" in self.known.given:
+            plan = ladder.scale_time(failed, plan, self.partition)
+        sets = set_args(self.base, plan)
+        if self.known.note and self.known.note not in note:
+            note = f"{note} {self.known.note}".strip()
+        return Remedy(
+            title=prefix + title(failed, plan),
+            moves=ladder.move_names(failed, plan), plan=plan, predicted_peak_mib=peak, fits=fits,
+            slowdown=_slowdown(failed, plan, self.partition),
+            set_args=sets, submit_command=shlex.join(self.submit_argv(sets)),
+            script_changes=script_changes(failed, plan, self.partition),
+            ds_config_changes=ds_config_changes(failed, plan, self.partition, self._largest_param()),
+            trainer_args=trainer_arg_changes(failed, plan), changes_result=changes_result, note=note)
+
+    def submit_argv(self, sets: Iterable[str]) -> list[str]:
+        argv = ["hpcmem", "submit", self.spec or "SPEC", "--site", self.site or self.partition.site,
+                "--partition", self.partition.name]
+        for item in sets:
+            argv += ["--set", item]
+        return argv
+
+    def _largest_param(self) -> int | None:
+        if self.model is None:
+            return None
+        try:
+            return largest_param_numel(self.model.config)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def _slowdown(before: Plan, after: Plan, partition: Partition) -> float:
+    """Relative time per sample: ``planner.speed`` of both, and the cost of fewer data-loader workers."""
+    x = planner.speed(before, partition) / planner.speed(after, partition)
+    if after.workers < before.workers:
+        x *= ladder.WORKERS_PER_HALVING ** math.log2(before.workers / (after.workers or 0.5))
+    return x
+
+
+def set_args(base: Plan, plan: Plan) -> tuple[str, ...]:
+    """``knob=value`` for every knob of ``plan`` that differs from ``base`` (``grad_accum`` and
+    ``global_batch`` follow from the others), in knob order."""
+    out = []
+    for name in KNOBS:
+        if name in ("grad_accum", "global_batch"):
+            continue
+        value = getattr(plan, name)
+        if value != getattr(base, name):
+            out.append(f"{name}={_text(value)}")
+    out_plan = with_changes(base, parse_sets(out))
+    if out_plan.grad_accum != plan.grad_accum or out_plan.global_batch != plan.global_batch:
+        out.append(f"grad_accum={plan.grad_accum}")  # only when it does not follow (a base of another shape)
+    return tuple(out)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "none" if value is None else str(value)
+
+
+def _knobs(plan: Plan) -> tuple:
+    return tuple((k, v) for k, v in plan.to_dict().items() if k != "time_min")

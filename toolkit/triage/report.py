@@ -1,0 +1,131 @@
+"""What triage found, as data: one ``Finding`` per job or log, and the ``--since`` summary.
+
+The JSON these produce is a documented interface for helpdesk tooling (docs/triage.md,
+docs/triage.schema.json): field names are stable, memory is in MiB, times in seconds, and a
+field that could not be found is null (never left out).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__
+
+SCHEMA = "hpcmem.triage/1"
+SINCE_SCHEMA = "hpcmem.triage-since/1"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The diagnosis of one case (a job, an attempt of a run, a log file or a pasted log)."""
+
+    target: str
+    """The TARGET as typed."""
+    source: str
+    """job | run | file | dir | stdin"""
+    verdict: Any
+    """toolkit.classify.Verdict"""
+    facts: Any
+    """toolkit.triage.facts.JobFacts"""
+    log_paths: tuple = ()
+    site: str | None = None
+    partition: str | None = None
+    plan: Any = None
+    """toolkit.plan.Plan as the job ran (known or completed with assumptions), or None."""
+    plan_assumed: tuple = ()
+    """Knobs of ``plan`` that were not found and took a default."""
+    picture: Any = None
+    """toolkit.triage.picture.MemoryPicture, for out-of-memory verdicts."""
+    remedies: tuple = ()
+    """toolkit.triage.remedies.Remedy, best first; empty for failures that are not out-of-memory."""
+    where_to_look: tuple = ()
+    """For failures that are not out-of-memory: what the failure is and where to look, one sentence each."""
+    notes: tuple = ()
+    """What a person must know about how this was read (assumptions, what could not be read)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "source": self.source,
+            "oom": self.verdict.is_oom,
+            "verdict": self.verdict.to_dict(),
+            "job": self.facts.to_dict(),
+            "logs": [str(p) for p in self.log_paths],
+            "site": self.site,
+            "partition": self.partition,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "plan_assumed": list(self.plan_assumed),
+            "memory": self.picture.to_dict() if self.picture is not None else None,
+            "remedies": [r.to_dict() for r in self.remedies],
+            "where_to_look": list(self.where_to_look),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class TriageReport:
+    """Everything one ``hpcmem triage TARGET...`` found."""
+
+    findings: tuple
+    generated_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "hpcmem": __version__, "generated_at": _iso(self.generated_at),
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Failed jobs of one verdict kind in a ``--since`` window."""
+
+    kind: str
+    jobs: tuple
+    """(job_id, user, partition, reason) per job, oldest first."""
+    top_remedies: tuple = ()
+    """(move description, count) of the first remedy of each job, most frequent first."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "count": len(self.jobs),
+            "users": _counts(j[1] for j in self.jobs),
+            "partitions": _counts(j[2] for j in self.jobs),
+            "jobs": [{"job_id": j, "user": u, "partition": p, "reason": r} for j, u, p, r in self.jobs],
+            "top_remedies": [{"remedy": m, "count": n} for m, n in self.top_remedies],
+        }
+
+
+@dataclass(frozen=True)
+class SinceReport:
+    """The morning view: every failed job of a window, grouped by verdict kind (largest group first)."""
+
+    start: float
+    end: float
+    partition: str | None
+    user: str | None
+    groups: tuple
+    notes: tuple = ()
+
+    @property
+    def jobs(self) -> int:
+        return sum(len(g.jobs) for g in self.groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SINCE_SCHEMA, "hpcmem": __version__,
+                "window": {"start": _iso(self.start), "end": _iso(self.end)},
+                "filters": {"partition": self.partition, "user": self.user},
+                "jobs": self.jobs, "groups": [g.to_dict() for g in self.groups], "notes": list(self.notes)}
+
+
+def _counts(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        key = v or "?"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

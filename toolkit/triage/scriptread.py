@@ -1,0 +1,279 @@
+"""What a job script and a DeepSpeed config say about a job, as Plan knobs (pure).
+
+Triage often has only the files a user attached: the batch script and maybe a
+``ds_config.json``. ``read_script`` reads the ``#SBATCH`` directives and the launcher
+and trainer flags of the command lines; ``read_ds_config`` reads a DeepSpeed config.
+Both answer in the knob names of ``toolkit/plan.py`` so the estimator and the ladder can
+use them; what cannot be read exactly (a ``$VARIABLE``, DeepSpeed's ``"auto"``) is left out
+rather than guessed.
+
+Understood on command lines (``\\``-continued lines joined, quotes as the shell reads them):
+
+- torchrun / ``python -m torch.distributed.run|launch``: ``--nproc_per_node`` (ranks per
+  node), ``--nnodes``; ``deepspeed``: ``--num_gpus``, ``--num_nodes``; ``accelerate launch``:
+  ``--num_processes`` (over all machines), ``--num_machines``;
+- Hugging Face Trainer flags on any line: ``--per_device_train_batch_size``,
+  ``--gradient_accumulation_steps``, ``--bf16``, ``--fp16``, ``--gradient_checkpointing``,
+  ``--optim``, ``--deepspeed CFG``, ``--max_seq_length`` / ``--block_size`` /
+  ``--model_max_length`` / ``--max_length``, ``--attn_implementation``, ``--model_name_or_path``;
+- ``PYTORCH_CUDA_ALLOC_CONF=...`` set in the script (the allocator knob).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any, Mapping
+
+from ..backends.slurm import gpus_requested, parse_mem_mib, parse_time_limit_s, read_directives
+from ..plan import ATTENTIONS, OFFLOADS
+
+JOB_SCRIPT = "job script"
+TRAINER_ARGS = "trainer args"
+
+OPTIMIZERS = {
+    "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+    "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw", "adamw_anyprecision": "adamw",
+    "adamw-8bit": "adamw-8bit", "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
+    "paged_adamw_8bit": "adamw-8bit", "adafactor": "adafactor", "sgd": "sgd",
+}
+"""HF ``--optim`` values (and the plan's own names) -> plan optimizer."""
+
+ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash",
+             "flash": "flash"}
+"""HF ``--attn_implementation`` values -> plan attention."""
+
+_SEQ_FLAGS = ("max_seq_length", "block_size", "model_max_length", "max_length", "seq_len", "max_seq_len")
+_MODEL_FLAGS = ("model_name_or_path", "model", "model_name", "model_path")
+_DS_FLAGS = ("deepspeed", "deepspeed_config")
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_TORCHRUN = re.compile(r"(^|/)torchrun$")
+_ALLOC_CONF = re.compile(r"^(?:export\s+)?PYTORCH_CUDA_ALLOC_CONF=(.*)$")
+
+
+def read_script(text: str) -> dict[str, Any]:
+    """A batch script -> what it says about the job.
+
+    Returns a dict:
+    ``directives`` (``#SBATCH`` options, long names -> value), ``knobs`` (Plan knob -> value),
+    ``knob_origin`` (knob -> ``"job script"`` for directives and launcher flags, ``"trainer args"``
+    for Trainer flags), ``model`` (``--model_name_or_path`` and friends, or None), ``ds_config``
+    (the path given to ``--deepspeed``/``--deepspeed_config`` as written, or None), ``cd`` (the
+    directory of the last literal ``cd DIR`` before the launch, where relative paths start, or None),
+    ``output``/``error`` (the ``--output``/``--error`` patterns, or None), ``launcher_line``
+    (the first command line that starts ranks, or None). Memory knobs in MiB, time in minutes.
+    """
+    directives = read_directives(text)
+    knobs: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+
+    def put(knob: str, value: Any, source: str) -> None:
+        knobs[knob], origin[knob] = value, source
+
+    _directive_knobs(directives, put)
+    found: dict[str, Any] = {"model": None, "ds_config": None, "launcher_line": None, "cd": None}
+    for line in logical_lines(text):
+        alloc = _ALLOC_CONF.match(line)
+        if alloc:
+            value = _words(alloc.group(1))
+            if value and "$" not in value[0]:
+                put("alloc_conf", value[0], JOB_SCRIPT)
+            continue
+        words = _words(line)
+        if not words:
+            continue
+        if words[0] == "cd" and len(words) == 2 and "$" not in words[1] and found["launcher_line"] is None:
+            found["cd"] = words[1]
+        if _launcher_flags(words, put) and found["launcher_line"] is None:
+            found["launcher_line"] = line
+        _trainer_flags(words, put, found)
+    return {"directives": directives, "knobs": knobs, "knob_origin": origin, **found,
+            "output": directives.get("output") or None, "error": directives.get("error") or None}
+
+
+def read_ds_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config dict -> Plan knobs it fixes.
+
+    ``launcher`` is ``deepspeed``; micro-batch, accumulation and global batch when numbers
+    (``"auto"`` is skipped); precision from ``fp16``/``bf16`` (``bf16_master_weights_and_grads``
+    means bf16-true); ZeRO stage and the offload devices of ``zero_optimization``; AdamW when the
+    config builds Adam/AdamW itself. Anything malformed is skipped, never raised.
+    """
+    out: dict[str, Any] = {"launcher": "deepspeed"}
+    for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum"),
+                      ("train_batch_size", "global_batch")):
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            out[knob] = value
+    fp16, bf16 = _section(cfg, "fp16"), _section(cfg, "bf16") or _section(cfg, "bfloat16")
+    if fp16.get("enabled") is True:
+        out["precision"] = "fp16-mixed"
+    elif bf16.get("enabled") is True:
+        out["precision"] = "bf16-true" if bf16.get("bf16_master_weights_and_grads") is True else "bf16-mixed"
+    elif fp16.get("enabled") is False and bf16.get("enabled") in (False, None) and (fp16 or bf16):
+        out["precision"] = "fp32"
+    zero = _section(cfg, "zero_optimization")
+    stage = zero.get("stage")
+    if isinstance(stage, int) and not isinstance(stage, bool) and stage in (0, 1, 2, 3):
+        out["zero_stage"] = stage
+    for key, knob in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
+        section = zero.get(key)
+        if isinstance(section, Mapping):
+            device = str(section.get("device", "none")).lower()
+            if device in OFFLOADS:
+                out[knob] = device
+        elif "zero_stage" in out:
+            out[knob] = "none"
+    optimizer = _section(cfg, "optimizer")
+    if str(optimizer.get("type", "")).lower() in ("adam", "adamw", "cpuadam", "fusedadam"):
+        out["optimizer"] = "adamw"
+    return out
+
+
+def logical_lines(text: str) -> list[str]:
+    """The script's lines with ``\\``-continuations joined, without blank and comment-only lines."""
+    out: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if line.endswith("\\") and not line.endswith("\\\\"):
+            pending += line[:-1] + " "
+            continue
+        line = (pending + line).strip()
+        pending = ""
+        if line and not line.startswith("#"):
+            out.append(line)
+    if pending.strip() and not pending.strip().startswith("#"):
+        out.append(pending.strip())
+    return out
+
+
+# ---------------------------------------------------------------- directives
+
+
+def _directive_knobs(directives: Mapping[str, str], put) -> None:
+    nodes = directives.get("nodes", "")
+    if nodes.isdigit() and int(nodes) >= 1:
+        put("nodes", int(nodes), JOB_SCRIPT)
+    gpus = gpus_requested(directives)
+    if gpus:
+        put("gpus_per_node", gpus, JOB_SCRIPT)
+    elif directives.get("ntasks-per-node", "").isdigit() and int(directives["ntasks-per-node"]) > 1:
+        put("gpus_per_node", int(directives["ntasks-per-node"]), JOB_SCRIPT)  # one rank per task (srun, Lightning)
+    if "mem" in directives:
+        mem = parse_mem_mib(directives["mem"], default_unit="M")
+        if mem:
+            put("mem_mib", int(mem), JOB_SCRIPT)
+    if "time" in directives:
+        try:
+            seconds = parse_time_limit_s(directives["time"])
+        except ValueError:
+            seconds = None
+        if seconds:
+            put("time_min", max(1, round(seconds / 60)), JOB_SCRIPT)
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def _words(line: str) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote: read what can be read
+        return line.split()
+
+
+def _flags(words: list[str]) -> list[tuple[str, str | None]]:
+    """``--name value`` / ``--name=value`` / ``--flag`` -> (name with ``-`` as ``_``, value or None)."""
+    out = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("--") and len(word) > 2:
+            name, sep, value = word[2:].partition("=")
+            name = name.replace("-", "_")
+            if sep:
+                out.append((name, value))
+            elif i + 1 < len(words) and not words[i + 1].startswith("-"):
+                out.append((name, words[i + 1]))
+                i += 1
+            else:
+                out.append((name, None))
+        i += 1
+    return out
+
+
+def _program(words: list[str]) -> str | None:
+    """Which launcher a command line runs: torchrun, deepspeed, accelerate or None."""
+    for i, word in enumerate(words):
+        base = word.rsplit("/", 1)[-1]
+        if _TORCHRUN.search(word):
+            return "torchrun"
+        if base == "deepspeed":
+            return "deepspeed"
+        if base == "accelerate" and i + 1 < len(words) and words[i + 1] == "launch":
+            return "accelerate"
+        if word == "-m" and i + 1 < len(words) and words[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
+            return "torchrun"
+    return None
+
+
+def _launcher_flags(words: list[str], put) -> bool:
+    """Ranks and nodes from a launcher line; True when the line starts ranks."""
+    program = _program(words)
+    if program is None:
+        return False
+    flags = {k: v for k, v in _flags(words) if v is not None}
+    names = {"torchrun": ("nproc_per_node", "nnodes"), "deepspeed": ("num_gpus", "num_nodes"),
+             "accelerate": ("num_processes", "num_machines")}[program]
+    ranks, nodes = _int(flags.get(names[0])), _int(flags.get(names[1]))
+    if nodes:
+        put("nodes", nodes, JOB_SCRIPT)
+    if ranks:
+        per_node = ranks // (nodes or 1) if program == "accelerate" else ranks
+        if per_node >= 1:
+            put("gpus_per_node", per_node, JOB_SCRIPT)
+    if program == "deepspeed":
+        put("launcher", "deepspeed", JOB_SCRIPT)
+    return True
+
+
+def _trainer_flags(words: list[str], put, found: dict[str, Any]) -> None:
+    flags = _flags(words)
+    for name, value in flags:
+        number = _int(value)
+        if name == "per_device_train_batch_size" and number:
+            put("micro_batch", number, TRAINER_ARGS)
+        elif name == "gradient_accumulation_steps" and number:
+            put("grad_accum", number, TRAINER_ARGS)
+        elif name in ("bf16", "fp16") and _bool(value):
+            put("precision", "bf16-mixed" if name == "bf16" else "fp16-mixed", TRAINER_ARGS)
+        elif name == "gradient_checkpointing" and _bool(value) is not None:
+            put("checkpointing", _bool(value), TRAINER_ARGS)
+        elif name == "optim" and value and value.lower() in OPTIMIZERS:
+            put("optimizer", OPTIMIZERS[value.lower()], TRAINER_ARGS)
+        elif name in _SEQ_FLAGS and number:
+            put("seq_len", number, TRAINER_ARGS)
+        elif name == "attn_implementation" and value and ATTENTION.get(value.lower()) in ATTENTIONS:
+            put("attention", ATTENTION[value.lower()], TRAINER_ARGS)
+        elif name in _DS_FLAGS and value and found["ds_config"] is None:
+            found["ds_config"] = value
+            put("launcher", "deepspeed", TRAINER_ARGS)
+        elif name in _MODEL_FLAGS and value and found["model"] is None and "$" not in value:
+            found["model"] = value
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() and int(value) >= 1 else None
+
+
+def _bool(value: str | None) -> bool | None:
+    """A flag's truth: bare flag -> True, ``true``/``false`` words, anything else (``$X``) -> None."""
+    if value is None:
+        return True
+    return _BOOL_WORDS.get(value.strip().lower())
+
+
+def _section(cfg: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = cfg.get(key)
+    return value if isinstance(value, Mapping) else {}
