@@ -13,7 +13,6 @@ from pathlib import Path
 import click
 
 from . import __version__, controller, render, runs
-from .classify import classify_paths
 from .detach import detach as detach_run
 from .errors import HpcmemError, PlanError
 from .jobspec import load_spec
@@ -228,21 +227,37 @@ def cancel(run_id, as_json) -> None:
 
 
 @main.command()
-@click.argument("logs", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("targets", nargs=-1)
+@click.option("--site", default=None, help="Site profile (default: the run's site for hpcmem runs; "
+                                          "without one, no remedies are checked against a partition).")
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text", show_default=True)
+@click.option("--since", default=None, metavar="SPAN", help="Every failed job of a window (24h, 7d or a date) from sacct.")
+@click.option("--partition", "-p", default=None, help="With --since: only this Slurm partition. With TARGETs: the "
+                                                      "partition they ran on, when the scheduler cannot say.")
+@click.option("--user", "-u", default=None, help="With --since: only this user's jobs.")
+@click.option("--max-remedies", default=5, show_default=True, help="Remedies shown per job.")
 @_json_opt
-def triage(logs, as_json) -> None:
-    """Say why a job died from its log file(s): plain or gzip, all ranks."""
-    verdict = classify_paths([Path(p) for p in logs])
-    if as_json:
-        _emit_json(verdict.to_dict())
-        return
-    click.echo(f"{verdict.kind}: {verdict.reason}")
-    for name, value in verdict.numbers.items():
-        click.echo(f"  {name:<26} {value:,.1f}")
-    if verdict.rank is not None or verdict.gpu is not None:
-        click.echo(f"  rank {verdict.rank if verdict.rank is not None else '?'}, GPU {verdict.gpu if verdict.gpu is not None else '?'}")
-    for line_no, text in verdict.evidence:
-        click.echo(f"  {line_no if line_no is not None else '?':>6}: {text}")
+@click.pass_context
+def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_json) -> None:
+    """Why a job died and what would make it fit: TARGET is a Slurm job id, an hpcmem run id (RUN or RUN:N),
+    a log file (plain or gzip), a directory of a job's logs, or - (a log on standard input)."""
+    from .triage import run_triage, run_since
+
+    fmt = "json" if as_json else fmt
+    if since is None and not targets:
+        raise click.UsageError("give a TARGET (job id, run id, log file, directory or -) or --since SPAN")
+    if since is not None and targets:
+        raise click.UsageError("--since lists a window's jobs; give no TARGET with it")
+    if since is None and user:
+        raise click.UsageError("--user goes with --since")
+    site_obj = load_site(site, ctx.obj["sites_dirs"]) if site else None
+    colour = fmt == "text" and sys.stdout.isatty()
+    if since is not None:
+        click.echo(run_since(since, site_obj, fmt, partition=partition, user=user, colour=colour), nl=False)
+    else:
+        stdin = click.get_binary_stream("stdin") if "-" in targets else None
+        click.echo(run_triage(targets, site_obj, fmt, stdin=stdin, colour=colour, max_remedies=max_remedies,
+                              partition=partition, sites_dirs=ctx.obj["sites_dirs"]), nl=False)
 
 
 @main.command()
@@ -250,23 +265,34 @@ def triage(logs, as_json) -> None:
 @_partition_opt
 @click.option("--from-runs", is_flag=True, help="Fit allocator overhead and CUDA context from the metrics of past "
                                                  "attempts on the partition instead of running a probe.")
+@click.option("--from-bench", is_flag=True, help="Fit them from the nightly benchmark results (with --from-runs: both).")
+@click.option("--store", "store_path", default=None, type=click.Path(dir_okay=False),
+              help="Benchmark results store for --from-bench (default: $HPCMEM_HOME/bench/results.sqlite).")
 @_json_opt
 @click.pass_context
-def calibrate(ctx, site, partition, from_runs, as_json) -> None:
+def calibrate(ctx, site, partition, from_runs, from_bench, store_path, as_json) -> None:
     """Measure a partition (GPU, CUDA context, bf16/flash, host memory, NVMe) and keep it beside the site profile."""
     from .calibrate import calibration_path, fit_overheads, load_measured, run_probe, write_calibration
     from .resources import home_dir
 
     site_obj = load_site(site, ctx.obj["sites_dirs"])
     part = site_obj.partition(partition)
-    if from_runs:
-        with runs.open_ledger() as ledger:
-            metrics = [a.metrics for r in ledger.runs() if r.site == site_obj.name
-                       for a in ledger.attempts(r.run_id) if a.partition == part.name and a.metrics]
+    if from_runs or from_bench:
+        metrics = []
+        if from_runs:
+            with runs.open_ledger() as ledger:
+                metrics += [a.metrics for r in ledger.runs() if r.site == site_obj.name
+                            for a in ledger.attempts(r.run_id) if a.partition == part.name and a.metrics]
+        if from_bench:
+            from .bench import store
+
+            frame = store.load(Path(store_path) if store_path else store.default_path())
+            metrics += store.calibration_metrics(frame, site_obj.name, part.name)
         fitted = fit_overheads(metrics)
         if not fitted:
+            where = " and ".join(w for w, on in (("recorded attempts", from_runs), ("benchmark cells", from_bench)) if on)
             raise HpcmemError(f"{site_obj.name}:{part.name}: fewer than 3 GPU ranks with measured memory among "
-                              f"{len(metrics)} recorded attempts; nothing to fit yet")
+                              f"{len(metrics)} {where}; nothing to fit yet")
         path = calibration_path(site_obj, home_dir())
         measured = {**load_measured(path, part.name), **fitted}
     else:
@@ -380,6 +406,11 @@ def plan_cmd(ctx, job, site, partition, sets, method, top, as_json) -> None:
         click.echo("no candidate is predicted to fit with a margin; allow more moves in the spec's retry.allow")
     else:
         click.echo("submit it with: hpcmem submit " + job + f" --site {part.site} --partition {part.name} --plan")
+
+
+from .bench.cli import bench  # noqa: E402  (the bench group lives with the bench package)
+
+main.add_command(bench)
 
 
 def entry() -> None:

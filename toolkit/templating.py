@@ -1,6 +1,7 @@
 """The one Jinja environment for everything hpcmem renders from ``templates/``: job scripts and reports.
 
-StrictUndefined (a missing value is an error, never an empty string) and a few formatting filters;
+StrictUndefined (a missing value is an error, never an empty string), ``*.html.j2`` autoescaped,
+and a few formatting filters (``q``/``qjoin`` shell quoting, ``mib``, ``md`` for Markdown cells);
 templates hold layout, the Python that fills them holds the logic.
 """
 
@@ -25,15 +26,22 @@ def mib_text(mib: float | None) -> str:
     return f"{mib:.0f} MiB"
 
 
+def markdown_cell(value: Any) -> str:
+    """Text safe in a Markdown table cell: no pipe, no newline, no raw HTML (error lines can hold any of them)."""
+    return str(value).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
+
+
 @functools.lru_cache(maxsize=2)
 def environment(trim: bool = False) -> jinja2.Environment:
     """The environment; ``trim``: block tags take their own line away (reports), else kept (job scripts)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=jinja2.select_autoescape(["html.j2"], default_for_string=False),
                              trim_blocks=trim, lstrip_blocks=trim)
     env.filters["q"] = lambda v: shlex.quote(str(v))
     env.filters["qjoin"] = lambda vs: " ".join(shlex.quote(str(v)) for v in vs)
     env.filters["mib"] = mib_text
+    env.filters["md"] = markdown_cell
     return env
 
 
