@@ -4,6 +4,7 @@ metrics.json and ledger records, and the calibration points it gives."""
 import json
 import math
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +176,23 @@ def test_calibration_points_from_the_store_feed_fit_overheads(tmp_path):
     fitted = fit_overheads(points)
     assert fitted["allocator_overhead_frac"] == pytest.approx(0.1) and fitted["cuda_context_mib"] == pytest.approx(500)
     assert store.calibration_metrics(store.load(path), "testcluster", "cpu") == []
+
+
+def test_calibrate_from_bench_writes_the_fitted_overheads(tmp_path):
+    """`hpcmem calibrate --from-bench` end to end. The GPU rows are FAKE (no GPU here): numbers a GPU night
+    would store, with reserved = 1.1 x allocated and 600 MiB of CUDA context."""
+    from hpcmem_cli import run_cli
+
+    path = tmp_path / "results.sqlite"
+    gpu = dict(site="example-hpc", partition="a100-40gb")
+    store.append(path, [_row(night=f"2026-02-0{i}", peak_allocated_mib=2000.0 * i, peak_reserved_mib=2200.0 * i,
+                             device_used_mib=2200.0 * i + 600, **gpu) for i in range(1, 4)])
+    home = tmp_path / "home"
+    out = run_cli("calibrate", "--site", "example-hpc", "--partition", "a100-40gb", "--from-bench", "--store", path,
+                  "--json", home=home, check=True)
+    measured = json.loads(out.stdout)["measured"]
+    assert measured["allocator_overhead_frac"] == pytest.approx(0.1) and measured["cuda_context_mib"] == 600
+    assert Path(json.loads(out.stdout)["file"]).is_file()
+    cpu_only = run_cli("calibrate", "--site", "testcluster", "--partition", "cpu", "--from-bench", "--store", path,
+                       home=home)
+    assert cpu_only.returncode == 2 and "benchmark cells" in cpu_only.stderr and cpu_only.stderr.count("\n") == 1
