@@ -13,23 +13,14 @@ from toolkit.plan import Plan
 from toolkit.sites import load_site
 from toolkit.triage.picture import fill_plan, memory_picture
 
+from oom_messages import new_oom
+
 EX = load_site("example-hpc")
 V100 = EX.partition("v100-16gb")
 A100 = EX.partition("a100-40gb")
 LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 GPT2 = model_ref("gpt2")
 LLAMA = model_ref("llama-7b")
-
-
-def new_oom(tried, total, free, in_use, allocated, unallocated, other=None):
-    """A PyTorch >= 2.1 caching-allocator message (sizes in GiB)."""
-    procs = f"Process 4242 has {other:.2f} GiB memory in use. " if other else ""
-    return (
-        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried:.2f} GiB. GPU 0 has a total capacity "
-        f"of {total:.2f} GiB of which {free:.2f} GiB is free. {procs}Including non-PyTorch memory, this process has "
-        f"{in_use:.2f} GiB memory in use. Of the allocated memory {allocated:.2f} GiB is allocated by PyTorch, and "
-        f"{unallocated:.2f} GiB is reserved by PyTorch but unallocated."
-    )
 
 
 V100_OOM = classify(None, new_oom(tried=2.0, total=15.77, free=0.4, in_use=15.36, allocated=14.2, unallocated=0.3))

@@ -16,6 +16,8 @@ from toolkit.triage.changes import ds_config_changes, script_changes, slowdown_t
 from toolkit.triage.lookup import where_to_look
 from toolkit.triage.remedies import ALL_MOVES, LAST_RESORT, remedies
 
+from oom_messages import new_oom
+
 EX = load_site("example-hpc")
 V100 = EX.partition("v100-16gb")
 A100 = EX.partition("a100-40gb")
@@ -23,18 +25,6 @@ LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 GPT2 = model_ref("gpt2")
 BERT = model_ref("bert-large", task="seq-cls", num_labels=2)
 LLAMA = model_ref("llama-7b")
-
-
-def new_oom(tried, total, free, in_use, allocated, unallocated, other=None):
-    """A PyTorch >= 2.1 caching-allocator message (sizes in GiB)."""
-    procs = f"Process 4242 has {other:.2f} GiB memory in use. " if other else ""
-    return (
-        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried:.2f} GiB. GPU 0 has a total capacity "
-        f"of {total:.2f} GiB of which {free:.2f} GiB is free. {procs}Including non-PyTorch memory, this process has "
-        f"{in_use:.2f} GiB memory in use. Of the allocated memory {allocated:.2f} GiB is allocated by PyTorch, and "
-        f"{unallocated:.2f} GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
-        "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
-    )
 
 
 # GPT-2 in fp32 on four V100-16GB: 2 GiB asked with 0.4 GiB free.

@@ -771,20 +771,14 @@ class SlurmBackend(Backend):
         ids = _check_ids(job_ids)
         if not ids:
             return {}
-        try:
-            return parse_sacct_facts(self._query(sacct_facts_command(ids)))
-        except _AccountingUnavailable as exc:
-            raise SchedulerError(f"accounting unavailable: {exc}") from exc
+        return parse_sacct_facts(self._accounting(sacct_facts_command(ids)))
 
     def failed_jobs(self, start_s: float, end_s: float, *, partition: str | None = None,
                     user: str | None = None) -> dict[str, dict]:
         """Facts (``parse_sacct_facts``) of every job that ended badly between ``start_s`` and ``end_s``
         (unix seconds), in one sacct call; errors as ``job_facts``."""
         argv = sacct_window_command(sacct_time(start_s), sacct_time(end_s), partition=partition, user=user)
-        try:
-            return parse_sacct_facts(self._query(argv))
-        except _AccountingUnavailable as exc:
-            raise SchedulerError(f"accounting unavailable: {exc}") from exc
+        return parse_sacct_facts(self._accounting(argv))
 
     def batch_scripts(self, job_ids: list[str]) -> dict[str, str]:
         """The batch scripts accounting kept (``sacct -B``, one call); jobs without one are absent.
@@ -792,8 +786,12 @@ class SlurmBackend(Backend):
         ids = _check_ids(job_ids)
         if not ids:
             return {}
+        return parse_batch_scripts(self._accounting(batch_script_command(ids)))
+
+    def _accounting(self, argv: list[str]) -> str:
+        """``_query`` for the accounting queries triage makes: accounting off is a SchedulerError."""
         try:
-            return parse_batch_scripts(self._query(batch_script_command(ids)))
+            return self._query(argv)
         except _AccountingUnavailable as exc:
             raise SchedulerError(f"accounting unavailable: {exc}") from exc
 
