@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .errors import SchedulerError
+from .errors import HpcmemError, SchedulerError
 from .render import write_atomic
 from .resources import data_dir
 from .sites import Partition, Site
@@ -160,6 +160,27 @@ def fit_overheads(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     return {"allocator_overhead_frac": round(_median(reserve), 4), "cuda_context_mib": round(_median(context), 1),
             "fitted_from_ranks": len(reserve)}
+
+
+def fit_recorded(site: str, partition: str, *, ledger=None, bench=None) -> dict[str, Any]:
+    """``fit_overheads`` over what the site recorded: the metrics of the partition's past attempts (``ledger``)
+    and/or the nightly benchmark rows (``bench``, a results-store DataFrame). Raises HpcmemError when fewer
+    than MIN_FIT_POINTS GPU ranks measured all three figures (CPU runs measure none)."""
+    metrics: list[dict[str, Any]] = []
+    if ledger is not None:
+        metrics += [a.metrics for r in ledger.runs() if r.site == site
+                    for a in ledger.attempts(r.run_id) if a.partition == partition and a.metrics]
+    if bench is not None:
+        from .bench.store import calibration_metrics
+
+        metrics += calibration_metrics(bench, site, partition)
+    fitted = fit_overheads(metrics)
+    if not fitted:
+        where = " and ".join(w for w, given in (("recorded attempts", ledger), ("benchmark cells", bench))
+                             if given is not None)
+        raise HpcmemError(f"{site}:{partition}: fewer than {MIN_FIT_POINTS} GPU ranks with measured memory among "
+                          f"{len(metrics)} {where}; nothing to fit yet")
+    return fitted
 
 
 def _median(values: list[float]) -> float:

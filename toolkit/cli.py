@@ -255,7 +255,7 @@ def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_jso
     if since is not None:
         click.echo(run_since(since, site_obj, fmt, partition=partition, user=user, colour=colour), nl=False)
     else:
-        stdin = click.get_binary_stream("stdin") if "-" in targets else None
+        stdin = sys.stdin.buffer if "-" in targets else None
         click.echo(run_triage(targets, site_obj, fmt, stdin=stdin, colour=colour, max_remedies=max_remedies,
                               partition=partition, sites_dirs=ctx.obj["sites_dirs"]), nl=False)
 
@@ -272,27 +272,23 @@ def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_jso
 @click.pass_context
 def calibrate(ctx, site, partition, from_runs, from_bench, store_path, as_json) -> None:
     """Measure a partition (GPU, CUDA context, bf16/flash, host memory, NVMe) and keep it beside the site profile."""
-    from .calibrate import calibration_path, fit_overheads, load_measured, run_probe, write_calibration
+    from .calibrate import calibration_path, fit_recorded, load_measured, run_probe, write_calibration
     from .resources import home_dir
 
     site_obj = load_site(site, ctx.obj["sites_dirs"])
     part = site_obj.partition(partition)
     if from_runs or from_bench:
-        metrics = []
-        if from_runs:
-            with runs.open_ledger() as ledger:
-                metrics += [a.metrics for r in ledger.runs() if r.site == site_obj.name
-                            for a in ledger.attempts(r.run_id) if a.partition == part.name and a.metrics]
-        if from_bench:
-            from .bench import store
+        ledger = runs.open_ledger() if from_runs else None
+        try:
+            frame = None
+            if from_bench:
+                from .bench import store
 
-            frame = store.load(Path(store_path) if store_path else store.default_path())
-            metrics += store.calibration_metrics(frame, site_obj.name, part.name)
-        fitted = fit_overheads(metrics)
-        if not fitted:
-            where = " and ".join(w for w, on in (("recorded attempts", from_runs), ("benchmark cells", from_bench)) if on)
-            raise HpcmemError(f"{site_obj.name}:{part.name}: fewer than 3 GPU ranks with measured memory among "
-                              f"{len(metrics)} {where}; nothing to fit yet")
+                frame = store.load(Path(store_path) if store_path else store.default_path())
+            fitted = fit_recorded(site_obj.name, part.name, ledger=ledger, bench=frame)
+        finally:
+            if ledger is not None:
+                ledger.close()
         path = calibration_path(site_obj, home_dir())
         measured = {**load_measured(path, part.name), **fitted}
     else:

@@ -58,7 +58,13 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
     if note and verdict.is_oom:
         notes.append(note)
     picture, found, look = None, (), ()
-    if verdict.is_oom:
+    recovered = verdict.is_oom and facts.state == "COMPLETED" and not facts.exit_code
+    if recovered:
+        notes.append("the job completed (exit 0): the out-of-memory error in its log was caught and recovered inside "
+                     "the job (a retry with a smaller batch, an evaluation that skipped a batch); nothing to change")
+        look = ("The job completed: if its results are wrong, the recovered out-of-memory error above is where its "
+                "code changed course.",)
+    elif verdict.is_oom:
         spec, base = run_spec(facts, ledger, partition)
         try:
             picture = memory_picture(verdict, known, partition, model, max_rss_mib=facts.max_rss_mib,
@@ -69,7 +75,7 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
         except HpcmemError as exc:
             notes.append(f"no remedies: {exc}")
     else:
-        look = tuple(where_to_look(verdict))
+        look = tuple(where_to_look(verdict, facts.state))
     return Finding(target=case.target, source=case.kind, verdict=verdict, facts=facts, log_paths=tuple(case.log_paths),
                    site=site.name if site is not None else facts.site,
                    partition=partition.name if partition is not None else facts.partition,
@@ -80,8 +86,12 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
 # --------------------------------------------------------------------------- 1. verdict
 
 
-def read_verdict(case, max_bytes: int, notes: list[str]) -> Verdict:
-    """Classify the case's logs with its scheduler record; a log that cannot be read is a note, not an error."""
+def read_verdict(case, max_bytes: int, notes: list[str], number_lines: bool = True) -> Verdict:
+    """Classify the case's logs with its scheduler record; a log that cannot be read is a note, not an error.
+
+    ``number_lines``: count a skipped head's lines so evidence line numbers are the file's own (a pass
+    over the file; ``--since`` over many jobs does without).
+    """
     record = {"state": case.facts.state, "exit_code": case.facts.exit_code, "signal": case.facts.signal}
     if case.log_text is not None:
         text = case.log_text
@@ -98,7 +108,7 @@ def read_verdict(case, max_bytes: int, notes: list[str]) -> Verdict:
     if not readable:
         return classify(record, "")
     try:
-        verdict = classify_paths(readable, record, max_bytes, number_lines=True)
+        verdict = classify_paths(readable, record, max_bytes, number_lines=number_lines)
     except HpcmemError as exc:  # logtail.LogError: unreadable or not a log
         notes.append(str(exc))
         return classify(record, "")
@@ -142,24 +152,51 @@ def _describe_text(text: str, name: str, notes: list[str]) -> None:
 
 
 def pick_partition(site: Site, slurm_partition: str | None, verdict: Verdict) -> tuple[Partition | None, str]:
-    """The site's partition the job ran on: by Slurm or profile name, else by the stated GPU capacity."""
-    if slurm_partition:
-        for name in slurm_partition.split(","):
-            for part in site.partitions.values():
-                if name in (part.name, part.slurm_partition):
-                    return part, ""
+    """The site's partition the job ran on, and a note when it was inferred.
+
+    By profile name first, then by Slurm partition name; several profiles may share one Slurm partition
+    (V100 16 GB and 32 GB nodes behind ``gpu_v100``): then the one whose GPU memory matches the capacity
+    the OOM message states, so a remedy is never checked against a smaller card than the job had. Without a
+    name, the GPU partition closest to the stated capacity.
+    """
     capacity = verdict.numbers.get("total_capacity_mib")
+    names = [n.strip() for n in (slurm_partition or "").split(",") if n.strip()]
+    for name in names:
+        if name in site.partitions:
+            return site.partitions[name], ""
+    for name in names:
+        sharing = [p for p in site.partitions.values() if p.slurm_partition == name]
+        if len(sharing) == 1:
+            return sharing[0], ""
+        if sharing:
+            if capacity:
+                part = _closest_capacity(sharing, capacity)
+                return part, (f"partition {part.name} assumed: of the profiles behind Slurm partition {name} "
+                              f"({', '.join(p.name for p in sharing)}), its {part.gpu_mem_gib:g} GiB GPUs match the "
+                              f"{capacity / 1024:.1f} GiB the message states")
+            part = min(sharing, key=lambda p: p.gpu_mem_gib)
+            return part, (f"partition {part.name} assumed: the smallest of the profiles behind Slurm partition {name} "
+                          f"({', '.join(p.name for p in sharing)}); give the right one with --partition")
     gpus = [p for p in site.partitions.values() if p.has_gpu]
     if capacity and gpus:
-        part = min(gpus, key=lambda p: abs(p.gpu_mem_gib * 1024 - capacity))
+        part = _closest_capacity(gpus, capacity)
         return part, (f"partition {part.name} assumed: its {part.gpu_mem_gib:g} GiB GPUs are the closest to the "
                       f"{capacity / 1024:.1f} GiB the message states")
     if len(site.partitions) == 1:
         return next(iter(site.partitions.values())), ""
-    if slurm_partition:
+    if names:
         return None, f"partition {slurm_partition!r} is not in site {site.name}'s profile"
     return None, (f"which partition of site {site.name} the job ran on is not known: give it with --partition "
                   f"({', '.join(sorted(site.partitions))})")
+
+
+def _closest_capacity(parts: list[Partition], capacity_mib: float) -> Partition:
+    """The partition whose GPUs match a stated capacity: the smallest not below it (a card reports a little less
+    than its nominal size, hence 0.9), else the largest."""
+    fitting = [p for p in parts if p.gpu_mem_gib * 1024 >= 0.9 * capacity_mib]
+    if fitting:
+        return min(fitting, key=lambda p: p.gpu_mem_gib)
+    return max(parts, key=lambda p: p.gpu_mem_gib)
 
 
 # --------------------------------------------------------------------------- 3. the run's spec

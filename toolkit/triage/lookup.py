@@ -2,46 +2,56 @@
 
 from __future__ import annotations
 
+import re
+
 from ..classify import Verdict
 
-# --------------------------------------------------------------------------- not a memory failure
+TIME_LIMIT = ("The job reached its time limit: ask for more (--time; hpcmem: --set time_min=...) up to the "
+              "partition's limit, or make it checkpoint and resume (#SBATCH --signal=B:USR1@90 --requeue).")
+CANCELLED = ("The job was cancelled: `sacct -j JOBID -o JobID,State,End,User` shows when and by whom "
+             "(\"CANCELLED by UID\"); if a rank failed first, its error is the cause.")
+PREEMPTED = ("The job was preempted by a higher-priority job: resubmit with --requeue, or use a partition or QOS "
+             "without preemption.")
+NODE_FAIL = ("A node failed: resubmit (sacct -j JOBID -o JobID,NodeList shows which node; report it to the admins).")
 
-
+# (pattern on the verdict's reason -- the classifier's named cause --, advice); the most specific first, so an NCCL
+# watchdog "Timeout(ms)=600000" is a collective that hung, not the job's time limit.
 _WHERE = (
-    (("time limit", "timeout"), "The job reached its time limit: ask for more (--time; hpcmem: --set time_min=...) "
-     "up to the partition's limit, or make it checkpoint and resume (#SBATCH --signal=B:USR1@90 --requeue)."),
-    (("cancel",), "The job was cancelled: `sacct -j JOBID -o JobID,State,End,User` shows when and by whom "
-     "(\"CANCELLED by UID\"); if a rank failed first, its error is the cause."),
-    (("preempt",), "The job was preempted by a higher-priority job: resubmit with --requeue, or use a partition "
-     "or QOS without preemption."),
-    (("node fail", "boot failure"), "A node failed: resubmit (sacct -j JOBID -o JobID,NodeList shows which node; "
-     "report it to the admins)."),
-    (("illegal memory access", "misaligned address", "launch failure"), "A CUDA kernel faulted: rerun with "
-     "CUDA_LAUNCH_BLOCKING=1 (and TORCH_USE_CUDA_DSA=1) to see which operation; often a bug or a version mismatch."),
-    (("device-side assert",), "A device-side assert: usually an index out of range (labels >= num_labels, token "
-     "ids >= vocab_size); rerun with CUDA_LAUNCH_BLOCKING=1 to see which operation."),
-    (("ecc",), "An uncorrectable ECC error is a hardware fault: report the node (nvidia-smi -q -d ECC) and resubmit."),
-    (("nccl", "watchdog"), "A collective timed out: rerun with NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL); "
+    (r"nccl|watchdog", "A collective timed out: rerun with NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL); "
      "look for the rank that stopped first, whose own error is usually the cause."),
-    (("no space left", "quota"), "The disk is full or over quota: `df -h PATH`, `quota -s` or `lfs quota -u $USER "
-     "PATH`; write checkpoints and caches (HF_HOME, TMPDIR) to scratch."),
-    (("import", "no module"), "A package is missing on the compute node: check the job's module/venv lines "
-     "(python -c 'import X' inside an srun)."),
-    (("command not found",), "A command is missing on the compute node: check PATH and the module lines of the "
-     "job script."),
-    (("sigkill",), "Killed by SIGKILL with no out-of-memory record: `sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,"
+    (r"illegal memory access|misaligned address|launch failure", "A CUDA kernel faulted: rerun with "
+     "CUDA_LAUNCH_BLOCKING=1 (and TORCH_USE_CUDA_DSA=1) to see which operation; often a bug or a version mismatch."),
+    (r"device-side assert", "A device-side assert: usually an index out of range (labels >= num_labels, token "
+     "ids >= vocab_size); rerun with CUDA_LAUNCH_BLOCKING=1 to see which operation."),
+    (r"\becc\b", "An uncorrectable ECC error is a hardware fault: report the node (nvidia-smi -q -d ECC) and resubmit."),
+    (r"\btime limit\b", TIME_LIMIT),
+    (r"\bcancel", CANCELLED),
+    (r"\bpreempt", PREEMPTED),
+    (r"node fail|boot fail", NODE_FAIL),
+    (r"no space left|disk full|quota", "The disk is full or over quota: `df -h PATH`, `quota -s` or `lfs quota -u "
+     "$USER PATH`; write checkpoints and caches (HF_HOME, TMPDIR) to scratch."),
+    (r"import error|no module named|importerror|modulenotfounderror", "A package is missing on the compute node: "
+     "check the job's module/venv lines (python -c 'import X' inside an srun)."),
+    (r"command not found", "A command is missing on the compute node: check PATH and the module lines of the job "
+     "script."),
+    (r"sigkill", "Killed by SIGKILL with no out-of-memory record: `sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,"
      "ReqMem` (MaxRSS near ReqMem: host memory) and the node's kernel log (dmesg) for the OOM killer."),
-    (("completed",), "The job completed: nothing failed."),
+    (r"\bcompleted\b", "The job completed: nothing failed."),
 )
+_BY_STATE = {"TIMEOUT": TIME_LIMIT, "CANCELLED": CANCELLED, "PREEMPTED": PREEMPTED, "NODE_FAIL": NODE_FAIL,
+             "BOOT_FAIL": NODE_FAIL}
 
 
-def where_to_look(verdict: Verdict) -> list[str]:
-    """For a failure that is not an OOM: what it is likely to be and where to look, from the verdict's reason
-    and evidence (sentences; [] for an OOM, which gets remedies instead)."""
+def where_to_look(verdict: Verdict, state: str | None = None) -> list[str]:
+    """For a failure that is not an OOM: what it is likely to be and where to look (sentences; [] for an OOM,
+    which gets remedies instead). Read from the classifier's named cause (the verdict's reason), then the
+    scheduler's ``state``; at most two sentences, the cause's first."""
     if verdict.is_oom:
         return []
-    text = " ".join([verdict.reason, *(line for _, line in verdict.evidence)]).lower()
-    found = [advice for needles, advice in _WHERE if any(n in text for n in needles)]
+    reason = verdict.reason.lower()
+    found = [advice for pattern, advice in _WHERE if re.search(pattern, reason)]
+    if state in _BY_STATE and _BY_STATE[state] not in found:
+        found.append(_BY_STATE[state])
     if found:
         return found[:2]
     if verdict.kind == "not_oom":

@@ -332,7 +332,10 @@ def _host_lines(verdict, known, est, max_rss, mem_request, flags) -> list[str]:
     lines = []
     if max_rss is not None:
         limit = f" of its --mem {_gib(mem_request)}" if mem_request else ""
-        lines.append(f"The job's peak resident memory was {_gib(max_rss)}{limit} per node.")
+        sampled = (" (as sampled by Slurm's accounting: a process killed for memory is often last sampled "
+                   "well below the limit it hit)" if verdict.kind == "host_oom" and mem_request
+                   and max_rss < 0.9 * mem_request else "")
+        lines.append(f"The job's peak resident memory was {_gib(max_rss)}{limit} per node{sampled}.")
     if est is not None and est.host_mib_per_node > 0:
         lines.append(f"Offloading keeps about {_gib(est.host_mib_per_node)} in host memory per node (estimate).")
     if "host_pressure_offload" in flags:

@@ -47,8 +47,10 @@ Ranking
 
 The ``set_args`` are the knobs that differ from ``base`` (default: the failed plan), so
 ``with_changes(base, parse_sets(set_args)) == remedy.plan``; ``grad_accum`` is left to follow from the
-micro-batch. The time limit is scaled by the slowdown (``ladder.scale_time``) only when the failed plan's
-``time_min`` was known.
+micro-batch. The time limit is scaled by the ladder's slowdown (``ladder.scale_time``, as the controller does) only
+when the failed plan's ``time_min`` was known. That slowdown is deliberately conservative -- it counts the costs
+of a move and credits no predicted speed-up (mixed precision, flash attention) -- so a remedy predicted to be
+faster may still ask for a little more time: a job killed at its time limit costs more than a longer request.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from ..classify import KINDS, OOM_KINDS, classify, classify_paths
+from ..classify import KINDS, OOM_KINDS
 from ..errors import ConfigError, HpcmemError
 from .report import Group, SinceReport
 
@@ -56,14 +56,13 @@ def since_report(backend, start: float, end: float, *, partition: str | None = N
     """The window's failed jobs, classified and grouped (largest group first)."""
     from .sources import window_cases
 
-    try:
-        found = window_cases(backend, start, end, partition=partition, user=user, ledger=ledger)
-    except HpcmemError as exc:
-        return SinceReport(start, end, partition, user, (), notes=(f"cannot list jobs: {exc}",))
+    from .diagnose import read_verdict
+
+    found = window_cases(backend, start, end, partition=partition, user=user, ledger=ledger)  # no sacct: an error
     rows = []
     for case in found:
         facts = case.facts
-        verdict = _verdict(facts, list(case.log_paths))
+        verdict = read_verdict(case, SINCE_TAIL_BYTES, [], number_lines=False)
         plan = facts.plan_knobs if facts.run_id else None
         remedy = _first_remedy(verdict, plan, site, facts) if verdict.is_oom else None
         rows.append((facts, verdict, remedy))
@@ -81,17 +80,6 @@ def group(rows: Iterable[tuple[Any, Any, str | None]]) -> tuple[Group, ...]:
             remedies.setdefault(verdict.kind, Counter())[remedy] += 1
     order = sorted(by_kind, key=lambda k: (-len(by_kind[k]), k not in OOM_KINDS, KINDS.index(k)))
     return tuple(Group(k, tuple(by_kind[k]), tuple(remedies.get(k, Counter()).most_common(3))) for k in order)
-
-
-def _verdict(facts, logs: list):
-    record = {"state": facts.state, "exit_code": facts.exit_code, "signal": facts.signal}
-    readable = [p for p in logs if p.is_file()]
-    if readable:
-        try:
-            return classify_paths(readable[:1], record, SINCE_TAIL_BYTES)
-        except HpcmemError:
-            pass
-    return classify(record, "")
 
 
 def _first_remedy(verdict, plan_dict: Mapping | None, site, facts) -> str:

@@ -1,0 +1,60 @@
+"""toolkit.triage.diagnose and lookup: which partition a job ran on, a recovered OOM, where to look. Pure."""
+
+from toolkit.classify import classify
+from toolkit.sites import load_site
+from toolkit.triage.diagnose import diagnose, pick_partition
+from toolkit.triage.facts import Case, JobFacts
+from toolkit.triage.lookup import where_to_look
+
+from oom_messages import new_oom
+
+EX = load_site("example-hpc")
+V100_32_OOM = classify(None, new_oom(tried=2.0, total=31.74, free=0.4, in_use=31.3, allocated=30.0, unallocated=0.3))
+V100_16_OOM = classify(None, new_oom(tried=2.0, total=15.77, free=0.4, in_use=15.3, allocated=14.2, unallocated=0.3))
+
+
+def test_profiles_sharing_a_slurm_partition_are_told_apart_by_the_stated_capacity():
+    assert {p.slurm_partition for p in (EX.partition("v100-16gb"), EX.partition("v100-32gb"))} == {"gpu_v100"}
+    big, note = pick_partition(EX, "gpu_v100", V100_32_OOM)
+    small, _ = pick_partition(EX, "gpu_v100", V100_16_OOM)
+    assert (big.name, small.name) == ("v100-32gb", "v100-16gb") and "31.7 GiB" in note
+    assert pick_partition(EX, "v100-16gb", V100_32_OOM)[0].name == "v100-16gb"  # a profile name is taken as said
+    unsure, note = pick_partition(EX, "gpu_v100", classify(None, "slurmstepd: error: Detected 1 oom-kill event(s)"))
+    assert unsure.name == "v100-16gb" and "--partition" in note
+
+
+def test_the_stated_capacity_alone_picks_a_card_at_least_that_big():
+    assert pick_partition(EX, None, V100_32_OOM)[0].name == "v100-32gb"
+    a100_80 = classify(None, new_oom(tried=2.0, total=79.15, free=0.5, in_use=78.4, allocated=75.1, unallocated=1.7))
+    assert pick_partition(EX, None, a100_80)[0].name == "a100-80gb"
+    part, note = pick_partition(EX, None, classify(None, "ValueError: x"))
+    assert part is None and "--partition" in note
+
+
+def test_a_completed_job_that_caught_an_oom_gets_no_remedies(tmp_path):
+    log = tmp_path / "slurm-9.out"
+    log.write_text("step 1\n" + new_oom(2.0, 15.77, 0.4, 15.3, 14.2, 0.3) + "\nretrying with batch 4\nstep 2\ndone\n")
+    facts = JobFacts(job_id="9", state="COMPLETED", exit_code=0, signal=0, partition="v100-16gb",
+                     plan_knobs={"micro_batch": 8, "global_batch": 8})
+    finding = diagnose(Case("9", "job", (log,), None, facts), EX)
+    assert finding.verdict.kind == "gpu_oom" and finding.remedies == ()
+    assert any("recovered" in n for n in finding.notes) and finding.where_to_look
+    failed = diagnose(Case("9", "job", (log,), None, JobFacts(**{**facts.__dict__, "state": "FAILED", "exit_code": 1})),
+                      EX)
+    assert failed.remedies
+
+
+def test_an_nccl_watchdog_timeout_is_not_the_time_limit():
+    text = ("[rank0]:[E ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=12, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600046 milliseconds before timing out.")
+    advice = where_to_look(classify(None, text))
+    assert advice[0].startswith("A collective timed out") and not any("time limit" in a for a in advice)
+    timeout = where_to_look(classify({"state": "TIMEOUT"}, "step 5\n"), "TIMEOUT")
+    assert timeout[0].startswith("The job reached its time limit")
+    assert where_to_look(V100_16_OOM) == []
+
+
+def test_where_to_look_uses_the_scheduler_state_when_the_log_says_nothing():
+    advice = where_to_look(classify(None, "ValueError: bad\n"), "CANCELLED")
+    assert any(a.startswith("The job was cancelled") for a in advice)
+
