@@ -228,8 +228,9 @@ def cancel(run_id, as_json) -> None:
 
 @main.command()
 @click.argument("targets", nargs=-1)
-@click.option("--site", default=None, help="Site profile (default: the run's site for hpcmem runs; "
-                                          "without one, no remedies are checked against a partition).")
+@click.option("--site", default=None, envvar="HPCMEM_SITE", show_envvar=True,
+              help="Site profile (default: $HPCMEM_SITE, else the run's site for hpcmem runs; without one, no "
+                   "remedies are checked against a partition).")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text", show_default=True)
 @click.option("--since", default=None, metavar="SPAN", help="Every failed job of a window (24h, 7d or a date) from sacct.")
 @click.option("--partition", "-p", default=None, help="With --since: only this Slurm partition. With TARGETs: the "

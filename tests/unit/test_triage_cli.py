@@ -123,3 +123,8 @@ def test_text_has_colour_only_when_asked(tmp_path, no_slurm):
     assert "\033[" in render_report(data, "text", colour=True)
     plain = render_report(data, "text", colour=False)
     assert "\033[" not in plain and "gpu_oom" in plain and "hpcmem submit" in plain
+
+
+def test_the_site_can_come_from_the_environment(tmp_path, no_slurm):
+    f, = triage(LOGS / "hf_trainer_gpu_oom_torch22.log", home=tmp_path, env={**no_slurm, "HPCMEM_SITE": "example-hpc"})
+    assert f["site"] == "example-hpc" and f["partition"] == "a100-40gb" and f["remedies"]
