@@ -25,7 +25,7 @@ def row(night: int, technique="vanilla", *, partition="cpu", model="tiny-gpt2", 
     """One store row on night START + ``night`` (days); CPU-like unless values say otherwise."""
     out = dict.fromkeys(COLUMNS)
     out.update(night=(START + datetime.timedelta(days=night)).isoformat(), site="testcluster", partition=partition,
-               model=model, technique=technique, status=status, verdict="" if status == "ok" else "host_oom",
+               model=model, technique=technique, matrix="ci-small", status=status, verdict="" if status == "ok" else "host_oom",
                error="" if status == "ok" else "Killed", torch="2.13.0", hpcmem="0.1.0")
     out.update(values)
     return out
@@ -90,7 +90,7 @@ def test_median_uses_only_the_last_window_ok_nights():
     # 20 nights at 500 MiB, then 7 at 1000 MiB; the latest at 1050 MiB is +5 % on a 7-night window
     rows = [row(n, peak_rss_mib=500.0 if n < 20 else 1000.0) for n in range(27)] + [row(27, peak_rss_mib=1050.0)]
     frame = pd.DataFrame(rows)
-    nights = regress.site_nights(frame)
+    nights = regress.cell_nights(frame)
     latest = regress.latest_rows(frame, nights)
     near = regress.against_median(latest, regress.median_baseline(frame, nights, 7), 0.10)
     far = regress.against_median(latest, regress.median_baseline(frame, nights, 30), 0.10)
@@ -102,7 +102,7 @@ def test_failed_nights_do_not_enter_the_baseline():
     rows += [row(n, status="failed", peak_rss_mib=5000.0) for n in range(5, 9)]  # what an OOM-killed job saw
     rows += [row(9, peak_rss_mib=1500.0)]
     frame = pd.DataFrame(rows)
-    nights = regress.site_nights(frame)
+    nights = regress.cell_nights(frame)
     [reg] = regress.against_median(regress.latest_rows(frame, nights), regress.median_baseline(frame, nights, 7), 0.1)
     assert reg.baseline == 1000.0
 
@@ -154,29 +154,118 @@ def test_newly_failing_cell_is_flagged(tmp_path):
     outcome = run(frame, tmp_path)
     assert outcome.exit_code == 1 and outcome.regressions == []
     assert outcome.new_failures == [{"site": "testcluster", "partition": "cpu", "model": "tiny-gpt2",
-                                     "technique": "accum", "night": "2026-11-10", "status": "failed",
+                                     "technique": "accum", "matrix": "ci-small", "night": "2026-11-10",
+                                     "status": "failed",
                                      "verdict": "host_oom", "error": "oom-kill event", "previous_night": "2026-11-09"}]
 
 
-def test_a_cell_without_a_row_on_the_latest_night_is_missing(tmp_path):
+def test_a_cell_not_run_on_the_latest_night_is_not_newly_failing_and_keeps_its_row(tmp_path):
+    # `bench run --only vanilla` on the last night: accum did not run, it did not fail
     frame = history()
     frame = frame[~(last(frame) & (frame["technique"] == "accum"))]
+    outcome = run(frame, tmp_path)
+    assert outcome.new_failures == [] and outcome.pending == [] and outcome.exit_code == 0
+    text = outcome.path.read_text()
+    assert "| accum | 0.100 |" in text and "ok (night 2026-11-09)" in text  # its latest night, said so
+
+
+def test_a_partial_night_judges_each_cell_on_its_own_latest_night(tmp_path):
+    # night 10 ran only partition gpu (`bench run -p gpu`): cpu cells keep night 9, and a cpu cell
+    # that regressed on night 9 is still flagged against the nights before it
+    frame = history()
+    frame.loc[frame["night"] == "2026-11-10", "partition"] = "gpu"
+    frame.loc[(frame["night"] == "2026-11-09") & (frame["technique"] == "accum"), "peak_rss_mib"] *= 1.5
+    outcome = run(frame, tmp_path)
+    assert outcome.new_failures == []
+    assert [(r.partition, r.technique, r.night) for r in outcome.regressions] == [("cpu", "accum", "2026-11-09")]
+    text = outcome.path.read_text()
+    assert "## testcluster:cpu, night 2026-11-09" in text and "## testcluster:gpu, night 2026-11-10" in text
+
+
+def test_a_second_matrix_on_the_site_hides_nothing_and_accuses_nothing(tmp_path):
+    # the nightly matrix ran up to night 9; a smaller matrix ran one cell on night 10
+    frame = history()
+    frame = frame[~last(frame)]
+    other = pd.DataFrame([row(9, "zero3", model="gpt2", matrix="smoke", peak_rss_mib=500.0)])
+    outcome = run(pd.concat([frame, other]), tmp_path)
+    assert outcome.new_failures == [] and outcome.exit_code == 0
+    text = outcome.path.read_text()
+    assert "### tiny-gpt2 · matrix ci-small" in text and "### gpt2 · matrix smoke" in text
+
+
+def test_two_matrices_with_the_same_cell_are_two_cells(tmp_path):
+    frame = history()
+    twin = frame[frame["technique"] == "vanilla"].assign(matrix="smoke")
+    twin.loc[twin["night"] == twin["night"].max(), "status"] = "failed"
+    outcome = run(pd.concat([frame, twin]), tmp_path)
+    assert [(f["technique"], f["matrix"]) for f in outcome.new_failures] == [("vanilla", "smoke")]
+
+
+def test_a_submitted_cell_without_a_row_is_pending_not_failing(tmp_path):
+    frame = history()
+    frame = frame[~(last(frame) & (frame["technique"] == "accum"))]
+    submitted = [{"night": "2026-11-10", "site": "testcluster", "matrix": "ci-small", "partition": "cpu",
+                  "model": "tiny-gpt2", "technique": t, "run_id": "r", "state": "submitted"}
+                 for t in ("vanilla", "accum")]
+    outcome = run(frame, tmp_path, submitted=submitted)
+    assert outcome.exit_code == 0 and outcome.new_failures == []
+    assert outcome.pending == [{"site": "testcluster", "partition": "cpu", "model": "tiny-gpt2", "technique": "accum",
+                                "matrix": "ci-small", "night": "2026-11-10", "state": "submitted",
+                                "last_night": "2026-11-09"}]
+    text = outcome.path.read_text()
+    assert "| testcluster:cpu tiny-gpt2 accum [ci-small] | 2026-11-10 | submitted, no row yet" in text
+    assert "ok (night 2026-11-09); 2026-11-10 pending" in text
+    html = run(frame, tmp_path, submitted=submitted, fmt="html").path.read_text()
+    assert "<td>testcluster:cpu tiny-gpt2 accum [ci-small]</td><td>2026-11-10</td><td>submitted, no row yet" in html
+    assert run(frame, tmp_path, submitted=submitted, since=datetime.date(2026, 11, 11) - datetime.timedelta(days=1)
+               ).pending[0]["night"] == "2026-11-10"
+
+
+def test_a_failure_after_a_night_not_run_is_still_newly_failing(tmp_path):
+    frame = history()
+    frame = frame[~((frame["night"] == "2026-11-09") & (frame["technique"] == "accum"))]
+    frame.loc[last(frame) & (frame["technique"] == "accum"), "status"] = "failed"
     [failure] = run(frame, tmp_path).new_failures
-    assert (failure["technique"], failure["status"]) == ("accum", "missing") and "no row" in failure["error"]
+    assert (failure["technique"], failure["previous_night"]) == ("accum", "2026-11-08")
+
+
+def test_skipped_cells_are_shown_and_never_fail_or_regress(tmp_path):
+    frame = history()
+    skipped = [row(n, "fp16-mixed", status="skipped", verdict="", error="no GPU") for n in range(10)]
+    # ok, then skipped (bitsandbytes uninstalled), then failed: the skip is not a failure, the failure is new
+    frame.loc[(frame["night"] == "2026-11-09") & (frame["technique"] == "accum"), ["status", "verdict", "error"]] = [
+        "skipped", "", "bitsandbytes not installed"]
+    outcome = run(pd.concat([frame, pd.DataFrame(skipped)]), tmp_path)
+    assert outcome.regressions == [] and outcome.new_failures == [] and outcome.exit_code == 0
+    assert "| fp16-mixed | - | - | - | - | - | - | skipped: no GPU |" in outcome.path.read_text()
+    html = run(pd.concat([frame, pd.DataFrame(skipped)]), tmp_path, fmt="html").path.read_text()
+    assert "<td>skipped: no GPU</td>" in html and 'class="bad"' not in html
+    frame.loc[last(frame) & (frame["technique"] == "accum"), "status"] = "failed"
+    [failure] = run(frame, tmp_path).new_failures
+    assert (failure["technique"], failure["previous_night"]) == ("accum", "2026-11-08")
+
+
+def test_a_cell_skipped_on_its_latest_night_is_not_judged():
+    frame = history()
+    frame.loc[frame["night"] == "2026-11-09", "status"] = "failed"
+    frame.loc[last(frame), ["status", "error"]] = ["skipped", "no GPU"]
+    frame = frame[frame["night"] >= "2026-11-08"]
+    assert regress.new_failures(frame, regress.cell_nights(frame)) == []
 
 
 def test_a_cell_failing_two_nights_running_is_not_new():
     frame = history()
     frame.loc[frame["night"] >= "2026-11-09", "status"] = "failed"
-    assert regress.new_failures(frame, regress.site_nights(frame)) == []
+    assert regress.new_failures(frame, regress.cell_nights(frame)) == []
 
 
-def test_latest_night_is_per_site():
+def test_latest_night_is_per_cell():
     other = [dict(row(n, site="example-hpc", partition="a100-40gb", peak_allocated_mib=10.0)) for n in (0, 1)]
     frame = pd.concat([history(), pd.DataFrame(other)])
-    nights = regress.site_nights(frame).set_index("site")
-    assert nights.loc["example-hpc", "latest"] == "2026-11-02" and nights.loc["testcluster", "latest"] == "2026-11-10"
-    assert regress.new_failures(frame, regress.site_nights(frame)) == []
+    nights = regress.cell_nights(frame).set_index(["site", "technique"])
+    assert nights.loc[("example-hpc", "vanilla"), "latest"] == "2026-11-02"
+    assert nights.loc[("testcluster", "vanilla"), "latest"] == "2026-11-10"
+    assert regress.new_failures(frame, regress.cell_nights(frame)) == []
 
 
 # ---------------------------------------------------------------- the references file
@@ -199,7 +288,7 @@ def test_shipped_references_name_cells_a_shipped_matrix_runs():
                 for model in matrix.models:
                     if model.partitions is None or partition in model.partitions:
                         runs |= {(site, partition, model.name, t) for t in model.techniques or matrix.techniques}
-    cells = set(regress.references_frame(refs)[list(regress.CELL)].itertuples(index=False, name=None))
+    cells = set(regress.references_frame(refs)[list(regress.REF_CELL)].itertuples(index=False, name=None))
     assert cells and cells <= runs, cells - runs
 
 

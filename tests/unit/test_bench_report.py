@@ -10,7 +10,7 @@ import pytest
 
 from toolkit.bench import regress
 from toolkit.bench.columns import COLUMNS
-from toolkit.bench.report import run_report, technique_table, version_table
+from toolkit.bench.report import prepare, run_report, technique_table, version_table
 from toolkit.errors import HpcmemError, UnknownNameError
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -48,7 +48,8 @@ def small_store() -> pd.DataFrame:
 
 
 def latest_table(frame):
-    nights = regress.site_nights(frame)
+    frame = prepare(frame, None)
+    nights = regress.cell_nights(frame)
     return technique_table(regress.latest_rows(frame, nights)).set_index(["partition", "technique"])
 
 
@@ -89,8 +90,7 @@ def test_techniques_in_table_order():
 def test_versions_changed_since_previous_night():
     frame = small_store()
     frame.loc[(frame["night"] == "2026-11-21") & (frame["partition"] == "a100"), "torch"] = "2.14.0"
-    nights = regress.site_nights(frame)
-    versions = version_table(frame, nights).set_index(["partition", "name"])
+    versions = version_table(frame, regress.partition_nights(frame)).set_index(["partition", "name"])
     assert tuple(versions.loc[("a100", "torch"), ["latest", "previous", "changed"]]) == ("2.14.0", "2.13.0", True)
     assert not versions.loc[("cpu", "torch"), "changed"] and not versions.loc[("a100", "deepspeed"), "changed"]
     assert versions.loc[("a100", "cuda"), "latest"] == ""

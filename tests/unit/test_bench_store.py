@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from toolkit.bench import store
-from toolkit.bench.collect import build_row, row_status
+from toolkit.bench.collect import build_row, collect, row_status, submitted_cells
 from toolkit.bench.columns import COLUMNS, KEY, NUMERIC
 from toolkit.calibrate import fit_overheads
 from toolkit.errors import HpcmemError
-from toolkit.ledger import AttemptRow, Run
+from toolkit.ledger import AttemptRow, Ledger, Run
 
 
 def _row(night="2026-01-01", technique="vanilla", **kw):
@@ -49,7 +49,7 @@ def test_an_interrupted_append_loses_nothing_stored_and_stores_nothing_half(tmp_
         store.append(path, interrupted())
     assert list(store.load(path)["night"]) == ["2026-01-01"]
     with pytest.raises(HpcmemError, match="status must be one of"):
-        store.append(path, [_row(night="2026-01-03"), _row(night="2026-01-03", technique="zero2", status="skipped")])
+        store.append(path, [_row(night="2026-01-03"), _row(night="2026-01-03", technique="zero2", status="running")])
     assert list(store.load(path)["night"]) == ["2026-01-01"]
     assert store.append(path, [_row(night="2026-01-02"), _row(night="2026-01-02", technique="zero2")]) == 2
     assert len(store.load(path)) == 3
@@ -92,6 +92,64 @@ def test_a_store_written_before_a_column_existed_gains_it(tmp_path):
     assert store.append(path, [_row()]) == 1
     frame = store.load(path)
     assert list(frame.night) == ["2025-12-31", "2026-01-01"] and math.isnan(frame.iloc[0].peak_rss_mib)
+
+
+def test_two_matrices_store_the_same_cell_on_the_same_night_twice(tmp_path):
+    path = tmp_path / "results.sqlite"
+    assert store.append(path, [_row(), _row(matrix="smoke", samples_per_s=30.0)]) == 2
+    assert store.append(path, [_row(), _row(matrix="smoke")]) == 0
+    assert sorted(store.load(path).matrix) == ["ci-small", "smoke"]
+
+
+def _old_keyed_store(path: Path) -> None:
+    """A store as the first release wrote it: every column (plus one this release does not know),
+    UNIQUE on (night, site, partition, model, technique): no matrix in the key."""
+    columns = ", ".join(f'"{c}"' for c in COLUMNS)
+    with sqlite3.connect(path) as db:
+        db.execute(f"CREATE TABLE results ({columns}, note TEXT, UNIQUE (night, site, partition, model, technique))")
+        for night, technique in (("2026-01-01", "vanilla"), ("2026-01-01", "zero2"), ("2026-01-02", "vanilla")):
+            row = store.check_row(_row(night=night, technique=technique))
+            db.execute(f"INSERT INTO results ({columns}, note) VALUES ({', '.join('?' * (len(COLUMNS) + 1))})",
+                       [row[c] for c in COLUMNS] + [f"kept {night}"])
+
+
+def test_a_store_keyed_before_matrix_joined_the_key_is_rekeyed_keeping_every_row(tmp_path):
+    path = tmp_path / "old.sqlite"
+    _old_keyed_store(path)
+    assert len(store.load(path)) == 3  # opening migrates
+    with sqlite3.connect(path) as db:
+        assert store._unique_keys(db) == [KEY]
+        assert sorted(r[0] for r in db.execute("SELECT note FROM results")) == ["kept 2026-01-01"] * 2 + [
+            "kept 2026-01-02"]
+    assert store.append(path, [_row(), _row(night="2026-01-02")]) == 0        # a second collect adds nothing
+    assert store.append(path, [_row(matrix="smoke")]) == 1                    # the old key would have dropped it
+    frame = store.load(path)
+    assert len(frame) == 4 and not frame.duplicated(list(KEY)).any()
+    assert store.append(path, [_row(matrix="smoke")]) == 0 and len(store.load(path)) == 4  # migrated once
+
+
+def test_collect_stores_skipped_cells_once_and_lists_the_submitted_ones(tmp_path):
+    home = tmp_path / "home"
+    (home / "bench").mkdir(parents=True)
+    manifest = {"version": 1, "night": "2026-01-05", "matrix": "ci-small", "site": "testcluster",
+                "site_path": str(tmp_path / "gone.yaml"), "cells": [
+                    {"partition": "cpu", "model": "tiny-gpt2", "technique": "fp16-mixed", "status": "skipped",
+                     "reason": "fp16 mixed precision needs a GPU (no GPU on cpu)", "run_id": None, "plan": None},
+                    {"partition": "cpu", "model": "tiny-gpt2", "technique": "vanilla", "status": "planned",
+                     "reason": None, "run_id": None, "plan": {"micro_batch": 8}}]}
+    (home / "bench" / "2026-01-05-ci-small-testcluster.json").write_text(json.dumps(manifest))
+    path = tmp_path / "results.sqlite"
+    with Ledger(home / "ledger.sqlite") as ledger:
+        first = collect(ledger, path, home, now=lambda: 5.0)
+        second = collect(ledger, path, home, now=lambda: 6.0)
+    assert (first["added"], first["skipped"], first["not_submitted"]) == (1, 1, ["2026-01-05/testcluster/cpu/"
+                                                                                  "tiny-gpt2/vanilla/ci-small"])
+    assert (second["added"], second["skipped"]) == (0, 1)
+    [skipped] = store.load(path).to_dict("records")
+    assert (skipped["technique"], skipped["status"], skipped["error"]) == (
+        "fp16-mixed", "skipped", "fp16 mixed precision needs a GPU (no GPU on cpu)")
+    assert math.isnan(skipped["samples_per_s"]) and skipped["collected_at"] == 5.0
+    assert [(c["technique"], c["state"]) for c in submitted_cells(home)] == [("vanilla", "planned")]
 
 
 def _attempt(metrics=None, verdict=None, state="COMPLETED", plan=None):

@@ -93,9 +93,13 @@ def collect_cmd(wait, interval, timeout_s, store_path, as_json) -> None:
         _emit_json(result)
     else:
         for row in result["rows"]:
+            where = f"{row['night']} {row['partition']}/{row['model']}/{row['technique']:<20}"
+            if row["status"] == "skipped":
+                click.echo(f"  {where} skipped: {row['error']}")
+                continue
             measured = f"{row['samples_per_s']:.2f} samples/s" if row["samples_per_s"] else "-"
             peak = row["peak_allocated_mib"] or row["peak_rss_mib"]
-            click.echo(f"  {row['night']} {row['partition']}/{row['model']}/{row['technique']:<20} {row['status']:<10} "
+            click.echo(f"  {where} {row['status']:<10} "
                        f"{measured:>18} peak {peak or 0:,.0f} MiB"
                        + (f"  [{row['verdict']}] {row['error']}" if row["status"] != "ok" else ""))
         click.echo(f"{result['added']} row(s) added to {path}; {len(result['pending'])} cell(s) still running"
@@ -123,6 +127,7 @@ def report_cmd(since, fmt, out_dir, references, window, tolerance, store_path, a
     """Per-technique tables, savings against vanilla, trends, estimator error and regressions; exit non-zero
     on a regression or a newly failing cell."""
     from . import store
+    from .collect import submitted_cells
     from .regress import load_references
     from .report import run_report
     from .runner import parse_night
@@ -132,7 +137,7 @@ def report_cmd(since, fmt, out_dir, references, window, tolerance, store_path, a
     frame = store.load(_store(store_path))
     out = Path(out_dir) if out_dir else home_dir() / "bench" / "report"
     outcome = run_report(frame, since=since_date, fmt=fmt, out_dir=out, references=refs, window=window,
-                         tolerance=tolerance)
+                         tolerance=tolerance, submitted=submitted_cells(home_dir()))
     if as_json:
         _emit_json(outcome.to_dict())
     else:

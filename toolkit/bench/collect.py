@@ -5,7 +5,8 @@ poll, classify, decide); once the run has ended, its attempt's metrics.json, the
 verdict and the analytic estimate for the same plan and partition make one row (``build_row``,
 pure). Status: ``ok``; ``failed`` (the job failed: its verdict and error are kept, with what the
 rank files saw); ``missing`` (the job ended well but left no metrics.json); ``incomplete``
-(a rank's record is missing). Unfinished cells wait for the next collect. Rows are appended
+(a rank's record is missing); ``skipped`` (the matrix skipped the cell on this partition: the
+manifest's reason, stored at once). Unfinished cells wait for the next collect. Rows are appended
 per manifest in one transaction (store.py), so an interrupted collect loses and duplicates nothing.
 """
 
@@ -38,8 +39,27 @@ def manifests(home: Path | None = None) -> list[Path]:
 
 
 def row_key(manifest: dict[str, Any], cell: dict[str, Any]) -> tuple[str, ...]:
-    """The store KEY of a manifest cell."""
-    return manifest["night"], manifest["site"], cell["partition"], cell["model"], cell["technique"]
+    """The store KEY of a manifest cell (columns.KEY order)."""
+    return manifest["night"], manifest["site"], cell["partition"], cell["model"], cell["technique"], manifest["matrix"]
+
+
+def submitted_cells(home: Path | None = None) -> list[dict[str, Any]]:
+    """Every cell a manifest meant to run (not skipped), as ``night, site, matrix, partition, model,
+    technique, run_id, state`` (the manifest's status: submitted, submit_failed, planned = never
+    submitted). The report compares them with the store to say which cells have no row yet.
+    An unreadable manifest is left out (``collect`` names it as a problem)."""
+    out = []
+    for path in manifests(home):
+        try:
+            manifest = read_manifest(path)
+        except HpcmemError:
+            continue
+        for cell in manifest["cells"]:
+            if cell.get("status") != "skipped":
+                out.append({"night": manifest["night"], "site": manifest["site"], "matrix": manifest["matrix"],
+                            "partition": cell["partition"], "model": cell["model"], "technique": cell["technique"],
+                            "run_id": cell.get("run_id") or "", "state": cell.get("status") or "planned"})
+    return out
 
 
 def attempt_metrics(attempt: AttemptRow) -> tuple[dict | None, bool]:
@@ -94,6 +114,16 @@ def build_row(manifest: dict[str, Any], cell: dict[str, Any], run: Run, attempt:
         row.update(predicted_peak_mib=predicted.peak_allocated_mib, predicted_device_mib=predicted.device_used_mib,
                    predicted_host_mib=predicted.host_mib_per_node)
     row.update(job_id=(attempt.job_id if attempt else None) or "", run_id=run.run_id, collected_at=now)
+    return row
+
+
+def skipped_row(manifest: dict[str, Any], cell: dict[str, Any], now: float) -> dict[str, Any]:
+    """The row of a cell the matrix skipped on this partition (pure): status ``skipped``, the reason
+    as ``error``, nothing measured, so the report can show it and never count it as a failure."""
+    row: dict[str, Any] = {c: None for c in COLUMNS}
+    row.update(night=manifest["night"], site=manifest["site"], partition=cell["partition"], model=cell["model"],
+               technique=cell["technique"], matrix=manifest["matrix"], status="skipped", verdict="",
+               error=_first_line(cell.get("reason") or "skipped"), job_id="", run_id="", collected_at=now)
     return row
 
 
@@ -159,8 +189,7 @@ def collect(ledger: Ledger, store_path: Path, home: Path | None = None,
         if rows:
             out["added"] += store.append(store_path, rows)
             out["rows"] += rows
-            stored |= {row_key(manifest, {"partition": r["partition"], "model": r["model"],
-                                          "technique": r["technique"]}) for r in rows}
+            stored |= {row_key(manifest, r) for r in rows}
     return out
 
 
@@ -170,6 +199,8 @@ def _manifest_rows(ledger: Ledger, manifest: dict, stored: set, out: dict, now) 
         label = "/".join(row_key(manifest, cell))
         if cell.get("status") == "skipped":
             out["skipped"] += 1
+            if row_key(manifest, cell) not in stored:
+                rows.append(skipped_row(manifest, cell, now()))
             continue
         if row_key(manifest, cell) in stored:
             continue

@@ -7,8 +7,9 @@ A value that was not measured is None (NaN in a DataFrame), never 0.
 
 from __future__ import annotations
 
-KEY = ("night", "site", "partition", "model", "technique")
-"""A row's identity: one cell of one matrix on one night. A second collect of the same cell adds nothing."""
+KEY = ("night", "site", "partition", "model", "technique", "matrix")
+"""A row's identity: one cell of one matrix on one night. A second collect of the same cell adds nothing;
+two matrices running the same model and technique on one partition and night are two rows."""
 
 COLUMNS = (
     # identity
@@ -27,9 +28,9 @@ COLUMNS = (
     "peak_allocated_mib", "peak_reserved_mib", "device_used_mib", "peak_rss_mib",  # float or None
     "samples_per_s", "step_time_s",                                                # float or None
     "steps",                 # int or None: steps finished
-    "status",                # str: "ok" | "failed" | "missing" (no metrics.json) | "incomplete"
+    "status",                # str: "ok" | "failed" | "missing" (no metrics.json) | "incomplete" | "skipped"
     "verdict",               # str: classifier kind for failed cells ("" when ok)
-    "error",                 # str: first error line or reason ("" when ok)
+    "error",                 # str: first error line, or why the cell was skipped ("" when ok)
     # predicted (estimator, analytic, for the same plan and partition)
     "predicted_peak_mib", "predicted_device_mib", "predicted_host_mib",  # float or None
     # bookkeeping
@@ -41,4 +42,9 @@ NUMERIC = ("micro_batch", "grad_accum", "world_size", "seq_len", "zero_stage", "
            "peak_reserved_mib", "device_used_mib", "peak_rss_mib", "samples_per_s", "step_time_s", "steps",
            "predicted_peak_mib", "predicted_device_mib", "predicted_host_mib", "collected_at")
 
-STATUSES = ("ok", "failed", "missing", "incomplete")
+STATUSES = ("ok", "failed", "missing", "incomplete", "skipped")
+"""``skipped``: the technique cannot run on the partition (the manifest's reason is the row's ``error``);
+never a failure, never a regression, never a baseline."""
+
+FAILED_STATUSES = ("failed", "missing", "incomplete")
+"""What counts as a cell that did not work (``skipped`` does not)."""

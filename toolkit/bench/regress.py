@@ -1,17 +1,21 @@
-"""Regressions in the results store: what got worse on the latest night, and what stopped working.
+"""Regressions in the results store: what got worse on each cell's latest night, and what stopped working.
 
-Three checks, all on each site's latest night (pure functions on a results-store DataFrame,
-columns as in ``columns.py``):
+A cell is (site, partition, model, technique, matrix); its **latest night** is the newest night
+it has a row, its **previous night** the one before. Judging per cell (not per site) means a
+night that ran only part of a matrix (``bench run -p``/``--only``), a second matrix on the site,
+or cells not collected yet hide nothing and accuse nothing. Checks (pure functions on a
+results-store DataFrame, columns as in ``columns.py``):
 
 - against declared **references** per ``site:partition`` (ReFrame style): ``[value, lower, upper]``,
   lower and upper relative tolerances, ``null`` unbounded; a measurement outside
   ``[value * (1 + lower), value * (1 + upper)]`` is a regression, in either direction;
 - against the **rolling median** of the cell's previous ``window`` ok nights: a memory metric
   (MiB) up by more than ``tolerance``, or samples/s down by more than ``tolerance``;
-- **newly failing** cells: ok on the site's previous night, failed, incomplete, missing or absent
-  on the latest one.
+- **newly failing** cells: the latest row failed, incomplete or missing, the cell's previous row
+  that ran (not skipped) ok;
+- **pending** cells (not a failure): a manifest submitted them and the store has no row yet.
 
-Only ok rows are compared with a baseline; failed rows are reported, never a crash.
+Only ok rows are compared with a baseline; ``skipped`` rows are neither failures nor baselines.
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ from typing import Any, Mapping
 import pandas as pd
 
 from ..errors import ConfigError
+from .columns import FAILED_STATUSES
 from ..resources import data_dir
 from ..schema import load_schema, load_yaml, validate
 
-CELL = ("site", "partition", "model", "technique")
-"""A cell across nights: the same benchmark on the same partition."""
+CELL = ("site", "partition", "model", "technique", "matrix")
+"""A cell across nights: the same benchmark of the same matrix on the same partition."""
+
+REF_CELL = ("site", "partition", "model", "technique")
+"""What a references file names (the reference holds for every matrix that runs the cell)."""
 
 MEMORY_METRICS = ("peak_allocated_mib", "device_used_mib", "peak_rss_mib")
 """Memory (MiB): higher is worse."""
@@ -63,6 +71,7 @@ class Regression:
     change: float
     limit: float
     against: str
+    matrix: str = ""
     versions_changed: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,24 +127,35 @@ def references_frame(references: Mapping | None) -> pd.DataFrame:
                     rows.append((site, partition, model, technique, metric, float(value),
                                  -math.inf if lower is None else float(lower),
                                  math.inf if upper is None else float(upper)))
-    return pd.DataFrame(rows, columns=[*CELL, "metric", "reference", "lower", "upper"])
+    return pd.DataFrame(rows, columns=[*REF_CELL, "metric", "reference", "lower", "upper"])
 
 
 # ---------------------------------------------------------------- nights
 
 
-def site_nights(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per site: its ``latest`` night and its ``previous`` one (None when it has a single night)."""
-    rows = []
-    for site, nights in frame.groupby("site", sort=True)["night"].unique().items():
-        ordered = sorted(nights)
-        rows.append((site, ordered[-1], ordered[-2] if len(ordered) > 1 else None))
-    return pd.DataFrame(rows, columns=["site", "latest", "previous"])
+def cell_nights(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per cell (CELL): its ``latest`` night with a row and its ``previous`` one (None when it has one)."""
+    nights = frame[[*CELL, "night"]].drop_duplicates().sort_values([*CELL, "night"])
+    nights["previous"] = nights.groupby(list(CELL), sort=False, dropna=False)["night"].shift(1)
+    latest = nights.groupby(list(CELL), sort=False, dropna=False).tail(1)
+    latest = latest.rename(columns={"night": "latest"}).reset_index(drop=True)
+    latest["previous"] = latest["previous"].astype(object).where(latest["previous"].notna(), None)
+    return latest
+
+
+def partition_nights(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per site and partition: its newest night (``latest``) and the one before (``previous``, None)."""
+    nights = frame[["site", "partition", "night"]].drop_duplicates().sort_values(["site", "partition", "night"])
+    nights["previous"] = nights.groupby(["site", "partition"], sort=False)["night"].shift(1)
+    latest = nights.groupby(["site", "partition"], sort=False).tail(1).rename(columns={"night": "latest"})
+    latest = latest.reset_index(drop=True)
+    latest["previous"] = latest["previous"].astype(object).where(latest["previous"].notna(), None)
+    return latest
 
 
 def latest_rows(frame: pd.DataFrame, nights: pd.DataFrame) -> pd.DataFrame:
-    """The rows of each site's latest night."""
-    latest = frame.merge(nights[["site", "latest"]], on="site")
+    """The row of each cell's latest night (``nights`` from ``cell_nights``)."""
+    latest = frame.merge(nights[[*CELL, "latest"]], on=list(CELL))
     return latest[latest["night"] == latest["latest"]].drop(columns="latest")
 
 
@@ -151,7 +171,7 @@ def against_references(latest: pd.DataFrame, references: Mapping | None) -> list
     if refs.empty:
         return []
     measured = _long(latest[latest["status"] == "ok"], REFERENCE_METRICS, [*CELL, "night"])
-    hits = measured.merge(refs, on=[*CELL, "metric"])
+    hits = measured.merge(refs, on=[*REF_CELL, "metric"])
     change = hits["value"] / hits["reference"] - 1.0
     low, high = change < hits["lower"], change > hits["upper"]
     hits = hits.assign(change=change, limit=hits["lower"].where(low, hits["upper"]))[low | high]
@@ -160,9 +180,9 @@ def against_references(latest: pd.DataFrame, references: Mapping | None) -> list
 
 def median_baseline(frame: pd.DataFrame, nights: pd.DataFrame, window: int) -> pd.DataFrame:
     """Per cell, the median of each memory and speed metric over its last ``window`` ok rows before
-    its site's latest night (cells without such rows are absent)."""
+    its latest night (cells without such rows are absent)."""
     metrics = [*MEMORY_METRICS, *SPEED_METRICS]
-    before = frame.merge(nights[["site", "latest"]], on="site")
+    before = frame.merge(nights[[*CELL, "latest"]], on=list(CELL))
     before = before[(before["night"] < before["latest"]) & (before["status"] == "ok")]
     recent = before.sort_values("night").groupby(list(CELL), sort=False).tail(window)
     return recent.groupby(list(CELL), sort=False)[metrics].median().reset_index()
@@ -184,22 +204,41 @@ def against_median(latest: pd.DataFrame, baseline: pd.DataFrame, tolerance: floa
 
 
 def new_failures(frame: pd.DataFrame, nights: pd.DataFrame) -> list[dict]:
-    """Cells ok on their site's previous night and not ok (failed, incomplete, missing, or no row)
-    on its latest night, as dicts: the cell, ``night``, ``status``, ``verdict``, ``error``, ``previous_night``."""
-    both = nights.dropna(subset=["previous"])
-    if both.empty:
+    """Cells whose latest row is failed, incomplete or missing while their previous row that ran (not
+    skipped) was ok, as dicts: the cell, ``night``, ``status``, ``verdict``, ``error``, ``previous_night``.
+
+    ``nights`` from ``cell_nights(frame)``. A cell skipped on its latest night is not judged; a cell
+    with no row on some night was not run then (see ``pending_cells`` for submitted ones).
+    """
+    ran = frame[frame["status"] != "skipped"]
+    if ran.empty:
         return []
-    rows = frame.merge(both, on="site")
-    before = rows[(rows["night"] == rows["previous"]) & (rows["status"] == "ok")][[*CELL, "latest", "previous"]]
-    now = rows[rows["night"] == rows["latest"]][[*CELL, "status", "verdict", "error"]]
-    joined = before.merge(now, on=list(CELL), how="left", indicator=True)
-    absent = joined["_merge"] == "left_only"
-    joined["status"] = joined["status"].where(~absent, "missing")
-    joined["error"] = joined["error"].where(~absent, "no row for this cell on this night")
-    joined = joined[joined["status"] != "ok"].sort_values(list(CELL))
+    judged = cell_nights(ran).merge(nights[[*CELL, "latest"]].rename(columns={"latest": "last_row"}), on=list(CELL))
+    judged = judged[(judged["latest"] == judged["last_row"]) & judged["previous"].notna()]
+    now = ran.merge(judged[[*CELL, "latest", "previous"]], on=list(CELL))
+    now = now[(now["night"] == now["latest"]) & now["status"].isin(FAILED_STATUSES)]
+    was_ok = ran[ran["status"] == "ok"][[*CELL, "night"]].rename(columns={"night": "previous"})
+    hits = now.merge(was_ok, on=[*CELL, "previous"]).sort_values(list(CELL))
     return [{"site": r.site, "partition": r.partition, "model": r.model, "technique": r.technique,
-             "night": r.latest, "status": r.status, "verdict": _text(r.verdict), "error": _text(r.error),
-             "previous_night": r.previous} for r in joined.itertuples(index=False)]
+             "matrix": text(r.matrix), "night": r.latest, "status": r.status, "verdict": text(r.verdict),
+             "error": text(r.error), "previous_night": r.previous} for r in hits.itertuples(index=False)]
+
+
+def pending_cells(frame: pd.DataFrame, submitted: pd.DataFrame) -> list[dict]:
+    """Cells a manifest meant to run (``submitted``: night, site, matrix, partition, model, technique,
+    state) with no row in ``frame``: still running, not collected yet, or never submitted (state
+    ``planned``). Not failures: ``bench collect`` stores them when they end. As dicts: the cell,
+    ``night``, ``state``, ``last_night`` (the cell's latest row, "" when none)."""
+    if submitted is None or submitted.empty:
+        return []
+    have = frame[["night", *CELL]].drop_duplicates()
+    lost = submitted.merge(have, on=["night", *CELL], how="left", indicator=True)
+    lost = lost[lost["_merge"] == "left_only"].drop(columns="_merge")
+    lost = lost.merge(cell_nights(frame)[[*CELL, "latest"]], on=list(CELL), how="left")
+    lost = lost.sort_values([*CELL, "night"])
+    return [{"site": r.site, "partition": r.partition, "model": r.model, "technique": r.technique,
+             "matrix": text(r.matrix), "night": r.night, "state": text(r.state), "last_night": text(r.latest)}
+            for r in lost.itertuples(index=False)]
 
 
 # ---------------------------------------------------------------- helpers
@@ -215,9 +254,10 @@ def _long(rows: pd.DataFrame, metrics, ids: list[str]) -> pd.DataFrame:
 def _regressions(hits: pd.DataFrame, against: str) -> list[Regression]:
     hits = hits.sort_values([*CELL, "metric"])
     return [Regression(r.site, r.partition, r.model, r.technique, r.night, r.metric, float(r.value),
-                       float(r.baseline), float(r.change), float(r.limit), against)
+                       float(r.baseline), float(r.change), float(r.limit), against, text(r.matrix))
             for r in hits.itertuples(index=False)]
 
 
-def _text(value) -> str:
+def text(value) -> str:
+    """A stored text value for display: "" for None or NaN (not recorded), else str."""
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)

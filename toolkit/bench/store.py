@@ -1,9 +1,10 @@
 """The results store: one row per benchmark cell per night (columns.py), in one sqlite file.
 
-``append`` writes rows in one transaction with ``INSERT OR IGNORE`` under a UNIQUE key on
+``append`` writes rows in one transaction with ``INSERT OR IGNORE`` under a UNIQUE index on
 ``KEY``: an interrupted append stores none of its rows and keeps every earlier one, and a
 row already stored is never stored twice. ``load`` reads everything back as a DataFrame
-with ``COLUMNS``. A column added to COLUMNS later is added to an existing file on open.
+with ``COLUMNS``. A column added to COLUMNS later is added to an existing file on open, and
+a store keyed otherwise (before ``matrix`` joined KEY) is re-keyed on open, every row kept.
 Default path: ``$HPCMEM_HOME/bench/results.sqlite``.
 """
 
@@ -22,6 +23,7 @@ from ..resources import home_dir
 from .columns import COLUMNS, KEY, NUMERIC, STATUSES
 
 TABLE = "results"
+INDEX = "results_key"   # UNIQUE on KEY (a named index, so a later change of KEY can be migrated)
 _INTEGER = {"micro_batch", "grad_accum", "world_size", "seq_len", "zero_stage", "steps", "checkpointing"}
 
 
@@ -45,14 +47,60 @@ def _connect(path: Path, create: bool) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         columns = ", ".join(f'"{c}" {_sql_type(c)}' for c in COLUMNS)
-        db.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns}, UNIQUE ({', '.join(KEY)}))")
+        db.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns})")
         present = {row[1] for row in db.execute(f"PRAGMA table_info({TABLE})")}
         for column in COLUMNS:
             if column not in present:  # a store written before this column existed
                 db.execute(f'ALTER TABLE {TABLE} ADD COLUMN "{column}" {_sql_type(column)}')
+        if _unique_keys(db) != [KEY]:
+            _migrate_key(db, path)
         return db
     except (OSError, sqlite3.DatabaseError) as exc:
         raise HpcmemError(f"results store {path}: {exc}") from exc
+
+
+def _unique_keys(db: sqlite3.Connection) -> list[tuple[str, ...]]:
+    """The column tuples of the results table's UNIQUE indexes (inline constraints included)."""
+    out = []
+    for _, name, unique, *_ in db.execute(f"PRAGMA index_list({TABLE})"):
+        if unique:
+            out.append(tuple(r[2] for r in db.execute(f'PRAGMA index_info("{name}")')))
+    return sorted(out)
+
+
+def _migrate_key(db: sqlite3.Connection, path: Path) -> None:
+    """Make KEY the table's only UNIQUE key, keeping every row, in one transaction.
+
+    A store written before ``matrix`` joined KEY has an inline ``UNIQUE (night, ..., technique)``
+    that sqlite cannot drop: the table is rebuilt (rows copied by column name, extra columns
+    kept) and renamed into place. Widening a key cannot make stored rows collide. Two
+    processes opening an old store at once: the second finds the work done.
+    """
+    try:
+        db.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        raise HpcmemError(f"results store {path} is locked by another writer ({exc}); try again") from exc
+    try:
+        keys = _unique_keys(db)
+        if not keys:  # a new store
+            db.execute(f"CREATE UNIQUE INDEX IF NOT EXISTS {INDEX} ON {TABLE} ({', '.join(KEY)})")
+        elif keys != [KEY]:
+            info = list(db.execute(f"PRAGMA table_info({TABLE})"))
+            names = [r[1] for r in info]
+            types = {r[1]: r[2] for r in info}
+            ordered = [*COLUMNS, *(n for n in names if n not in COLUMNS)]
+            definition = ", ".join(f'"{c}" {types.get(c) or _sql_type(c)}' for c in ordered)
+            quoted = ", ".join(f'"{c}"' for c in ordered)
+            db.execute(f"DROP TABLE IF EXISTS {TABLE}_rekey")
+            db.execute(f"CREATE TABLE {TABLE}_rekey ({definition})")
+            db.execute(f"INSERT INTO {TABLE}_rekey ({quoted}) SELECT {quoted} FROM {TABLE}")
+            db.execute(f"DROP TABLE {TABLE}")
+            db.execute(f"ALTER TABLE {TABLE}_rekey RENAME TO {TABLE}")
+            db.execute(f"CREATE UNIQUE INDEX {INDEX} ON {TABLE} ({', '.join(KEY)})")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
 
 
 def check_row(row: Mapping[str, Any]) -> dict[str, Any]:
