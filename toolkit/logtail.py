@@ -16,14 +16,21 @@ returns at most ``max_bytes`` bytes of text from the end of a file:
 
 When the tail starts inside the file, its first (partial) line is dropped so the text starts
 at a line boundary. A file that cannot be opened or read raises ``LogError``.
+
+``read_stream_tail`` does the same for a stream that cannot seek (a log pasted on standard input):
+it reads it once in ``_READ_CHUNK`` pieces through the same ring buffer (and, for gzip, the same
+bounded decompressor), so memory stays below ``2 * max_bytes`` plus a chunk whatever the input's
+size, and nothing is written to disk. ``read_head`` gives the first bytes of a log (plain or gzip)
+as text, for the job id a log names in its first lines.
 """
 
 from __future__ import annotations
 
 import os
 import zlib
-from dataclasses import dataclass
-from typing import Iterator
+from collections import deque
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator
 
 from .errors import HpcmemError
 
@@ -56,6 +63,10 @@ class Tail:
     """True when ``text`` is not the whole log: its head was skipped or (gzip) its end is missing."""
     damaged: bool = False
     """True when a gzip stream ended early or was corrupt; ``text`` holds what could be decompressed."""
+    size: int | None = field(default=None, compare=False)
+    """Bytes of the whole log (decompressed) when every byte was read (gzip, streams); else None."""
+    head: str | None = field(default=None, compare=False)
+    """The log's first ``head_bytes`` as text, when ``read_stream_tail`` was asked for them; else None."""
 
     def __iter__(self) -> Iterator:
         return iter((self.text, self.first_line, self.truncated))
@@ -73,10 +84,72 @@ def read_tail(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, numbe
         with open(path, "rb") as f:
             if f.read(2) == _GZIP_MAGIC:
                 f.seek(0)
-                return _gzip_tail(f, max_bytes)
+                return _ring_tail(_gunzip_chunks(_chunks(f)), max_bytes)
             return _plain_tail(f, max_bytes, number_lines)
     except OSError as e:
         raise LogError(f"cannot read log {os.fspath(path)}: {e.strerror or e}") from e
+
+
+def read_stream_tail(stream: BinaryIO, max_bytes: int = DEFAULT_MAX_BYTES, head_bytes: int = 0) -> Tail:
+    """The last ``max_bytes`` bytes (decompressed, for gzip: by magic) of a binary stream read to its end.
+
+    For standard input: one pass in bounded chunks, memory below ``2 * max_bytes`` plus a chunk,
+    ``first_line`` and ``size`` always known, a damaged gzip flagged ``damaged``; ``head_bytes``: keep
+    that many bytes of the start too, as ``Tail.head`` (a log names its job in its first line). Raises
+    ``LogError`` when the stream cannot be read.
+    """
+    if not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+    try:
+        chunks = _chunks(stream)
+        first = next(chunks, b"")
+        while len(first) < 2:  # a pipe may hand over a single byte first
+            more = next(chunks, b"")
+            if not more:
+                break
+            first += more
+        everything = _prepend(first, chunks)
+        if first[:2] == _GZIP_MAGIC:
+            return _ring_tail(_gunzip_chunks(everything), max_bytes, head_bytes)
+        return _ring_tail(everything, max_bytes, head_bytes)
+    except OSError as e:
+        raise LogError(f"cannot read standard input: {e.strerror or e}") from e
+
+
+def read_head(path: str | os.PathLike, max_bytes: int = 65536) -> str:
+    """The first ``max_bytes`` bytes (decompressed, for gzip) of a log as text; "" when it cannot be read
+    or a gzip is damaged at its very start. Never raises."""
+    out = bytearray()
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) != _GZIP_MAGIC:
+                f.seek(0)
+                return _decode(f.read(max_bytes))
+            f.seek(0)
+            for piece in _gunzip_chunks(_chunks(f, min(_READ_CHUNK, max_bytes))):
+                if piece is None:
+                    break
+                out += piece
+                if len(out) >= max_bytes:
+                    break
+    except OSError:
+        return ""
+    return _decode(bytes(out[:max_bytes]))
+
+
+def _chunks(f, size: int = _READ_CHUNK) -> Iterator[bytes]:
+    """The bytes of ``f`` in reads of at most ``size``."""
+    while True:
+        chunk = f.read(size)
+        if not chunk:
+            return
+        yield chunk
+
+
+def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    if first:
+        yield first
+    yield from rest
 
 
 def _plain_tail(f, max_bytes: int, number_lines: bool = False) -> Tail:
@@ -123,24 +196,37 @@ def _from_line_start(data: bytes) -> bytes:
     return data[start:]
 
 
-def _gzip_tail(f, max_bytes: int) -> Tail:
-    """Tail of a gzip file: decompress it all once, keeping a bounded ring buffer."""
-    buf = bytearray()
-    dropped_lines = 0  # newlines in the bytes dropped from the front of buf
+def _ring_tail(pieces: Iterator[bytes | None], max_bytes: int, head_bytes: int = 0) -> Tail:
+    """Tail of a sequence of byte pieces read once (a gzip's decompressed output, a stream), the last of
+    them kept (about ``max_bytes`` plus one piece); a None piece means the input is damaged (what came before is kept).
+    ``head_bytes``: the first bytes are kept too (``Tail.head``)."""
+    kept: deque[bytes] = deque()  # the last pieces: at most max_bytes plus one piece
+    kept_bytes = 0
+    head = bytearray()
+    dropped_lines = 0  # newlines in the pieces dropped from the front
     dropped_any = False
-    last_dropped = b"\n"  # the byte just before buf[0]
+    last_dropped = b"\n"  # the byte just before the kept pieces
     damaged = False
-    for out in _gunzip_chunks(f):
+    size = 0
+    for out in pieces:
         if out is None:
             damaged = True
             break
-        buf += out
-        if len(buf) > 2 * max_bytes:  # trim rarely: amortised O(1) per byte
-            cut = len(buf) - max_bytes
-            dropped_lines += buf.count(b"\n", 0, cut)
-            last_dropped = bytes(buf[cut - 1 : cut])
+        if not out:
+            continue
+        size += len(out)
+        if len(head) < head_bytes:
+            head += out[: head_bytes - len(head)]
+        kept.append(out)
+        kept_bytes += len(out)
+        while kept_bytes - len(kept[0]) >= max_bytes:  # whole pieces only: each byte is counted once
+            first = kept.popleft()
+            kept_bytes -= len(first)
+            dropped_lines += first.count(b"\n")
+            last_dropped = first[-1:]
             dropped_any = True
-            del buf[:cut]
+    buf = bytearray().join(kept)
+    kept.clear()
     if len(buf) > max_bytes:
         cut = len(buf) - max_bytes
         dropped_lines += buf.count(b"\n", 0, cut)
@@ -152,20 +238,18 @@ def _gzip_tail(f, max_bytes: int) -> Tail:
         if nl >= 0:
             del buf[: nl + 1]
             dropped_lines += 1
-    return Tail(_decode(bytes(buf)), dropped_lines + 1, dropped_any or damaged, damaged)
+    return Tail(_decode(buf), dropped_lines + 1, dropped_any or damaged, damaged, size,
+                _decode(bytes(head)) if head_bytes else None)
 
 
-def _gunzip_chunks(f) -> Iterator[bytes | None]:
-    """Yield decompressed chunks of at most ``_OUT_CHUNK`` bytes; yield None when damaged.
+def _gunzip_chunks(chunks: Iterator[bytes]) -> Iterator[bytes | None]:
+    """Decompress gzip ``chunks``: yield pieces of at most ``_OUT_CHUNK`` bytes; yield None when damaged.
 
     Follows concatenated gzip members; trailing NUL padding is ignored.
     """
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     pending = b""
-    while True:
-        chunk = f.read(_READ_CHUNK)
-        if not chunk:
-            break
+    for chunk in chunks:
         data = pending + chunk
         pending = b""
         while data:
@@ -199,6 +283,6 @@ def _gunzip_chunks(f) -> Iterator[bytes | None]:
         yield None  # the stream stopped inside a member: a truncated file
 
 
-def _decode(data: bytes) -> str:
+def _decode(data: bytes | bytearray) -> str:
     """UTF-8 with replacement characters: binary garbage becomes text, never an error."""
     return data.decode("utf-8", errors="replace")

@@ -13,7 +13,7 @@ import pytest
 from hpcmem_cli import run_cli
 from toolkit.backends.slurm import SlurmBackend
 from toolkit.runs import open_ledger
-from toolkit.triage.sources import cases, window_cases
+from toolkit.triage.sources import cases, target_cases, window_cases
 
 pytestmark = pytest.mark.slurm
 
@@ -173,3 +173,63 @@ def test_a_window_of_failed_jobs(jobs):
     assert found[f"{array}_2"].facts.exit_code == 5
     other = window_cases(jobs["backend"], jobs["started"], time.time() + 60, partition="v100")
     assert not {c.facts.job_id for c in other} & {failing, f"{array}_2"}
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
+
+
+def test_a_ticket_log_of_another_cluster_is_not_this_cluster_job(jobs, tmp_path):
+    # a real log from another cluster (JOB 4720 ON gpu-node-09, 2024), attached to a ticket as slurm-<id>.out
+    # with the id of a job this cluster knows: its record must not be merged in
+    failing = jobs["failing"]
+    ticket = tmp_path / "ticket" / f"slurm-{failing}.out"
+    ticket.parent.mkdir()
+    shutil.copy(FIXTURES / "time_limit_after_oom.log", ticket)
+    [case] = cases(str(ticket), backend=jobs["backend"])
+    facts = case.facts
+    assert (facts.job_id, facts.state, facts.partition, facts.nodes, facts.script_path) == (failing, None, None, None,
+                                                                                             None)
+    assert "sacct" not in facts.sources and case.log_paths == (ticket,)
+    [why] = [m for m in facts.missing if "not the same job" in m]
+    assert why.startswith(f"job {failing} here ran on node ") and f"from {jobs['work']}" in why
+    assert f"this log ({ticket}) is from node gpu-node-09 and is dated 2024-05-02" in why
+
+
+def test_a_log_at_the_job_output_path_is_that_job(jobs, tmp_path):
+    array = jobs["array"]
+    own = jobs["work"] / f"slurm-{array}_2.out"
+    [case] = cases(str(own), backend=jobs["backend"])
+    assert (case.facts.job_id, case.facts.state, case.facts.exit_code) == (f"{array}_2", "FAILED", 5)
+    assert not any("not the same job" in m or "on its id alone" in m for m in case.facts.missing)
+    # a copy elsewhere that shows nothing to compare: the id alone ties it, and the case says so
+    copy = tmp_path / own.name
+    shutil.copy(own, copy)
+    [copied] = cases(str(copy), backend=jobs["backend"])
+    assert copied.facts.state == "FAILED"
+    assert any(m.startswith(f"this log ({copy}) is not at job {array}_2's output path") and "on its id alone" in m
+               for m in copied.facts.missing)
+
+
+def test_many_targets_cost_one_sacct_and_one_sacct_b_in_target_order(jobs, tmp_path, monkeypatch):
+    # a real sacct behind a shim that notes each call
+    calls = tmp_path / "sacct-calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "sacct"
+    shim.write_text(f'#!/bin/bash\necho "$*" >> {calls}\nexec {shutil.which("sacct")} "$@"\n')
+    shim.chmod(0o755)
+    os.symlink(shutil.which("scontrol"), bin_dir / "scontrol")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    failing, array = jobs["failing"], jobs["array"]
+    log = jobs["work"] / f"slurm-{array}_1.out"
+    with open_ledger(jobs["home"]) as ledger:
+        found = target_cases([failing, str(log), array, jobs["run_job"], jobs["run"].run_id],
+                             backend=SlurmBackend(tries=1), ledger=ledger)
+    assert [(c.target, c.facts.job_id) for c in found] == [
+        (failing, failing), (str(log), f"{array}_1"), (array, f"{array}_2"), (jobs["run_job"], jobs["run_job"]),
+        (jobs["run"].run_id, jobs["run_job"])]
+    assert [c.facts.state for c in found] == ["FAILED", "COMPLETED", "FAILED", "COMPLETED", "COMPLETED"]
+    made = calls.read_text().splitlines()
+    assert len([c for c in made if c.startswith("-P -n -j ")]) == 1, made
+    assert len([c for c in made if c.startswith("-B ")]) == 1, made
+    assert len(made) == 2, made

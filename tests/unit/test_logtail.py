@@ -1,13 +1,14 @@
 """toolkit.logtail: the end of plain and gzip logs, bounded, never failing on bad bytes."""
 
 import gzip
+import io
 import time
 import tracemalloc
 
 import pytest
 
 from toolkit.errors import HpcmemError
-from toolkit.logtail import DEFAULT_MAX_BYTES, LogError, Tail, read_tail
+from toolkit.logtail import DEFAULT_MAX_BYTES, LogError, Tail, read_head, read_stream_tail, read_tail
 
 
 def numbered(n: int) -> bytes:
@@ -183,3 +184,68 @@ def test_number_lines_counts_the_skipped_head(tmp_path):
     first = tail.text.split("\n")[0]
     assert tail.truncated and first == f"line {tail.first_line}"
     assert read_tail(path, 1000).first_line is None
+
+
+# ------------------------------------------------------------------ streams (standard input) and heads
+
+
+class Trickle(io.RawIOBase):
+    """A pipe-like stream: no seek, and reads hand over at most ``step`` bytes (a real pipe may give less)."""
+
+    def __init__(self, data: bytes, step: int = 7919):
+        self.data, self.pos, self.step = data, 0, step
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        piece = self.data[self.pos: self.pos + min(len(buffer), self.step)]
+        buffer[: len(piece)] = piece
+        self.pos += len(piece)
+        return len(piece)
+
+
+def test_stream_keeps_the_end_and_knows_the_line_numbers():
+    data = numbered(200_000)
+    tail = read_stream_tail(Trickle(data), max_bytes=1000, head_bytes=20)
+    assert tail.truncated and not tail.damaged and tail.size == len(data)
+    assert tail.text.endswith("line 200000\n") and tail.text.startswith(f"line {tail.first_line}\n")
+    assert data.decode().endswith(tail.text)
+    assert tail.head == "line 1\nline 2\nline 3"
+
+
+def test_stream_small_plain_gzip_and_empty():
+    assert read_stream_tail(io.BytesIO(b"a\nb\n")) == Tail("a\nb\n", 1, False)
+    members = gzip.compress(b"a\nb\n") + gzip.compress(b"c\n")
+    assert read_stream_tail(Trickle(members, step=1)) == Tail("a\nb\nc\n", 1, False)
+    empty = read_stream_tail(io.BytesIO(b""))
+    assert empty == Tail("", 1, False) and not empty.damaged and empty.size == 0
+
+
+def test_stream_damaged_gzip_is_damaged_not_empty():
+    packed = gzip.compress(numbered(100_000))
+    cut = read_stream_tail(io.BytesIO(packed[: len(packed) // 2]))
+    assert cut.damaged and cut.text.startswith("line 1\n")
+    garbage = read_stream_tail(io.BytesIO(b"\x1f\x8b" + b"\x00garbage" * 10))
+    assert garbage.damaged and garbage.text == ""
+
+
+def test_stream_memory_stays_bounded_for_plain_and_gzip():
+    plain = (b"z" * 99 + b"\n") * (48 * 2**20 // 100)
+    for data in (plain, gzip.compress(plain)):
+        stream = io.BytesIO(data)
+        tracemalloc.start()
+        try:
+            tail = read_stream_tail(stream, max_bytes=2**20)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert tail.text.endswith("z" * 99 + "\n") and tail.size == len(plain)
+        assert peak < 8 * 2**20
+
+
+def test_read_head_plain_gzip_and_unreadable(tmp_path):
+    assert read_head(write(tmp_path, "a.log", numbered(1000)), 14) == "line 1\nline 2\n"
+    assert read_head(write(tmp_path, "a.log.gz", gzip.compress(numbered(100_000))), 14) == "line 1\nline 2\n"
+    assert read_head(write(tmp_path, "bad.gz", b"\x1f\x8bgarbage")) == ""
+    assert read_head(tmp_path / "nope.log") == ""

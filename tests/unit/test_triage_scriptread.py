@@ -144,3 +144,28 @@ def test_ds_config_hf_style_auto_values_are_skipped():
 ])
 def test_ds_config_fields(cfg, knobs):
     assert read_ds_config(cfg) == {"launcher": "deepspeed", **knobs}
+
+
+@pytest.mark.parametrize("text", [
+    "#!/bin/bash\n#SBATCH --nodes=²\n#SBATCH --ntasks-per-node=³\n#SBATCH --gres=gpu:²\n"
+    "torchrun --nproc_per_node=٣ --nnodes ² t.py --per_device_train_batch_size ³ --gradient_accumulation_steps=²\n",
+    "#!/bin/bash\n#SBATCH --gpus-per-node=²\npython t.py --max_seq_length ¹²⁸\n",
+])
+def test_unicode_digits_are_not_numbers_and_never_raise(text):
+    script = read_script(text)
+    assert script["knobs"] == {}  # Slurm and argparse would refuse these too: nothing guessed
+
+
+def test_the_partition_directive_is_read():
+    assert read_script(HF_TORCHRUN)["partition"] == "a100"  # -p a100
+    assert read_script("#!/bin/bash\n#SBATCH --partition=gpu_v100,gpu_a100\n")["partition"] == "gpu_v100,gpu_a100"
+    assert read_script("#!/bin/bash\n#SBATCH --partition=$PART\n")["partition"] is None
+    assert read_script("#!/bin/bash\necho\n")["partition"] is None
+
+
+def test_every_knob_has_the_plan_type():
+    from toolkit.triage.facts import knob_problem
+
+    for text in (HF_TORCHRUN, "#!/bin/bash\n#SBATCH --mem=0.4M\n#SBATCH -t 0:10\n"):
+        knobs = read_script(text)["knobs"]
+        assert all(knob_problem(k, v) is None for k, v in knobs.items()), knobs

@@ -7,6 +7,9 @@ SlurmBackend on a PATH without Slurm's commands (a support machine with no Slurm
 import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,10 +20,14 @@ from toolkit.dsconfig import deepspeed_config
 from toolkit.errors import HpcmemError
 from toolkit.ledger import Ledger, Run
 from toolkit.plan import Plan
-from toolkit.triage.facts import Case, FactsBuilder, JobFacts, add_ds_config
+from hpcmem_cli import REPO, run_cli
+from toolkit.triage.facts import Case, FactsBuilder, JobFacts, add_ds_config, add_script
+from toolkit.triage.logmatch import expand_nodelist, log_clues, same_job
 from toolkit.triage.sources import (
-    cases, decode_log_bytes, job_id_in_text, job_id_of_logs, log_candidates, log_files, resolve_ids, target_kind,
+    cases, job_id_in_text, job_id_of_logs, log_candidates, log_files, resolve_ids, target_kind,
 )
+
+LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 
 # ---------------------------------------------------------------- pure
 
@@ -95,18 +102,6 @@ def test_log_candidates_best_first():
 ])
 def test_job_id_in_text(text, job_id):
     assert job_id_in_text(text) == job_id
-
-
-def test_decode_log_bytes_plain_gzip_truncated_and_garbage():
-    assert decode_log_bytes(b"hello\n") == ("hello\n", False)
-    packed = gzip.compress(b"line one\nline two\n" * 100)
-    assert decode_log_bytes(packed) == ("line one\nline two\n" * 100, False)
-    assert decode_log_bytes(packed + gzip.compress(b"more\n"))[0].endswith("two\nmore\n")  # concatenated members
-    text, damaged = decode_log_bytes(packed[: len(packed) // 2])
-    assert damaged and text.startswith("line one\n") and len(text) < 1800
-    text, damaged = decode_log_bytes(b"\x1f\x8b" + b"\x00garbage" * 10)
-    assert damaged and text == ""
-    assert decode_log_bytes(b"\xff\xfe\x00ok") == ("\ufffd\ufffd\x00ok", False)
 
 
 # ---------------------------------------------------------------- files
@@ -352,3 +347,169 @@ def test_builder_keeps_the_first_value_and_ignores_unknown_knobs():
     assert facts.sources == ("sacct", "ledger", "plan.json", "ds_config.json")
     with pytest.raises(ValueError):
         builder.set("x", no_such_field=1)
+
+
+# ---------------------------------------------------------------- knobs of the wrong type never reach the plan
+
+
+@pytest.mark.parametrize("plan, bad", [
+    ({"time_min": "abc", "micro_batch": 4}, ["time_min is 'abc', not an integer"]),
+    ({"micro_batch": "8", "global_batch": 0, "grad_accum": 2},
+     ["micro_batch is '8', not an integer", "global_batch is 0, not at least 1"]),
+    ({"zero_stage": 7, "precision": "fp8", "checkpointing": "yes", "micro_batch": True, "grad_accum": 2},
+     ["zero_stage is 7, not 0 to 3", "precision is 'fp8', not one of", "checkpointing is 'yes', not true or false",
+      "micro_batch is True, not an integer"]),
+])
+def test_a_malformed_plan_json_is_named_and_kept_out_of_the_plan(tmp_path, plan, bad):
+    from toolkit.sites import load_site
+    from toolkit.triage.diagnose import diagnose
+
+    log = write(tmp_path / "slurm-9.out", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+                                          "GPU 0 has a total capacity of 15.77 GiB of which 1.10 GiB is free.\n")
+    write(tmp_path / "plan.json", json.dumps(plan))
+    [case] = cases(str(log))
+    good = {k: v for k, v in plan.items() if not any(m.startswith(k) for m in bad)}
+    assert case.facts.plan_knobs == good
+    for sentence in bad:
+        assert any(f"plan {tmp_path / 'plan.json'}: {sentence}" in m and m.endswith("not used")
+                   for m in case.facts.missing), (sentence, case.facts.missing)
+    finding = diagnose(case, load_site("example-hpc"))  # picture.fill_plan gets only well-typed knobs
+    assert finding.verdict.kind == "gpu_oom" and finding.remedies
+
+
+def test_bad_ds_config_values_are_skipped(tmp_path):
+    write(tmp_path / "ds_config.json", json.dumps({"train_micro_batch_size_per_gpu": "8",
+                                                   "gradient_accumulation_steps": 2.5,
+                                                   "zero_optimization": {"stage": "3"}}))
+    [case] = cases(str(write(tmp_path / "slurm-9.out", "x\n")))
+    assert case.facts.plan_knobs == {"launcher": "deepspeed"}
+
+
+def test_the_partition_comes_from_the_script_below_the_scheduler(tmp_path):
+    write(tmp_path / "run.sbatch", "#!/bin/bash\n#SBATCH -p gpu_v100\npython t.py\n")
+    [case] = cases(str(write(tmp_path / "train.log", "x\n")))
+    assert case.facts.partition == "gpu_v100" and "job script" in case.facts.sources
+    builder = FactsBuilder()
+    builder.set("sacct", partition="gpu_a100")
+    add_script(builder, "#!/bin/bash\n#SBATCH --partition=gpu_v100\n", "job.sbatch", [])
+    assert builder.build().partition == "gpu_a100"
+
+
+# ---------------------------------------------------------------- a directory of several jobs' logs
+
+
+def test_a_directory_of_two_jobs_gives_one_case_each(tmp_path):
+    write(tmp_path / "slurm-101.out",
+          "step 1\nslurmstepd: error: *** JOB 101 ON n2 CANCELLED AT x DUE TO TIME LIMIT ***\n")
+    write(tmp_path / "slurm-100.out", "RuntimeError: CUDA out of memory.\n")
+    write(tmp_path / "slurm-100.err", "Traceback\n")
+    write(tmp_path / "train-101-rank1.log", "rank 1 of job 101\n")      # its name holds the job id
+    write(tmp_path / "rank-0.log", "hpcmem: job 100 attempt 1 on n1 at 2026-11-21T08:00:00+00:00\n")
+    write(tmp_path / "notes.txt", "what the user wrote\n")              # names no job
+    found = cases(str(tmp_path))
+    assert [(c.facts.job_id, [p.name for p in c.log_paths]) for c in found] == [
+        ("100", ["rank-0.log", "slurm-100.err", "slurm-100.out"]),
+        ("101", ["slurm-101.out", "train-101-rank1.log"]),
+        (None, ["notes.txt"]),
+    ]
+    assert all(c.kind == "dir" and c.target == str(tmp_path) for c in found)
+    assert any("notes.txt in" in m and "holds logs of jobs 100, 101" in m for m in found[2].facts.missing)
+
+
+def test_rank_logs_of_one_job_stay_one_case(tmp_path):
+    write(tmp_path / "slurm-7.out", "launcher\n")
+    for rank in (0, 1):
+        write(tmp_path / f"rank-{rank}.log", f"rank {rank}\n")
+    [case] = cases(str(tmp_path))
+    assert case.facts.job_id == "7" and [p.name for p in case.log_paths] == ["rank-0.log", "rank-1.log", "slurm-7.out"]
+
+
+# ---------------------------------------------------------------- does the log match the record?
+
+
+def test_expand_nodelist():
+    assert expand_nodelist("gpu-node-[08-10,12],vm.cluster.local,r[1-2]-n[1-2]") == {
+        "gpu-node-08", "gpu-node-09", "gpu-node-10", "gpu-node-12", "vm", "r1-n1", "r1-n2", "r2-n1", "r2-n2"}
+    assert expand_nodelist("None assigned") == frozenset() and expand_nodelist("") == frozenset()
+
+
+RECORD = {"nodes": "vm", "workdir": "/w", "start": "2026-11-21T08:00:00", "end": "2026-11-21T08:05:00", "name": "x"}
+TICKET = (LOGS / "time_limit_after_oom.log").read_text()  # a real log: JOB 4720 ON gpu-node-09, dated 2024-05-02
+
+
+def test_a_log_at_the_job_own_output_path_is_that_job_whatever_it_says():
+    clues = log_clues(TICKET, Path("/w/slurm-1858.out.gz"))
+    assert same_job(clues, "1858", RECORD, [Path("/w/slurm-1858.out")]) == (True, None)
+
+
+def test_a_log_from_other_nodes_and_dates_is_not_the_job():
+    same, why = same_job(log_clues(TICKET, Path("/tickets/slurm-1858.out")), "1858", RECORD,
+                         [Path("/w/slurm-1858.out")])
+    assert not same
+    assert why == ("job 1858 here ran on node vm from /w on 2026-11-21; this log (/tickets/slurm-1858.out) is from "
+                   "node gpu-node-09 and is dated 2024-05-02: not the same job, so this cluster's record of job 1858 "
+                   "is not used")
+
+
+@pytest.mark.parametrize("text, same, says", [
+    ("srun: error: vm: task 0: Out Of Memory\n", True, None),                       # its node: agrees
+    ("[2026-11-21 08:03:10,120] step 5\n", True, None),                             # dated within the run
+    ("RuntimeError: CUDA out of memory.\n", True, "on its id alone"),               # nothing to compare
+    ("gpu-node-04:201933:202011 [3] NCCL INFO x\n", False, "is from node gpu-node-04"),
+    ("[2025-01-02 10:00:00] start\n", False, "is dated 2025-01-02"),
+])
+def test_what_a_copied_log_shows_decides(text, same, says):
+    got, why = same_job(log_clues(text, Path("/tickets/a.log")), "1858", RECORD, [Path("/w/slurm-1858.out")])
+    assert got is same and (why is None if says is None else says in why)
+
+
+# ---------------------------------------------------------------- standard input through the real command line
+
+
+@pytest.fixture
+def no_slurm_env(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(sys.executable, bin_dir / "python3")
+    return {"PATH": str(bin_dir)}
+
+
+OOM_END = ("Traceback (most recent call last):\n  File \"train.py\", line 88, in <module>\n"
+           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of "
+           "15.77 GiB of which 1.10 GiB is free. Including non-PyTorch memory, this process has 14.66 GiB memory "
+           "in use. Of the allocated memory 13.90 GiB is allocated by PyTorch, and 412.00 MiB is reserved by "
+           "PyTorch but unallocated.\n")
+
+
+def test_a_large_log_on_stdin_is_read_from_its_end(tmp_path, no_slurm_env):
+    lines = 300_000
+    text = "".join(f"{{'loss': 2.{n:04d}, 'epoch': 0.{n:05d}}} step {n}/900000 | 14.2 samples/s\n"
+                   for n in range(lines)) + OOM_END
+    assert len(text) > 2 * 8 * 2**20  # far more than the 8 MiB tail
+    result = run_cli("triage", "-", "--format", "json", home=tmp_path / "home", env=no_slurm_env, input=text)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    [finding] = json.loads(result.stdout)["findings"]
+    assert finding["source"] == "stdin" and finding["verdict"]["kind"] == "gpu_oom"
+    said = [m for m in finding["job"]["missing"] if m.startswith("standard input holds")]
+    assert said and f"holds {len(text)} bytes: only its last {8 * 2**20} were read" in said[0]
+    first = int(said[0].split("from line ")[1].split()[0])
+    kept = text.splitlines(keepends=True)
+    # the whole lines that fit in the last 8 MiB: from line `first` on, and not one more
+    assert len("".join(kept[first - 1:])) <= 8 * 2**20 < len("".join(kept[first - 2:]))
+    # evidence line numbers are the input's own, not the kept tail's
+    oom_line = next(n for n, line in enumerate(text.splitlines(), 1) if "CUDA out of memory" in line)
+    assert oom_line in [e["line"] for e in finding["verdict"]["evidence"]]
+
+
+def test_a_damaged_gzip_on_stdin_is_damaged_not_empty(tmp_path, no_slurm_env):
+    packed = gzip.compress(("step\n" * 20000 + OOM_END).encode())
+    for data, says in ((packed[: len(packed) // 3], "what could be decompressed is used"),
+                       (b"\x1f\x8b\x08\x00" + b"\xff garbage" * 50, "nothing could be decompressed")):
+        result = subprocess.run([sys.executable, "-m", "toolkit.cli", "triage", "-", "--format", "json"], input=data,
+                                capture_output=True, cwd=REPO, timeout=300,
+                                env={**os.environ, **no_slurm_env, "HPCMEM_HOME": str(tmp_path / "home")})
+        assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr
+        [finding] = json.loads(result.stdout)["findings"]
+        missing = " | ".join(finding["job"]["missing"])
+        assert "the gzip data on standard input is damaged" in missing and says in missing
+        assert not any("empty" in n for n in finding["notes"]), finding["notes"]

@@ -23,15 +23,14 @@ def run_triage(targets: Iterable[str], site, fmt: str, *, stdin=None, colour: bo
     """
     from .diagnose import diagnose
     from .formats import render_report
-    from .sources import cases
+    from .sources import target_cases
 
     backend = _backend()
     with _ledger() as ledger:
-        found = []
-        for target in targets:
-            for case in cases(target, backend=backend, ledger=ledger, stdin=stdin):
-                found.append(diagnose(case, site or _case_site(case, sites_dirs), ledger=ledger,
-                                      max_remedies=max_remedies, partition=partition))
+        # every target's job ids in one sacct call (and one sacct -B); the cases come in target order
+        found = [diagnose(case, site or _case_site(case, sites_dirs), ledger=ledger, max_remedies=max_remedies,
+                          partition=partition)
+                 for case in target_cases(list(targets), backend=backend, ledger=ledger, stdin=stdin)]
     data = TriageReport(tuple(found)).to_dict()
     return _dump(data) if fmt == "json" else render_report(data, fmt, colour)
 

@@ -14,6 +14,7 @@ Nothing here raises for a bad log or a job that cannot be found: the Finding say
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..classify import Verdict, classify, classify_paths
@@ -96,7 +97,7 @@ def read_verdict(case, max_bytes: int, notes: list[str], number_lines: bool = Tr
     if case.log_text is not None:
         text = case.log_text
         _describe_text(text, "the pasted log", notes)
-        return classify(record, text)
+        return _shift_lines(classify(record, text), (case.log_first_line or 1) - 1)
     readable = []
     for path in case.log_paths:
         try:
@@ -117,6 +118,15 @@ def read_verdict(case, max_bytes: int, notes: list[str], number_lines: bool = Tr
     elif not verdict.evidence:
         _describe_files(readable, max_bytes, notes)
     return verdict
+
+
+def _shift_lines(verdict: Verdict, offset: int) -> Verdict:
+    """Line numbers counted from the start of a kept tail -> the input's own (``offset`` lines were skipped)."""
+    if not offset:
+        return verdict
+    return dataclasses.replace(
+        verdict, evidence=tuple((n + offset if n is not None else None, t) for n, t in verdict.evidence),
+        ranks=tuple({**r, "line": r["line"] + offset} for r in verdict.ranks))
 
 
 def _is_empty(path) -> bool:

@@ -8,7 +8,9 @@ in ``sources`` and every fact that could not be found gets one sentence in ``mis
 The readers here turn files into facts: a scheduler record (sacct / scontrol, see
 ``slurm.parse_sacct_facts``), hpcmem's plan.json and spec.yaml, a job script and a
 DeepSpeed config (``scriptread``). They never raise for a missing or malformed file: they
-say so in ``missing``.
+say so in ``missing``. Every knob is checked against the Plan's field types and ranges
+(``knob_problem``) before it is kept: a knob of the wrong type or out of range (``"abc"`` for
+``time_min``, ``0`` for ``global_batch``) is named in ``missing`` and never reaches ``plan_knobs``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..plan import KNOBS
+from ..plan import ATTENTIONS, KNOBS, LAUNCHERS, OFFLOADS, OPTIMIZERS, PRECISIONS
 from . import scriptread
 
 MAX_FILE_BYTES = 4 * 2**20
@@ -108,8 +110,10 @@ class Case:
     log_paths: tuple[Path, ...]
     """Logs to classify, in rank/file order; empty when none was found (``facts.missing`` says why)."""
     log_text: str | None
-    """The log itself when it came on standard input."""
+    """The log itself when it came on standard input (its last ``logtail.DEFAULT_MAX_BYTES`` at most)."""
     facts: JobFacts
+    log_first_line: int | None = None
+    """For ``log_text``: the line number in the whole input of its first line (1 unless the start was dropped)."""
 
 
 class FactsBuilder:
@@ -140,12 +144,19 @@ class FactsBuilder:
         if used and source:
             self.source(source)
 
-    def knobs(self, knobs: Mapping[str, Any], sources: str | Mapping[str, str]) -> None:
-        """Add Plan knobs (unknown names are ignored) with their source (one for all, or per knob)."""
+    def knobs(self, knobs: Mapping[str, Any], sources: str | Mapping[str, str], label: str | None = None) -> None:
+        """Add Plan knobs (unknown names are ignored) with their source (one for all, or per knob).
+
+        A value of the wrong type or out of range is not kept: ``missing`` names it (``label``: the
+        file it came from, default the source)."""
         used = set()
         for name, value in knobs.items():
             if name in KNOBS and name not in self._knobs and value is not None:
                 where = sources if isinstance(sources, str) else sources.get(name, JOB_SCRIPT)
+                problem = knob_problem(name, value)
+                if problem:
+                    self.miss(f"{label or where}: {name} {problem}: not used")
+                    continue
                 self._knobs[name], self._knob_sources[name] = value, where
                 used.add(where)
         for where in sorted(used):
@@ -166,6 +177,33 @@ class FactsBuilder:
 
 _FIELDS = {f for f in JobFacts.__dataclass_fields__} - {"plan_knobs", "knob_sources", "sources", "missing"}
 
+_CHOICES = {"launcher": LAUNCHERS, "precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTIONS,
+            "offload_optimizer": OFFLOADS, "offload_params": OFFLOADS}
+_AT_LEAST = {"nodes": 1, "gpus_per_node": 1, "global_batch": 1, "micro_batch": 1, "grad_accum": 1, "seq_len": 1,
+             "time_min": 1, "mem_mib": 1, "workers": 0, "zero_stage": 0}
+_AT_MOST = {"zero_stage": 3}
+
+
+def knob_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the Plan knob ``name`` (wrong type, out of range, not a choice), or None (pure).
+
+    The types are the Plan's own: integers (never bools or strings, ``"8"`` included), a bool for
+    ``checkpointing``, a string for ``alloc_conf``, one of the choices for the named ones."""
+    if name in _CHOICES:
+        return None if isinstance(value, str) and value in _CHOICES[name] else \
+            f"is {value!r}, not one of {', '.join(_CHOICES[name])}"
+    if name == "checkpointing":
+        return None if isinstance(value, bool) else f"is {value!r}, not true or false"
+    if name == "alloc_conf":
+        return None if isinstance(value, str) else f"is {value!r}, not a string"
+    if name in _AT_LEAST:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"is {value!r}, not an integer"
+        if value < _AT_LEAST[name] or value > _AT_MOST.get(name, value):
+            bound = f"{_AT_LEAST[name]} to {_AT_MOST[name]}" if name in _AT_MOST else f"at least {_AT_LEAST[name]}"
+            return f"is {value}, not {bound}"
+    return None
+
 
 # ---------------------------------------------------------------- readers
 
@@ -184,7 +222,7 @@ def add_plan_json(builder: FactsBuilder, path: Path) -> bool:
     data = _read_json(builder, path, "plan")
     if not isinstance(data, dict):
         return False
-    builder.knobs({k: v for k, v in data.items() if k != "world_size"}, PLAN_JSON)
+    builder.knobs({k: v for k, v in data.items() if k != "world_size"}, PLAN_JSON, label=f"plan {path}")
     return True
 
 
@@ -213,12 +251,13 @@ def add_script(builder: FactsBuilder, text: str, label: str, ds_search: list[Pat
     """
     script = scriptread.read_script(text)
     builder.set(JOB_SCRIPT, script_path=label, model=script["model"])
+    builder.set(JOB_SCRIPT, partition=script["partition"])  # after sacct / scontrol / the ledger: theirs wins
     search = list(ds_search)
     if script["cd"]:  # the launch runs there: relative paths start from it
         cd = Path(script["cd"])
         search.insert(0, cd if cd.is_absolute() or not search else search[0] / cd)
     add_ds_config(builder, list(dict.fromkeys(search)), script["ds_config"])
-    builder.knobs(script["knobs"], script["knob_origin"])
+    builder.knobs(script["knobs"], script["knob_origin"], label=f"job script {label}")
     return script
 
 
@@ -241,7 +280,7 @@ def add_ds_config(builder: FactsBuilder, search: list[Path], named: str | None =
     data = _read_json(builder, path, "DeepSpeed config")
     if isinstance(data, dict):
         builder.set(DS_CONFIG_JSON, ds_config_path=str(path))
-        builder.knobs(scriptread.read_ds_config(data), DS_CONFIG_JSON)
+        builder.knobs(scriptread.read_ds_config(data), DS_CONFIG_JSON, label=f"DeepSpeed config {path}")
 
 
 def add_files_near(builder: FactsBuilder, directory: Path, extra_dirs: list[Path] = ()) -> None:

@@ -17,6 +17,10 @@ Understood on command lines (``\\``-continued lines joined, quotes as the shell 
   ``--optim``, ``--deepspeed CFG``, ``--max_seq_length`` / ``--block_size`` /
   ``--model_max_length`` / ``--max_length``, ``--attn_implementation``, ``--model_name_or_path``;
 - ``PYTORCH_CUDA_ALLOC_CONF=...`` set in the script (the allocator knob).
+
+Numbers are ASCII digits only (``isascii() and isdigit()``): ``²`` or ``٣`` in a script is not a
+number Slurm or argparse would take, so it is skipped, never raised. Every knob comes out with the
+Plan field's Python type (int, bool, str).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def read_script(text: str) -> dict[str, Any]:
     for Trainer flags), ``model`` (``--model_name_or_path`` and friends, or None), ``ds_config``
     (the path given to ``--deepspeed``/``--deepspeed_config`` as written, or None), ``cd`` (the
     directory of the last literal ``cd DIR`` before the launch, where relative paths start, or None),
-    ``output``/``error`` (the ``--output``/``--error`` patterns, or None), ``launcher_line``
+    ``output``/``error`` (the ``--output``/``--error`` patterns, or None), ``partition``
+    (``#SBATCH -p/--partition`` as written, or None when absent or a ``$VARIABLE``), ``launcher_line``
     (the first command line that starts ranks, or None). Memory knobs in MiB, time in minutes.
     """
     directives = read_directives(text)
@@ -87,8 +92,10 @@ def read_script(text: str) -> dict[str, Any]:
         if _launcher_flags(words, put) and found["launcher_line"] is None:
             found["launcher_line"] = line
         _trainer_flags(words, put, found)
+    partition = directives.get("partition") or None
     return {"directives": directives, "knobs": knobs, "knob_origin": origin, **found,
-            "output": directives.get("output") or None, "error": directives.get("error") or None}
+            "output": directives.get("output") or None, "error": directives.get("error") or None,
+            "partition": partition if partition and "$" not in partition else None}
 
 
 def read_ds_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,17 +159,21 @@ def logical_lines(text: str) -> list[str]:
 
 
 def _directive_knobs(directives: Mapping[str, str], put) -> None:
-    nodes = directives.get("nodes", "")
-    if nodes.isdigit() and int(nodes) >= 1:
-        put("nodes", int(nodes), JOB_SCRIPT)
-    gpus = gpus_requested(directives)
+    nodes = _int(directives.get("nodes"))
+    if nodes:
+        put("nodes", nodes, JOB_SCRIPT)
+    try:
+        gpus = gpus_requested(directives)
+    except ValueError:  # a count in digits int() refuses (``gpu:²``): not a request Slurm would take
+        gpus = 0
+    tasks = _int(directives.get("ntasks-per-node"))
     if gpus:
         put("gpus_per_node", gpus, JOB_SCRIPT)
-    elif directives.get("ntasks-per-node", "").isdigit() and int(directives["ntasks-per-node"]) > 1:
-        put("gpus_per_node", int(directives["ntasks-per-node"]), JOB_SCRIPT)  # one rank per task (srun, Lightning)
+    elif tasks and tasks > 1:
+        put("gpus_per_node", tasks, JOB_SCRIPT)  # one rank per task (srun, Lightning)
     if "mem" in directives:
         mem = parse_mem_mib(directives["mem"], default_unit="M")
-        if mem:
+        if mem and int(mem) >= 1:
             put("mem_mib", int(mem), JOB_SCRIPT)
     if "time" in directives:
         try:
@@ -264,7 +275,11 @@ def _trainer_flags(words: list[str], put, found: dict[str, Any]) -> None:
 
 
 def _int(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() and int(value) >= 1 else None
+    """A positive whole number written in ASCII digits, else None (``²``, ``٣``, ``$N``, ``0``)."""
+    if value is None or not (value.isascii() and value.isdigit()):
+        return None
+    number = int(value)
+    return number if number >= 1 else None
 
 
 def _bool(value: str | None) -> bool | None:

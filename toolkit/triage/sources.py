@@ -1,11 +1,10 @@
-"""From a TARGET (what support staff typed) to the cases to triage, with every job fact found.
+"""From TARGETs (what support staff typed) to the cases to triage, with every job fact found.
 
-A TARGET is a Slurm job id (``123``, an array task ``123_4``), an hpcmem run id
-(``20261121-083000-ab12``, ``RUN:N`` for attempt N), a log file (plain or gzip), a directory
-of a job's logs, or ``-`` (standard input). ``target_kind`` says which (pure); ``cases``
-turns one into ``Case`` values; ``job_cases`` does it for many job ids with one batched
-query of each kind, and ``window_cases`` for every job that ended badly in a time window
-(what ``--since`` needs).
+``target_cases`` turns TARGETs into ``Case`` values in target order (``cases`` does it for one);
+what a TARGET is: ``targets.target_kind``. All the TARGETs of one call are gathered together:
+every job id they name (typed, an hpcmem run's, a log's) goes into one sacct call, and the
+batch scripts into one ``sacct -B``. ``job_cases`` does the same for a list of job ids, and
+``window_cases`` for every job that ended badly in a time window (what ``--since`` needs).
 
 Where things are looked for, best first:
 
@@ -13,12 +12,18 @@ Where things are looked for, best first:
   still remembers (``MinJobAge`` after the end);
 - the hpcmem ledger: a job named ``<spec>.<run>.a<n>`` (``render.job_name``), a log under
   ``runs/<run>/attempt-<n>/``, or a run id: the attempt's directory, plan and earlier attempts;
-- the log: the attempt directory's ``slurm-<id>.out``, scontrol's StdOut/StdErr, the
-  script's ``--output``/``--error`` pattern (expanded, relative to WorkDir), WorkDir's
-  ``slurm-%j.out`` (``slurm-%A_%a.out`` for array tasks);
+- the log: ``logfind.log_candidates`` (attempt directory, scontrol's StdOut/StdErr, the script's
+  ``--output``/``--error`` pattern, WorkDir's ``slurm-%j.out``);
 - the job script: the attempt's ``job.sbatch``, ``sacct -B`` (``AccountingStoreFlags=job_script``),
   the ``Command`` scontrol names, a script next to the log; then its DeepSpeed config and the
   plan.json next to the log (``facts.add_files_near``).
+
+A case that starts from a log (a file, a directory, standard input) takes the record of the job
+the log names only when the log agrees with it (``logmatch.same_job``: its path, the nodes and
+dates it shows); a log of another cluster whose id exists here keeps its own facts and says why
+in ``facts.missing``. A directory holding several jobs' logs gives one case per job
+(``logfind.group_logs``). Standard input is read once, in bounded chunks, keeping its end
+(``logtail.read_stream_tail``: plain or gzip).
 
 Nothing here raises for a job that cannot be found or a scheduler that cannot answer: the
 case says so in ``facts.missing``. Only a TARGET that is none of the kinds is an error.
@@ -28,71 +33,68 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Iterable
 
-from ..backends.base import Backend, COMPLETED
-from ..backends.slurm import expand_filename_pattern
+from ..backends.base import Backend
 from ..errors import HpcmemError
+from ..logtail import DEFAULT_MAX_BYTES, LogError, read_stream_tail
 from . import facts as F
 from .facts import Case, FactsBuilder
+from .logfind import (HEAD_BYTES, attempt_of_path, clue_text, group_logs, job_id_in_text, job_id_of_logs,
+                      log_candidates, log_files)
+from .logmatch import log_clues, same_job
+from .scriptread import read_script
+from .targets import JOB_ID, RUN_ID, id_order, resolve_ids, target_kind
 
-JOB_ID = re.compile(r"^\d+(_\d+)?$")
-RUN_ID = re.compile(r"^(\d{8}-\d{6}-[0-9a-f]{4})(?::(\d+))?$")
+__all__ = ["cases", "target_cases", "job_cases", "window_cases", "log_candidates", "target_kind", "resolve_ids",
+           "log_files", "job_id_of_logs", "job_id_in_text", "group_logs"]
+
 _JOB_NAME_RUN = re.compile(r"\.(\d{8}-\d{6}-[0-9a-f]{4})\.a(\d+)$")
-_ATTEMPT_DIR = re.compile(r"^attempt-(\d+)$")
-_LOG_SUFFIXES = (".out", ".err", ".log", ".txt")
-_NOT_LOGS = (".json", ".sbatch", ".slurm", ".sh", ".py", ".yaml", ".yml", ".lock", ".sqlite")
-# Where a log names its own job: hpcmem's first line, slurmstepd's messages.
-_LOG_JOB_ID = (
-    re.compile(r"hpcmem: job (\d+(?:_\d+)?) attempt \d+"),
-    re.compile(r"StepId=(\d+(?:_\d+)?)\.(?:batch|extern|\d+)"),
-    re.compile(r"\*\*\* JOB (\d+(?:_\d+)?) ON \S+ CANCELLED"),
-)
-_SLURM_LOG_NAME = re.compile(r"^slurm-(\d+(?:_\d+)?)\.(?:out|err)(?:\.gz)?$")
-STDIN_MAX_BYTES = 256 * 2**20
-"""Most bytes of standard input kept (the end of it): more is not a pasted log."""
-HEAD_BYTES = 65536
-
-
-def target_kind(target: str, exists: Callable[[str], bool] = os.path.exists,
-                isdir: Callable[[str], bool] = os.path.isdir) -> str:
-    """``job``, ``run``, ``file``, ``dir`` or ``stdin`` for a TARGET (pure, given ``exists``/``isdir``).
-
-    A job or run id wins over a file of that name in the current directory (a ticket names jobs,
-    not files called ``4412``); ``./4412`` is the file. Raises ``HpcmemError`` for anything else.
-    """
-    if target == "-":
-        return "stdin"
-    if JOB_ID.match(target):
-        return "job"
-    if RUN_ID.match(target):
-        return "run"
-    if target and exists(target):
-        return "dir" if isdir(target) else "file"
-    if "/" in target or re.search(r"\.(out|err|log|txt|gz)$", target):
-        raise HpcmemError(f"triage target {target!r}: no such file or directory")
-    raise HpcmemError(f"triage target {target!r} is not a job id (123, 123_4), a run id (20261121-083000-ab12[:N]), "
-                      f"an existing log file or directory, or - (stdin)")
 
 
 def cases(target: str, *, backend: Backend | None = None, ledger=None, stdin: BinaryIO | None = None) -> list[Case]:
-    """The cases one TARGET stands for (see the module docstring).
+    """The cases one TARGET stands for (see ``target_cases``)."""
+    return target_cases([target], backend=backend, ledger=ledger, stdin=stdin)
 
-    ``backend``: a ``SlurmBackend`` or None (no Slurm here); ``ledger``: a ``toolkit.ledger.Ledger``
-    or None; ``stdin``: a binary stream for ``-``. An array job id without a task gives its
-    failed tasks (all tasks when none failed).
-    """
-    kind = target_kind(target)
-    if kind == "job":
-        return job_cases([target], backend=backend, ledger=ledger)
-    if kind == "run":
-        return [_run_case(target, backend, ledger)]
-    if kind == "stdin":
-        return [_stdin_case(target, stdin, backend, ledger)]
-    return [_path_case(target, kind, backend, ledger)]
+
+def target_cases(targets: Iterable[str], *, backend: Backend | None = None, ledger=None,
+                 stdin: BinaryIO | None = None) -> list[Case]:
+    """The cases TARGETs stand for, in target order (a target may give several: an array job's failed
+    tasks, a directory's jobs). ``backend``: a ``SlurmBackend`` or None (no Slurm here); ``ledger``: a
+    ``toolkit.ledger.Ledger`` or None; ``stdin``: a binary stream for ``-``. One sacct call for every
+    job id of all targets, at most one ``sacct -B``. Raises ``HpcmemError`` for a TARGET of no kind
+    (before anything is read)."""
+    targets = list(targets)
+    kinds = [target_kind(t) for t in targets]
+    gathering = _Gathering(backend, ledger)
+    found: list[list[_Job] | None] = []
+    for target, kind in zip(targets, kinds):
+        if kind == "job":
+            found.append(None)  # known once sacct has answered (an array id stands for its tasks)
+        elif kind == "run":
+            found.append([gathering.run_job(target)])
+        elif kind == "stdin":
+            found.append([_stdin_job(target, stdin)])
+        else:
+            found.append(_path_jobs(target, kind))
+    for jobs in found:
+        for job in jobs or ():
+            gathering.attempt_of_log(job)
+    asked = [t for t, k in zip(targets, kinds) if k == "job"]
+    asked += [j.job_id for jobs in found for j in jobs or () if j.job_id and not j.skip]
+    records = gathering.records(asked)
+    for i, (target, kind) in enumerate(zip(targets, kinds)):
+        if kind == "job":
+            found[i] = gathering.typed_jobs(target, target, records)
+        elif kind == "run":
+            gathering.run_record(found[i][0], records)
+    every = [j for jobs in found for j in jobs]
+    gathering.check_logs([j for j in every if j.kind in ("file", "dir", "stdin")], records,
+                         others=[j.job_id for j in every if j.record is not None and j.job_id])
+    gathering.complete([j for j in every if not j.skip])
+    return [job.case() for job in every]
 
 
 def job_cases(job_ids: list[str], *, backend: Backend | None = None, ledger=None,
@@ -106,19 +108,7 @@ def job_cases(job_ids: list[str], *, backend: Backend | None = None, ledger=None
         records = gathering.records(list(job_ids))
     else:
         gathering.sacct_answered = True
-    jobs: list[_Job] = []
-    for asked, target in zip(job_ids, targets):
-        found = resolve_ids(asked, records)
-        if not found:
-            job = _Job(target, "job", asked)
-            job.builder.set(None, job_id=asked)
-            if gathering.sacct_answered:
-                job.builder.miss(f"job {asked} is not known to sacct on this cluster "
-                                 f"(another cluster, or older than accounting keeps)")
-            jobs.append(job)
-        for job_id in found:
-            job = _Job(target, "job", job_id, record=records[job_id])
-            jobs.append(job)
+    jobs = [job for asked, target in zip(job_ids, targets) for job in gathering.typed_jobs(asked, target, records)]
     gathering.complete(jobs)
     return [job.case() for job in jobs]
 
@@ -129,20 +119,7 @@ def window_cases(backend, start_s: float, end_s: float, *, partition: str | None
     first: one sacct call lists them with their facts, then as ``job_cases`` (one ``sacct -B``, one
     scontrol). Raises ``SchedulerError`` when sacct cannot answer: a window needs accounting."""
     records = backend.failed_jobs(start_s, end_s, partition=partition, user=user)
-    ids = sorted(records, key=lambda i: [int(p) for p in re.findall(r"\d+", i)])
-    return job_cases(ids, backend=backend, ledger=ledger, records=records)
-
-
-def resolve_ids(asked: str, records: dict[str, dict]) -> list[str]:
-    """Which records a typed job id means (pure): itself; an array job's tasks (the failed ones,
-    or all when none failed); or the array task whose own (raw) id it is."""
-    tasks = sorted((k for k in records if k.startswith(f"{asked}_")), key=lambda k: int(k.split("_")[1]))
-    if tasks and "_" not in asked:
-        failed = [k for k in tasks if records[k].get("state") not in (COMPLETED, "PENDING", "RUNNING")]
-        return failed or tasks
-    if asked in records:
-        return [asked]
-    return [k for k, r in records.items() if r.get("raw_id") == asked][:1]
+    return job_cases(sorted(records, key=id_order), backend=backend, ledger=ledger, records=records)
 
 
 # ---------------------------------------------------------------- one job while it is gathered
@@ -156,15 +133,22 @@ class _Job:
     record: dict | None = None
     log_paths: list[Path] = field(default_factory=list)
     log_text: str | None = None
+    log_first_line: int | None = None
+    clues: str = ""
+    """The first and last lines of the log(s): where the job id, nodes and dates are read."""
     script: dict | None = None
     attempt: Any = None
     script_tried: list[str] = field(default_factory=list)
     fallback: dict = field(default_factory=dict)
+    foreign: bool = False
+    """The log names a job id this cluster knows, but shows another job: no scheduler lookups by that id."""
+    skip: bool = False
+    """Nothing more to gather (a run id without a ledger or attempt): the case says why already."""
     builder: FactsBuilder = field(default_factory=FactsBuilder)
 
     def case(self) -> Case:
         return Case(target=self.target, kind=self.kind, log_paths=tuple(self.log_paths), log_text=self.log_text,
-                    facts=self.builder.build())
+                    facts=self.builder.build(), log_first_line=self.log_first_line)
 
 
 class _Gathering:
@@ -174,12 +158,17 @@ class _Gathering:
         self.backend, self.ledger = backend, ledger
         self.sacct_answered = False
         self.sacct_problem: str | None = None
+        self._scripts: dict[str, str] = {}
+        self._scripts_asked: set[str] = set()
+        self._scripts_problem: str | None = None
+        self._remembered: dict[str, dict] = {}
+        self._remembered_asked: set[str] = set()
 
     # -- scheduler records
 
     def records(self, job_ids: list[str]) -> dict[str, dict]:
-        """sacct's records for the ids (scontrol's when sacct cannot answer)."""
-        ids = [i for i in job_ids if JOB_ID.match(i or "")]
+        """sacct's records for the ids, in one call (scontrol's when sacct cannot answer)."""
+        ids = list(dict.fromkeys(i for i in job_ids if JOB_ID.match(i or "")))
         if not ids:
             return {}
         if self.backend is None or not hasattr(self.backend, "job_facts"):
@@ -197,6 +186,121 @@ class _Gathering:
             self.sacct_problem += f"; scontrol unavailable too: {exc}"
             return {}
 
+    def batch_scripts(self, job_ids: list[str]) -> dict[str, str]:
+        """The scripts accounting kept (``sacct -B``), asking only for ids not asked before in this call."""
+        new = [i for i in dict.fromkeys(job_ids) if i not in self._scripts_asked and JOB_ID.match(i or "")]
+        if new and self.sacct_answered and self._scripts_problem is None:
+            self._scripts_asked.update(new)
+            try:
+                self._scripts.update(self.backend.batch_scripts(new))
+            except HpcmemError as exc:
+                self._scripts_problem = f"sacct -B failed ({exc})"
+        return {i: self._scripts[i] for i in job_ids if i in self._scripts}
+
+    def remembered(self, job_ids: list[str]) -> dict[str, dict]:
+        """What scontrol still remembers of the jobs, asking only for ids not asked before in this call."""
+        new = [i for i in dict.fromkeys(job_ids) if i not in self._remembered_asked and JOB_ID.match(i or "")]
+        if new and self.backend is not None and hasattr(self.backend, "controller_facts"):
+            self._remembered_asked.update(new)
+            try:
+                self._remembered.update(self.backend.controller_facts(new))
+            except HpcmemError:
+                pass
+        return {i: self._remembered[i] for i in job_ids if i in self._remembered}
+
+    # -- typed job ids and run ids
+
+    def typed_jobs(self, asked: str, target: str, records: dict[str, dict]) -> list[_Job]:
+        """The jobs a typed id means (an array job: its failed tasks), or one that says it is unknown."""
+        found = resolve_ids(asked, records)
+        if found:
+            return [_Job(target, "job", job_id, record=records[job_id]) for job_id in found]
+        job = _Job(target, "job", asked)
+        job.builder.set(None, job_id=asked)
+        if self.sacct_answered:
+            job.builder.miss(f"job {asked} is not known to sacct on this cluster "
+                             f"(another cluster, or older than accounting keeps)")
+        return [job]
+
+    def run_job(self, target: str) -> _Job:
+        """An hpcmem run id (``RUN`` or ``RUN:N``): its attempt from the ledger (its record comes later)."""
+        run_id, n = RUN_ID.match(target).groups()
+        job = _Job(target, "run", None)
+        job.builder.set(None, run_id=run_id)
+        if self.ledger is None:
+            job.builder.miss("no hpcmem ledger here: the run's attempts cannot be looked up")
+            job.skip = True
+        elif not self.use_attempt(job, run_id, int(n) if n else None):
+            job.skip = True
+        return job
+
+    def run_record(self, job: _Job, records: dict[str, dict]) -> None:
+        if job.skip:
+            return
+        if job.job_id and JOB_ID.match(job.job_id):
+            job.record = records.get(job.job_id)
+            if job.record is None and self.sacct_answered:
+                job.builder.miss(f"job {job.job_id} is not known to sacct on this cluster")
+        elif job.job_id:
+            job.builder.miss(f"job {job.job_id} ran on the local backend: no Slurm record")
+        else:
+            job.builder.miss(f"attempt {job.attempt.n} of run {job.builder.get('run_id')} was never submitted "
+                             f"(state {job.attempt.state})")
+
+    # -- cases that start from a log
+
+    def attempt_of_log(self, job: _Job) -> None:
+        """A log inside ``runs/<run>/attempt-<n>/`` is that ledger attempt (its job id, when the log names none)."""
+        if job.kind not in ("file", "dir") or not job.log_paths or self.ledger is None:
+            return
+        ref = attempt_of_path(job.log_paths[0])
+        if ref is not None:
+            self.use_attempt(job, *ref)
+
+    def check_logs(self, jobs: list[_Job], records: dict[str, dict], others: Iterable[str] = ()) -> None:
+        """Give each log case the record of the job its log names, when the log agrees with it
+        (``logmatch.same_job``); otherwise say why not. ``others``: job ids of the call's other cases,
+        whose scripts are asked for in the same ``sacct -B``."""
+        pending = []
+        for job in jobs:
+            if job.skip:
+                continue
+            if not job.job_id:
+                if job.kind != "dir" or job.log_paths:
+                    job.builder.miss("the log names no Slurm job id (slurm-<id>.out, 'hpcmem: job <id>', "
+                                     "StepId=<id>.batch)")
+                continue
+            job.builder.set(None, job_id=job.job_id)
+            found = resolve_ids(job.job_id, records)
+            if len(found) == 1:
+                pending.append((job, found[0]))
+            elif found:
+                job.builder.miss(f"job {job.job_id} named by the log is an array job here ({len(found)} tasks): "
+                                 f"which task the log is cannot be told, so no record is used")
+            elif self.sacct_answered:
+                job.builder.miss(f"job {job.job_id} named by the log is not known to sacct on this cluster")
+        if not pending:
+            return
+        ids = [i for _job, i in pending]
+        scripts = self.batch_scripts([*ids, *others])
+        remembered = self.remembered(ids)
+        for job, job_id in pending:
+            record = records[job_id]
+            script = read_script(scripts[job_id]) if job_id in scripts else {}
+            attempt = job.attempt if job.attempt is not None and job.attempt.job_id == job_id else None
+            expected = [p for _origin, paths in log_candidates(job_id, record, remembered.get(job_id) or {},
+                                                               script, attempt) for p in paths]
+            clues = log_clues(job.clues, job.log_paths[0] if job.log_paths else None,
+                              attempt_of_path(job.log_paths[0]) if job.log_paths else None,
+                              job.attempt.job_id if job.attempt is not None else None)
+            same, sentence = same_job(clues, job_id, record, expected)
+            if sentence:
+                job.builder.miss(sentence)
+            if same:
+                job.record = record
+            else:
+                job.foreign = True
+
     # -- everything else, for jobs whose record (if any) is known
 
     def complete(self, jobs: list[_Job]) -> None:
@@ -207,7 +311,7 @@ class _Gathering:
                 F.add_record(job.builder, job.record, F.SACCT if self.sacct_answered else F.SCONTROL)
             self.find_attempt(job)
             job.builder.set(F.LEDGER, **job.fallback)
-        self.find_scripts([j for j in jobs if j.script is None and j.job_id])
+        self.find_scripts([j for j in jobs if j.script is None and j.job_id and not j.foreign])
         self.find_logs([j for j in jobs if j.kind in ("job", "run")])
         for job in jobs:
             self.files_near(job)
@@ -222,8 +326,8 @@ class _Gathering:
         if match:
             ref = match.group(1), int(match.group(2))
         elif job.log_paths:
-            ref = _attempt_of_path(job.log_paths[0])
-        if ref is None and job.job_id and not name:
+            ref = attempt_of_path(job.log_paths[0])
+        if ref is None and job.job_id and not name and not job.foreign:
             ref = self._attempt_by_job_id(job.job_id)
         if ref is not None:
             self.use_attempt(job, *ref)
@@ -281,25 +385,23 @@ class _Gathering:
                 self.script_from_file(job, script)
             else:
                 rest.append(job)
-        kept: dict[str, str] = {}
         asked = [j.job_id for j in rest if JOB_ID.match(j.job_id or "") and j.record is not None]
-        if asked and self.sacct_answered:
-            try:
-                kept = self.backend.batch_scripts(asked)
-            except HpcmemError as exc:
-                for job in rest:
-                    job.script_tried.append(f"sacct -B failed ({exc})")
-        elif asked:
-            for job in rest:
-                job.script_tried.append("sacct -B cannot answer")
+        kept = self.batch_scripts(asked) if asked else {}
         for job in rest:
             text = kept.get(job.job_id)
             if text is not None:
                 job.script = F.add_script(job.builder, text, f"sacct -B -j {job.job_id}", self._dirs(job))
-            elif self.sacct_answered and job.record is not None:
-                job.script_tried.append("accounting kept no script (that needs AccountingStoreFlags=job_script)")
+            elif job.job_id in asked:
+                job.script_tried.append(self._why_no_script())
             if job.script is None:
                 self.script_from_command(job, (job.record or {}).get("command"))
+
+    def _why_no_script(self) -> str:
+        if not self.sacct_answered:
+            return "sacct -B cannot answer"
+        if self._scripts_problem:
+            return self._scripts_problem
+        return "accounting kept no script (that needs AccountingStoreFlags=job_script)"
 
     def script_from_command(self, job: _Job, command: str | None) -> None:
         """The script scontrol names as the job's Command, while that file still exists."""
@@ -328,13 +430,7 @@ class _Gathering:
         """Each job's log: the first place in ``log_candidates`` that has it (stdout, and stderr when separate)."""
         unknown = [j for j in jobs if not (j.attempt is not None and j.job_id
                                            and Backend.log_path(Path(j.attempt.attempt_dir), j.job_id).is_file())]
-        remembered: dict[str, dict] = {}
-        asked = [j.job_id for j in unknown if JOB_ID.match(j.job_id or "")]
-        if asked and self.backend is not None and hasattr(self.backend, "controller_facts"):
-            try:
-                remembered = self.backend.controller_facts(asked)
-            except HpcmemError:
-                remembered = {}
+        remembered = self.remembered([j.job_id for j in unknown if JOB_ID.match(j.job_id or "")])
         for job in jobs:
             if not job.job_id:
                 continue
@@ -371,202 +467,54 @@ class _Gathering:
             job.builder.miss("job script not found" + (f": {'; '.join(tried)}" if tried else ""))
 
 
-def log_candidates(job_id: str, record: dict, remembered: dict, script: dict,
-                   attempt=None) -> list[tuple[str, tuple[Path, ...]]]:
-    """Where the log of ``job_id`` may be, best first: (origin, (output file, [error file])) (pure).
-
-    ``record``: sacct facts; ``remembered``: scontrol facts (StdOut/StdErr already expanded);
-    ``script``: ``read_script`` of the batch script; ``attempt``: its ledger row. Relative
-    patterns are relative to the job's WorkDir (this directory when unknown).
-    """
-    info = {**record, **{k: v for k, v in remembered.items() if v is not None}}
-    workdir = Path(info.get("workdir") or ".")
-    out: list[tuple[str, tuple[Path, ...]]] = []
-    if attempt is not None:
-        out.append(("hpcmem attempt directory", (Backend.log_path(Path(attempt.attempt_dir), job_id),)))
-    if remembered.get("stdout"):
-        out.append(("scontrol StdOut/StdErr",
-                    tuple(Path(remembered[k]) for k in ("stdout", "stderr") if remembered.get(k))))
-    expand = {"job_id": job_id, "raw_id": info.get("raw_id"), "user": info.get("user"), "job_name": info.get("name"),
-              "node": info.get("nodes")}
-
-    def place(pattern: str) -> Path:
-        path = Path(expand_filename_pattern(pattern, **expand))
-        return path if path.is_absolute() else workdir / path
-    default = "slurm-%A_%a.out" if "_" in job_id else "slurm-%j.out"
-    if script.get("output") or script.get("error"):
-        output = place(script.get("output") or default)
-        out.append(("#SBATCH --output/--error", (output, *([place(script["error"])] if script.get("error") else []))))
-    else:
-        out.append((f"default {default} in " + ("WorkDir" if info.get("workdir") else "this directory"),
-                    (place(default),)))
-    return out
+# ---------------------------------------------------------------- files, directories, stdin
 
 
-def _attempt_of_path(path: Path) -> tuple[str, int] | None:
-    """``.../runs/<run_id>/attempt-<n>/x`` -> (run_id, n)."""
-    parent = Path(path).resolve().parent
-    match = _ATTEMPT_DIR.match(parent.name)
-    if match and RUN_ID.match(parent.parent.name):
-        return parent.parent.name, int(match.group(1))
-    return None
-
-
-# ---------------------------------------------------------------- runs, files, directories, stdin
-
-
-def _run_case(target: str, backend: Backend | None, ledger) -> Case:
-    run_id, n = RUN_ID.match(target).groups()
-    job = _Job(target, "run", None)
-    job.builder.set(None, run_id=run_id)
-    gathering = _Gathering(backend, ledger)
-    if ledger is None:
-        job.builder.miss("no hpcmem ledger here: the run's attempts cannot be looked up")
-        return job.case()
-    if not gathering.use_attempt(job, run_id, int(n) if n else None):
-        return job.case()
-    if job.job_id and JOB_ID.match(job.job_id):
-        records = gathering.records([job.job_id])
-        job.record = records.get(job.job_id)
-        if job.record is None and gathering.sacct_answered:
-            job.builder.miss(f"job {job.job_id} is not known to sacct on this cluster")
-    elif job.job_id:
-        job.builder.miss(f"job {job.job_id} ran on the local backend: no Slurm record")
-    else:
-        job.builder.miss(f"attempt {job.attempt.n} of run {run_id} was never submitted (state {job.attempt.state})")
-    gathering.complete([job])
-    return job.case()
-
-
-def _path_case(target: str, kind: str, backend: Backend | None, ledger) -> Case:
+def _path_jobs(target: str, kind: str) -> list[_Job]:
+    """A log file: one job; a directory: one job per job id its logs name (``logfind.group_logs``)."""
     path = Path(target)
-    logs = [path] if kind == "file" else log_files(path)
-    job = _Job(target, kind, job_id_of_logs(logs), log_paths=list(logs))
-    if kind == "dir" and not logs:
+    if kind == "file":
+        return [_log_job(target, kind, job_id_of_logs([path]), [path])]
+    logs = log_files(path)
+    if not logs:
+        job = _Job(target, kind, None)
         job.builder.miss(f"no log files in {path} (looked for *.out, *.err, *.log, *.txt and their .gz)")
-    return _complete_log_case(job, backend, ledger)
+        return [job]
+    groups = group_logs(logs)
+    jobs = [_log_job(target, kind, job_id, paths) for job_id, paths in groups]
+    named = [job_id for job_id, _paths in groups if job_id]
+    for job in jobs:
+        if job.job_id is None and named:
+            job.builder.miss(f"{', '.join(p.name for p in job.log_paths)} in {path} name no job id, and the directory "
+                             f"holds logs of jobs {', '.join(named)}: triaged on their own")
+    return jobs
 
 
-def _stdin_case(target: str, stdin: BinaryIO | None, backend: Backend | None, ledger) -> Case:
+def _log_job(target: str, kind: str, job_id: str | None, paths: list[Path]) -> _Job:
+    job = _Job(target, kind, job_id, log_paths=list(paths))
+    job.clues = "\n".join(clue_text(p) for p in paths[:8])  # the first files say where the job ran
+    return job
+
+
+def _stdin_job(target: str, stdin: BinaryIO | None, max_bytes: int = DEFAULT_MAX_BYTES) -> _Job:
+    """A log on standard input (plain or gzip), read once in bounded chunks; its end is kept."""
     job = _Job(target, "stdin", None)
-    data = b""
     if stdin is None:
         job.builder.miss("no standard input to read")
-    else:
-        data = stdin.read(STDIN_MAX_BYTES + 1)
-        if len(data) > STDIN_MAX_BYTES:
-            data = data[:STDIN_MAX_BYTES]
-            job.builder.miss(f"standard input is larger than {STDIN_MAX_BYTES} bytes: only its start was read")
-    text, damaged = decode_log_bytes(data)
-    if damaged:
-        job.builder.miss("the gzip data on standard input is truncated or corrupt: what could be decompressed is used")
-    job.log_text = text
-    job.job_id = job_id_in_text(text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:])
-    return _complete_log_case(job, backend, ledger)
-
-
-def _complete_log_case(job: _Job, backend: Backend | None, ledger) -> Case:
-    """A case that starts from a log (file, directory, stdin): the job it names, then everything else."""
-    gathering = _Gathering(backend, ledger)
-    ref = _attempt_of_path(job.log_paths[0]) if job.log_paths else None
-    if ref and ledger is not None:
-        gathering.use_attempt(job, *ref)
-    if job.job_id:
-        job.builder.set(None, job_id=job.job_id)
-        records = gathering.records([job.job_id])
-        found = resolve_ids(job.job_id, records)
-        job.record = records[found[0]] if len(found) == 1 else None
-        if job.record is None and gathering.sacct_answered:
-            job.builder.miss(f"job {job.job_id} named by the log is not known to sacct on this cluster")
-    elif job.kind != "dir" or job.log_paths:
-        job.builder.miss("the log names no Slurm job id (slurm-<id>.out, 'hpcmem: job <id>', StepId=<id>.batch)")
-    gathering.complete([job])
-    return job.case()
-
-
-def log_files(directory: Path) -> list[Path]:
-    """The log files of a directory in rank/file order (numbers compared as numbers); for an hpcmem run
-    directory without logs of its own, those of its last attempt."""
-    directory = Path(directory)
+        return job
     try:
-        entries = [p for p in directory.iterdir() if p.is_file() and _looks_like_log(p.name)]
-    except OSError:
-        return []
-    if not entries:
-        attempts = sorted((p for p in directory.glob("attempt-*") if p.is_dir() and _ATTEMPT_DIR.match(p.name)),
-                          key=lambda p: int(p.name.split("-")[1]))
-        if attempts:
-            return log_files(attempts[-1])
-    return sorted(entries, key=lambda p: _natural(p.name))
-
-
-def job_id_of_logs(paths: list[Path]) -> str | None:
-    """The one job id the logs name (``slurm-<id>.out`` names, else the first lines of the first log)."""
-    named = {m.group(1) for m in (_SLURM_LOG_NAME.match(p.name) for p in paths) if m}
-    if len(named) == 1:
-        return named.pop()
-    if named or not paths:
-        return None
-    return job_id_in_text(_head_text(paths[0]))
-
-
-def job_id_in_text(text: str) -> str | None:
-    """The job id a log names: hpcmem's ``hpcmem: job N attempt``, slurmstepd's ``StepId=N.batch`` or
-    ``*** JOB N ON node CANCELLED`` (pure)."""
-    for pattern in _LOG_JOB_ID:
-        match = pattern.search(text)
-        if match:
-            return match.group(1)
-    return None
-
-
-def decode_log_bytes(data: bytes) -> tuple[str, bool]:
-    """Log bytes (plain or gzip, by magic) -> (text, damaged). Invalid UTF-8 is replaced, never raised;
-    a truncated or corrupt gzip gives what could be decompressed and ``damaged`` True (pure)."""
-    damaged = False
-    if data[:2] == b"\x1f\x8b":
-        out, rest = [], data
-        try:
-            while rest[:2] == b"\x1f\x8b":
-                inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                out.append(inflater.decompress(rest))
-                if not inflater.eof:
-                    damaged = True
-                    break
-                rest = inflater.unused_data
-        except zlib.error:
-            damaged = True
-        data = b"".join(out)
-    return data.decode("utf-8", errors="replace"), damaged
-
-
-def _head_text(path: Path) -> str:
-    """The first ``HEAD_BYTES`` (decompressed) of a log, and the last of a plain one, as text."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(HEAD_BYTES)
-            if head[:2] == b"\x1f\x8b":
-                inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                try:
-                    return inflater.decompress(head, HEAD_BYTES).decode("utf-8", errors="replace")
-                except zlib.error:
-                    return ""
-            size = os.fstat(handle.fileno()).st_size
-            if size > 2 * HEAD_BYTES:
-                handle.seek(size - HEAD_BYTES)
-                head += b"\n" + handle.read(HEAD_BYTES)
-            return head.decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _looks_like_log(name: str) -> bool:
-    base = name.removesuffix(".gz")
-    if base.endswith(_NOT_LOGS) or name.startswith("."):
-        return False
-    return base.endswith(_LOG_SUFFIXES)
-
-
-def _natural(name: str) -> list:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
+        tail = read_stream_tail(stdin, max_bytes, head_bytes=HEAD_BYTES)
+    except LogError as exc:
+        job.builder.miss(str(exc))
+        return job
+    if tail.damaged:
+        job.builder.miss("the gzip data on standard input is damaged (truncated or corrupt): "
+                         + ("what could be decompressed is used" if tail.text else "nothing could be decompressed"))
+    elif tail.truncated:
+        job.builder.miss(f"standard input holds {tail.size} bytes: only its last {max_bytes} were read, from line "
+                         f"{tail.first_line} of the input (evidence line numbers count from there)")
+    job.log_text = tail.text if tail.text or not tail.damaged else None
+    job.log_first_line = tail.first_line
+    job.clues = (tail.head or "") + "\n" + tail.text[:HEAD_BYTES] + "\n" + tail.text[-HEAD_BYTES:]
+    job.job_id = job_id_in_text(job.clues)
+    return job
