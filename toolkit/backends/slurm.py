@@ -369,11 +369,11 @@ def gpus_requested(directives: Mapping[str, str]) -> int:
     for key in ("gpus-per-node", "gpus"):
         if key in directives:
             count = directives[key].rsplit(":", 1)[-1]
-            return int(count) if count.isascii() and count.isdigit() else 1
+            return int(count) if count.isdigit() else 1
     for gres in directives.get("gres", "").split(","):
         parts = gres.split(":")
         if parts[0] == "gpu":
-            return int(parts[-1]) if len(parts) > 1 and parts[-1].isascii() and parts[-1].isdigit() else 1
+            return int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
     return 0
 
 
