@@ -314,7 +314,7 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
 @_set_opt
 @_METHOD_OPT
 @click.option("--model", help="Instead of JOB: a model name in jobs/models, a config.json (or its directory), or a HF id in the local cache.")
-@click.option("--task", type=click.Choice(["causal-lm", "seq-cls"]), default="causal-lm", show_default=True)
+@click.option("--task", type=click.Choice(["causal-lm", "seq-cls", "image-cls"]), default="causal-lm", show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--micro-batch", type=int, default=1, show_default=True)
 @click.option("--grad-accum", type=int, default=1, show_default=True)

@@ -2,8 +2,15 @@
 
 A model is named by a path to a config.json, a directory holding one, or the name
 of a shipped config in ``jobs/models/<name>.json`` (tiny-gpt2, tiny-bert, gpt2,
-bert-large, llama-7b). As a last resort a Hugging Face id already in the local
-cache is read offline. ``build_model`` turns the config into an untrained model.
+bert-large, llama-7b, tiny-vit, vit-base). As a last resort a Hugging Face id already
+in the local cache is read offline. ``build_model`` turns the config into an untrained
+model: ``AutoModelForCausalLM`` (causal-lm), ``AutoModelForSequenceClassification``
+(seq-cls) or ``AutoModelForImageClassification`` (image-cls, e.g. a ViT).
+
+Tasks and their inputs: the text tasks take ``input_ids`` of the plan's ``seq_len``
+tokens; image-cls takes ``pixel_values`` of ``image_input_shape`` and ignores the
+plan's ``seq_len`` (the encoder's sequence is fixed by the config: a ViT's patches
+plus its CLS token, ``toolkit.modelshape.image_sequence``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ from typing import Any
 from .errors import ConfigError, HpcmemError, UnknownNameError
 from .resources import data_dir
 
-TASKS = ("causal-lm", "seq-cls")
+TASKS = ("causal-lm", "seq-cls", "image-cls")
+IMAGE_TASKS = ("image-cls",)
+
+# task -> the transformers auto class (toolkit.models.build_model) and its mapping of model types
+_AUTO = {"causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+         "seq-cls": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+         "image-cls": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")}
 
 
 def models_dir() -> Path:
@@ -85,6 +98,7 @@ def transformers_config(cfg: dict[str, Any], task: str):
     from transformers import AutoConfig
 
     check_task(task)
+    check_model_task(cfg["model_type"], task)
     cfg = dict(cfg)
     model_type = cfg.pop("model_type")
     for key in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
@@ -103,6 +117,36 @@ def check_task(task: str) -> None:
         raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
 
 
+def check_model_task(model_type: str, task: str) -> None:
+    """A one-line ConfigError when transformers has no model of ``model_type`` for ``task``
+    (a ViT asked for causal-lm, a GPT-2 for image-cls); types transformers does not know pass."""
+    from transformers.models.auto import modeling_auto
+
+    known = {t: getattr(modeling_auto, names) for t, (_, names) in _AUTO.items()}
+    if model_type in known[task] or not any(model_type in m for m in known.values()):
+        return
+    fits = [t for t in TASKS if model_type in known[t]]
+    raise ConfigError(f"task {task} does not fit model_type {model_type!r}: transformers has no "
+                      f"{_AUTO[task][0]} for it (it fits {', '.join(fits)})")
+
+
+def image_input_shape(config) -> tuple[int, int, int]:
+    """(channels, height, width) of the ``pixel_values`` an image model takes, from its config."""
+    size = config.image_size
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    return int(getattr(config, "num_channels", 3)), int(height), int(width)
+
+
+def random_image_batch(config, micro_batch: int, generator=None) -> dict[str, Any]:
+    """A synthetic image-cls batch: fp32 ``pixel_values`` (micro_batch, C, H, W) drawn from N(0, 1)
+    and integer ``labels`` in [0, num_labels), on the CPU."""
+    import torch
+
+    pixels = torch.randn(micro_batch, *image_input_shape(config), generator=generator)
+    labels = torch.randint(0, int(getattr(config, "num_labels", 2) or 2), (micro_batch,), generator=generator)
+    return {"pixel_values": pixels, "labels": labels}
+
+
 def max_positions(config) -> int | None:
     """The longest sequence the model's position embeddings allow (None: unbounded, e.g. RoPE without a limit)."""
     for key in ("n_positions", "max_position_embeddings"):
@@ -113,14 +157,15 @@ def max_positions(config) -> int | None:
 
 
 def build_model(config, task: str, attn_implementation: str = "sdpa", dtype=None):
-    """An untrained ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification`` from ``config``.
+    """An untrained ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification`` /
+    ``AutoModelForImageClassification`` (by ``task``) from ``config``.
 
     ``dtype`` (a torch dtype) builds the weights in that type directly (bf16-true).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    import transformers
 
     check_task(task)
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    auto = getattr(transformers, _AUTO[task][0])
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation}
     if dtype is not None:
         kwargs["dtype"] = dtype

@@ -1,10 +1,11 @@
 """The shape of a transformer from its config dict (pure): sizes the estimator and DeepSpeed need.
 
-Reads the common transformers spellings (GPT-2's n_embd/n_layer/n_inner, BERT's and
-LLaMA's hidden_size/num_hidden_layers/intermediate_size).
+Reads the common transformers spellings (GPT-2's n_embd/n_layer/n_inner, BERT's,
+LLaMA's and ViT's hidden_size/num_hidden_layers/intermediate_size).
 
 ``ModelShape.from_config`` lists every parameter tensor the transformers model of that
-config has (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``), so that
+config has (``AutoModelForCausalLM``, ``AutoModelForSequenceClassification`` or, for a
+ViT, ``AutoModelForImageClassification``), so that
 ``n_params`` is the model's exact ``sum(p.numel() for p in model.parameters())``; the
 estimator also reads the block layout (``family``), the activation function and the
 dropout rates from it. ``ModelShape.from_param_count`` is for a model known only by its
@@ -20,12 +21,16 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-TASKS = ("causal-lm", "seq-cls")
+TASKS = ("causal-lm", "seq-cls", "image-cls")
+TEXT_TASKS = ("causal-lm", "seq-cls")
+IMAGE_TASKS = ("image-cls",)
 
 # model_type -> block layout. "gpt2": fused QKV, LayerNorm, plain MLP; "bert": separate
 # Q/K/V, post-LayerNorm, plain MLP; "llama": separate Q/K/V (GQA), RMSNorm, rotary
-# positions, gated (SwiGLU) MLP.
-FAMILIES = {"gpt2": "gpt2", "bert": "bert", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# positions, gated (SwiGLU) MLP; "vit": an image encoder, separate Q/K/V, pre-LayerNorm,
+# plain MLP, on patches instead of tokens.
+FAMILIES = {"gpt2": "gpt2", "bert": "bert", "llama": "llama", "mistral": "llama", "qwen2": "llama", "vit": "vit"}
+IMAGE_FAMILIES = ("vit",)
 
 # Parameter kinds: a "linear" weight feeds a matmul (autocast keeps a 16-bit copy of it
 # for backward); "bias", "norm", "embedding" and "other" do not.
@@ -62,10 +67,10 @@ class ModelShape:
     """A transformer's sizes and its parameter tensors (elements, not bytes)."""
 
     family: str
-    """Block layout the activation formulas follow: gpt2, bert or llama."""
+    """Block layout the activation formulas follow: gpt2, bert, llama or vit."""
     model_type: str
     task: str
-    """causal-lm or seq-cls (decides the head: vocabulary logits or a few labels)."""
+    """causal-lm, seq-cls or image-cls (decides the head: vocabulary logits or a few labels)."""
     hidden: int
     layers: int
     heads: int
@@ -78,6 +83,7 @@ class ModelShape:
     """The config's activation name (gelu_new, gelu, silu, ...)."""
     gated: bool
     vocab: int
+    """Token vocabulary (0 for an image model: it has no token embeddings)."""
     max_positions: int | None
     """Longest sequence the position embeddings allow (None: rotary, no table)."""
     tied: bool
@@ -94,6 +100,11 @@ class ModelShape:
     """The parameters of one transformer layer (every layer has the same)."""
     other_tensors: tuple[Tensor, ...]
     """Embeddings, final norm, head: everything outside the layers."""
+    seq_len: int | None = None
+    """Tokens per sample fixed by the model itself: a ViT's patches plus its CLS token,
+    (image_size / patch_size)^2 + 1. None: the plan's seq_len (text models)."""
+    image: tuple[int, int, int] | None = None
+    """(channels, height, width) of one input image (pixels); None for a text model."""
 
     # -- constructors --------------------------------------------------------------
 
@@ -101,9 +112,11 @@ class ModelShape:
     def from_config(cls, cfg: Mapping[str, Any], task: str = "causal-lm", num_labels: int | None = None) -> "ModelShape":
         """The shape of the transformers model for ``cfg`` (a config.json dict) and ``task``.
 
-        ``num_labels`` defaults to the config's (else 2), as transformers does. A missing
-        size raises a one-line ``ConfigError`` naming the field; an architecture the
-        analytic formulas do not know raises one listing those they do.
+        ``num_labels`` defaults to the config's ``num_labels``, else the length of its
+        ``id2label``, else 2, as transformers does. A missing size raises a one-line
+        ``ConfigError`` naming the field; an architecture the analytic formulas do not know
+        raises one listing those they do; an image model with a text task (or the reverse)
+        raises one naming the tasks that fit.
         """
         if task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
@@ -111,10 +124,17 @@ class ModelShape:
         if model_type not in FAMILIES:
             raise ConfigError(f"model_type {model_type!r} is not one the analytic estimator knows "
                               f"({', '.join(sorted(FAMILIES))}); use --method traced")
-        labels = int(num_labels if num_labels is not None else _first(cfg, "num_labels", default=2))
+        image_model = FAMILIES[model_type] in IMAGE_FAMILIES
+        if image_model and task not in IMAGE_TASKS:
+            raise ConfigError(f"model_type {model_type!r} is an image model: task must be "
+                              f"{' or '.join(IMAGE_TASKS)}, got {task!r}")
+        if not image_model and task in IMAGE_TASKS:
+            raise ConfigError(f"task {task!r} needs an image model (model_type {' or '.join(IMAGE_FAMILIES)}); "
+                              f"{model_type!r} is a text model: use {' or '.join(TEXT_TASKS)}")
+        labels = int(num_labels if num_labels is not None else _labels(cfg))
         if labels < 1:
             raise ConfigError(f"num_labels must be at least 1, got {labels}")
-        build = {"gpt2": _gpt2, "bert": _bert, "llama": _llama}[FAMILIES[model_type]]
+        build = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "vit": _vit}[FAMILIES[model_type]]
         return build(cfg, task, labels)
 
     @classmethod
@@ -128,8 +148,8 @@ class ModelShape:
         what makes the count come out (the few parameters left over by rounding are an
         extra "unattributed" tensor). ``seq``: the longest sequence (None: unbounded).
         """
-        if task not in TASKS:
-            raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+        if task not in TEXT_TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TEXT_TASKS)}; got {task!r}")
         for name, value in (("n", n), ("hidden", hidden), ("layers", layers), ("heads", heads), ("vocab", vocab)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
@@ -203,7 +223,8 @@ class ModelShape:
                 "layers": self.layers, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "ffn": self.ffn, "activation": self.activation, "gated": self.gated, "vocab": self.vocab,
                 "max_positions": self.max_positions, "tied": self.tied, "n_params": self.n_params,
-                "largest_param_numel": self.largest_param_numel}
+                "largest_param_numel": self.largest_param_numel, "seq_len": self.seq_len,
+                "image": list(self.image) if self.image else None}
 
 
 # -- reading a config --------------------------------------------------------------------
@@ -217,6 +238,35 @@ def _need(cfg: Mapping[str, Any], *names: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"model config {spelled} must be a positive integer, got {value!r}")
     return value
+
+
+def _labels(cfg: Mapping[str, Any]) -> int:
+    """The config's label count: num_labels, else the length of id2label, else 2 (as transformers)."""
+    if cfg.get("num_labels") is not None:
+        return int(cfg["num_labels"])
+    if isinstance(cfg.get("id2label"), Mapping) and cfg["id2label"]:
+        return len(cfg["id2label"])
+    return 2
+
+
+def _pair(cfg: Mapping[str, Any], name: str) -> tuple[int, int]:
+    """An image size field as (height, width): one positive int, or a list of two."""
+    value = cfg.get(name)
+    if value is None:
+        raise ConfigError(f"model config ({cfg.get('model_type')}) is missing {name!r}")
+    pair = list(value) if isinstance(value, (list, tuple)) else [value, value]
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in pair):
+        raise ConfigError(f"model config {name!r} must be a positive integer or two of them, got {value!r}")
+    return pair[0], pair[1]
+
+
+def image_sequence(cfg: Mapping[str, Any]) -> int:
+    """Tokens a ViT's encoder sees per image: (image_size / patch_size)^2 patches + the CLS token."""
+    (ih, iw), (ph, pw) = _pair(cfg, "image_size"), _pair(cfg, "patch_size")
+    if ih < ph or iw < pw:
+        raise ConfigError(f"model config patch_size {cfg.get('patch_size')!r} is larger than image_size "
+                          f"{cfg.get('image_size')!r}")
+    return (ih // ph) * (iw // pw) + 1
 
 
 def _rate(cfg: Mapping[str, Any], name: str, default: float) -> float:
@@ -358,3 +408,45 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                       attn_dropout=_rate(cfg, "attention_dropout", 0.0), hidden_dropout=0.0, embd_dropout=0.0,
                       kv_cache=_kv_cache(cfg, task),
                       layer_tensors=tuple(layer), other_tensors=tuple(other))
+
+
+def _vit(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
+    """ViTForImageClassification: patch conv + CLS token + positions, pre-LN encoder layers, final
+    LayerNorm, a linear classifier on the CLS token (no pooler)."""
+    h = _need(cfg, "hidden_size")
+    layers = _need(cfg, "num_hidden_layers")
+    heads = _need(cfg, "num_attention_heads")
+    f = _need(cfg, "intermediate_size")
+    (ih, iw), (ph, pw) = _pair(cfg, "image_size"), _pair(cfg, "patch_size")
+    channels = int(_first(cfg, "num_channels", default=3))
+    seq = image_sequence(cfg)
+    head_dim = _first(cfg, "head_dim")
+    if head_dim is None:
+        if h % heads:
+            raise ConfigError(f"model config hidden_size {h} is not a multiple of num_attention_heads {heads}")
+        head_dim = h // heads
+    q_dim = heads * int(head_dim)
+    qkv_bias = bool(_first(cfg, "qkv_bias", default=True))
+    layer: list[Tensor] = [("layernorm_before.weight", (h,), "norm"), ("layernorm_before.bias", (h,), "norm")]
+    for name in ("q_proj", "k_proj", "v_proj"):
+        layer.append((f"attention.{name}.weight", (q_dim, h), "linear"))
+        if qkv_bias:
+            layer.append((f"attention.{name}.bias", (q_dim,), "bias"))
+    layer += [("attention.o_proj.weight", (h, q_dim), "linear"), ("attention.o_proj.bias", (h,), "bias"),
+              ("layernorm_after.weight", (h,), "norm"), ("layernorm_after.bias", (h,), "norm"),
+              ("mlp.fc1.weight", (f, h), "linear"), ("mlp.fc1.bias", (f,), "bias"),
+              ("mlp.fc2.weight", (h, f), "linear"), ("mlp.fc2.bias", (h,), "bias")]
+    # The patch embedding is a convolution (a matmul over C x P x P patches: "linear").
+    other: list[Tensor] = [("embeddings.cls_token", (1, 1, h), "embedding"),
+                           ("embeddings.position_embeddings", (1, seq, h), "embedding"),
+                           ("embeddings.patch_embeddings.projection.weight", (h, channels, ph, pw), "linear"),
+                           ("embeddings.patch_embeddings.projection.bias", (h,), "bias"),
+                           ("layernorm.weight", (h,), "norm"), ("layernorm.bias", (h,), "norm"),
+                           ("classifier.weight", (labels, h), "linear"), ("classifier.bias", (labels,), "bias")]
+    hidden_dropout = _rate(cfg, "hidden_dropout_prob", 0.0)
+    return ModelShape(family="vit", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
+                      kv_heads=heads, head_dim=int(head_dim), ffn=f, activation=str(cfg.get("hidden_act") or "gelu"),
+                      gated=False, vocab=0, max_positions=seq, tied=False, num_labels=labels,
+                      attn_dropout=_rate(cfg, "attention_probs_dropout_prob", 0.0), hidden_dropout=hidden_dropout,
+                      embd_dropout=hidden_dropout, kv_cache=False,
+                      layer_tensors=tuple(layer), other_tensors=tuple(other), seq_len=seq, image=(channels, ih, iw))

@@ -1,8 +1,9 @@
-"""The reference trainer: ``python -m toolkit.train --model NAME --task causal-lm|seq-cls``.
+"""The reference trainer: ``python -m toolkit.train --model NAME --task causal-lm|seq-cls|image-cls``.
 
 It trains an untrained transformers model built from a config (toolkit/models.py,
 no downloads) on synthetic data like the classic benchmark: random token ids of the
-plan's ``seq_len`` and random labels. Inside an hpcmem job it takes the plan from
+plan's ``seq_len`` and random labels; for image-cls (a ViT) random ``pixel_values`` of
+the config's image size and random labels. Inside an hpcmem job it takes the plan from
 ``HPCMEM_PLAN``; outside it uses a single-node plan for the ranks it was started
 with. Hugging Face style flags (``--per_device_train_batch_size``,
 ``--gradient_accumulation_steps``, ``--gradient_checkpointing``, ``--bf16``, ``--fp16``,
@@ -30,7 +31,9 @@ How each knob is applied:
   checkpointing            ``model.gradient_checkpointing_enable`` (non-reentrant)
   attention                attn_implementation eager / sdpa / flash_attention_2
   zero_stage, offload_*    the ds_config; ZeRO-3 builds the model partitioned (zero.Init)
-  seq_len                  tokens per sample (refused when longer than the model's positions)
+  seq_len                  tokens per sample (refused when longer than the model's positions);
+                           not used by image-cls, whose sequence (a ViT's patches + CLS) comes
+                           from the model's config: metrics.json "applied" records it
   alloc_conf               PYTORCH_CUDA_ALLOC_CONF (set by the job script; set here if missing)
   workers                  unused: batches are made in the training process, no data loader
 
@@ -92,7 +95,7 @@ def _bool(text: str) -> bool:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m toolkit.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="config.json path, directory holding one, or jobs/models/<name>")
-    p.add_argument("--task", required=True, choices=("causal-lm", "seq-cls"))
+    p.add_argument("--task", required=True, choices=models.TASKS)
     p.add_argument("--steps", "--max_steps", type=int, default=10, help="optimizer steps (default 10)")
     p.add_argument("--warmup-steps", "--warmup_steps", type=int, default=1,
                    help="first steps left out of the timing (default 1)")
@@ -329,10 +332,23 @@ class Trainer:
             models.import_bitsandbytes()  # fail before building a large model, not after
         torch.manual_seed(args.seed)  # the same initial weights on every rank
 
-        config = models.transformers_config(models.load_model_config(args.model), args.task)
+        model_cfg = models.load_model_config(args.model)
+        config = models.transformers_config(model_cfg, args.task)
+        image = args.task in models.IMAGE_TASKS
         limit = models.max_positions(config)
-        if limit is not None and plan.seq_len > limit:
+        if not image and limit is not None and plan.seq_len > limit:
             raise PlanError(f"seq_len {plan.seq_len} is longer than the model's {limit} positions")
+        if image:
+            inputs = "image " + "x".join(str(n) for n in models.image_input_shape(config))
+            if model_cfg.get("image_size") and model_cfg.get("patch_size"):
+                from .modelshape import image_sequence
+
+                seq = image_sequence(model_cfg)
+                inputs += f" ({seq} tokens: patches + CLS)"
+                self.monitor.note("seq_len", seq, f"{args.task}: the sequence is the image's patches plus the CLS "
+                                                  "token, from the model's config; the plan's seq_len does not apply")
+        else:
+            inputs = f"seq_len {plan.seq_len}"
         attn, why = choose_attention(plan.attention, device.type, importlib.util.find_spec("flash_attn") is not None)
         if why:
             self.monitor.note("attention", "sdpa", why)
@@ -342,7 +358,7 @@ class Trainer:
         self.log(f"hpcmem train: {config.model_type} {models.count_parameters(model) / 1e6:.1f}M params, "
                  f"task {args.task}, {plan.launcher} x{self.ranks.world_size} on {device.type}, "
                  f"micro_batch {plan.micro_batch} x grad_accum {plan.grad_accum} (global {plan.global_batch}), "
-                 f"seq_len {plan.seq_len}, {plan.precision}, {plan.optimizer}, attention {attn}"
+                 f"{inputs}, {plan.precision}, {plan.optimizer}, attention {attn}"
                  + (f", ZeRO-{plan.zero_stage}" if plan.uses_deepspeed else "")
                  + (", checkpointing" if plan.checkpointing else ""))
         batches = SyntheticBatches(config, args.task, plan.micro_batch, plan.seq_len, device,
@@ -478,12 +494,15 @@ class Trainer:
 
 
 class SyntheticBatches:
-    """Random token ids of a fixed length and random labels, like the classic benchmark."""
+    """Random token ids of a fixed length and random labels, like the classic benchmark;
+    for image-cls random fp32 pixel_values of the config's image size (N(0, 1), as after
+    normalisation) and random labels (``seq_len`` is not used)."""
 
     def __init__(self, config, task: str, micro_batch: int, seq_len: int, device, seed: int):
         import torch
 
-        self.vocab = int(config.vocab_size)
+        self.config = config
+        self.vocab = int(getattr(config, "vocab_size", 0) or 0)
         self.num_labels = int(getattr(config, "num_labels", 2) or 2)
         self.task, self.micro_batch, self.seq_len, self.device = task, micro_batch, seq_len, device
         self.generator = torch.Generator().manual_seed(seed)
@@ -491,6 +510,9 @@ class SyntheticBatches:
     def next(self) -> dict[str, Any]:
         import torch
 
+        if self.task in models.IMAGE_TASKS:
+            batch = models.random_image_batch(self.config, self.micro_batch, self.generator)
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         ids = torch.randint(0, self.vocab, (self.micro_batch, self.seq_len), generator=self.generator)
         if self.task == "causal-lm":
             labels = ids

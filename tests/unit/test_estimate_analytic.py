@@ -1,7 +1,7 @@
 """toolkit.estimate.analytic: the arithmetic on round numbers, its monotonicity, capacity and
 fit on the shipped partitions, and the estimate against real training steps on the CPU.
 
-The real check: one steady-state training step of tiny GPT-2, BERT and LLaMA-like models,
+The real check: one steady-state training step of tiny GPT-2, BERT, LLaMA-like and ViT models,
 run the way toolkit/train.py runs it (autocast, GradScaler, accumulation, grads set to
 None), under a TorchDispatchMode that sums the bytes of live tensor storages (a CPU
 stand-in for torch.cuda.max_memory_allocated: every tensor an op makes is counted until
@@ -10,7 +10,10 @@ peak, which is what ``peak_allocated_mib`` predicts. Model states and saved acti
 are counted tensor by tensor and come out to the byte; what is left is the short-lived
 gradients inside one layer's backward, fitted as per-family constants. Over ~100 such
 configurations (tiny and mid-sized, with and without dropout) the error stayed within
-2.1 %; the test allows 3 %, inside the issue's 5 % target.
+2.1 %; the test allows 3 %, inside the issue's 5 % target. The ViT (image-cls) cases cover
+fp32 / bf16-mixed x checkpointing x sdpa / eager x two micro-batches; they stayed within 1.1 %
+(and within 0.7 % on a wider 3-layer variant), except CPU sdpa with attention dropout under
+16-bit autocast, which BERT shares (the math fallback upcasts; not in these cases).
 """
 
 import contextlib
@@ -19,10 +22,11 @@ import math
 import pytest
 
 from toolkit import sites
+from toolkit.errors import ConfigError
 from toolkit.estimate import COMPONENTS
 from toolkit.estimate import analytic as an
 from toolkit.estimate.analytic import estimate_analytic
-from toolkit.models import load_model_config
+from toolkit.models import load_model_config, random_image_batch, transformers_config
 from toolkit.modelshape import ModelShape
 from toolkit.plan import Plan
 
@@ -229,38 +233,42 @@ TINY_LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128, "in
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
               "max_position_embeddings": 512}
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
-          "tiny-llama": TINY_LLAMA}
+          "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit")}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
     """Live tensor bytes at the end of a forward (the output dropped), beyond params and inputs."""
     model, _, _, _ = train_setup(cfg, task, p)
     dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(p.precision)
-    ids = torch.randint(0, cfg["vocab_size"], (p.micro_batch, p.seq_len))
-    labels = ids if task == "causal-lm" else torch.randint(0, 2, (p.micro_batch,))
+    if task == "image-cls":
+        batch = random_image_batch(transformers_config(cfg, task), p.micro_batch)
+    else:
+        ids = torch.randint(0, cfg["vocab_size"], (p.micro_batch, p.seq_len))
+        batch = {"input_ids": ids, "labels": ids if task == "causal-lm" else torch.randint(0, 2, (p.micro_batch,))}
     mode = LiveTensorBytes()
     with mode:
-        for t in [*model.parameters(), *model.buffers(), ids, labels]:
+        for t in [*model.parameters(), *model.buffers(), *batch.values()]:
             mode.track(t)
         before = mode.current
         with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(**batch).loss
         saved = mode.current - before
     del loss
     return saved
 
 
-@pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama"])
+@pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit"])
 @pytest.mark.parametrize("precision, attention", [("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     """The per-layer inventory against the real forward: a 3-layer minus a 2-layer model."""
     cfg, layers_key = MODELS[family], "n_layer" if family == "tiny-gpt2" else "num_hidden_layers"
     p = plan(precision=precision, attention=attention, micro_batch=3, seq_len=96)
-    task = "causal-lm"
+    task = "image-cls" if family == "tiny-vit" else "causal-lm"
     real = forward_saved_bytes({**cfg, layers_key: 3}, task, p) - forward_saved_bytes({**cfg, layers_key: 2}, task, p)
     shape = ModelShape.from_config(cfg, task)
     dt = an.dtypes_for(p, gpu=False)
-    predicted = 3 * 96 * an.layer_bytes_per_token(shape, p, dt) + (2 * shape.layer_linear_params if dt.autocast else 0)
+    tokens = 3 * an.sequence_length(shape, p)  # a ViT's patches + CLS, else seq_len 96
+    predicted = tokens * an.layer_bytes_per_token(shape, p, dt) + (2 * shape.layer_linear_params if dt.autocast else 0)
     assert predicted == pytest.approx(real, rel=0.005)
 
 
@@ -278,6 +286,15 @@ CASES = [
     ("tiny-llama", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
     ("tiny-llama", "seq-cls", dict(precision="fp32", attention="eager", micro_batch=8, seq_len=128)),
     ("tiny-llama", "seq-cls", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
+] + [  # a ViT: every combination of precision, checkpointing and attention, at two micro-batches
+    ("tiny-vit", "image-cls", dict(precision=precision, checkpointing=ckpt, attention=attention, micro_batch=micro))
+    for precision in ("fp32", "bf16-mixed") for ckpt in (False, True) for attention in ("sdpa", "eager")
+    for micro in (8, 64)
+] + [
+    ("tiny-vit", "image-cls", dict(precision="bf16-true", micro_batch=32)),
+    ("tiny-vit", "image-cls", dict(precision="fp16-mixed", micro_batch=16, grad_accum=2, optimizer="adafactor")),
+    ("tiny-vit", "image-cls", dict(precision="fp32", micro_batch=16, grad_accum=2, optimizer="sgd",
+                                   checkpointing=True)),
 ]
 
 
@@ -288,3 +305,42 @@ def test_peak_allocated_matches_a_real_cpu_training_step(family, task, knobs):
     estimate = estimate_analytic(ModelShape.from_config(MODELS[family], task), p, CPU)
     assert estimate.peak_allocated_mib == pytest.approx(real_mib, rel=0.03), estimate.notes
     assert not math.isnan(estimate.device_used_mib) and estimate.components["cuda_context"] == 0
+
+
+# -- image classification: the sequence comes from the model ----------------------------------------------
+
+VIT_BASE = ModelShape.from_config(load_model_config("vit-base"), "image-cls")
+
+
+def test_image_cls_ignores_the_plans_seq_len_and_says_so():
+    p = plan(precision="bf16-mixed", micro_batch=64)
+    short = estimate_analytic(VIT_BASE, p.replace(seq_len=16), A100)
+    long = estimate_analytic(VIT_BASE, p.replace(seq_len=4096), A100)
+    assert short.components == long.components
+    assert any("197 tokens per sample" in n and "does not apply" in n for n in long.notes)
+    assert not any("longer than the model" in n for n in long.notes)
+    dt = an.dtypes_for(p, True)
+    assert an.activations(VIT_BASE, p, dt).layer_bytes == 64 * 197 * an.layer_bytes_per_token(VIT_BASE, p, dt)
+
+
+def test_image_cls_scales_with_micro_batch_and_checkpointing_saves():
+    base = plan(precision="bf16-mixed", micro_batch=32)
+    peaks = [estimate_analytic(VIT_BASE, base.replace(micro_batch=m, global_batch=m), A100).peak_allocated_mib
+             for m in (32, 64, 128)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    ckpt = estimate_analytic(VIT_BASE, base.replace(micro_batch=128, global_batch=128, checkpointing=True), A100)
+    assert ckpt.peak_allocated_mib < peaks[2]
+    zero3 = plan(launcher="deepspeed", zero_stage=3, gpus_per_node=4, precision="bf16-mixed", micro_batch=64)
+    assert estimate_analytic(VIT_BASE, zero3, A100).components["params"] < \
+        estimate_analytic(VIT_BASE, zero3.replace(zero_stage=0), A100).components["params"]
+
+
+def test_image_cls_through_the_library_entry_point():
+    from toolkit.estimate import estimate, model_ref
+
+    local = sites.load_site("local").partitions
+    partition = next(iter(local.values()))
+    e = estimate(model_ref("tiny-vit", "image-cls"), plan(micro_batch=8), partition)
+    assert e.method == "analytic" and e.peak_allocated_mib > 0 and tuple(e.components) == COMPONENTS
+    with pytest.raises(ConfigError, match="image model"):
+        estimate(model_ref("tiny-vit", "causal-lm"), plan(), partition)

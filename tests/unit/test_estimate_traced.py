@@ -103,6 +103,8 @@ REAL_CASES = [
     ("tiny-gpt2", "causal-lm", {"micro_batch": 1, "grad_accum": 2, "optimizer": "adafactor"}),
     ("tiny-bert", "seq-cls", {"precision": "bf16-true", "optimizer": "adamw-8bit"}),
     ("tiny-bert", "causal-lm", {"precision": "fp16-mixed", "attention": "eager"}),
+    ("tiny-vit", "image-cls", {"checkpointing": True}),
+    ("tiny-vit", "image-cls", {"precision": "bf16-mixed", "attention": "eager", "grad_accum": 2, "micro_batch": 2}),
 ]
 
 
@@ -417,7 +419,11 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ConfigError, match="fake=False needs target='cpu'"):
         trace_training(config("tiny-gpt2"), "causal-lm", plan(), target="cuda", fake=False)
     with pytest.raises(ConfigError, match="task must be one of"):
+        trace_training(config("tiny-gpt2"), "translation", plan())
+    with pytest.raises(ConfigError, match="task image-cls does not fit model_type 'gpt2'"):
         trace_training(config("tiny-gpt2"), "image-cls", plan())
+    with pytest.raises(ConfigError, match="task causal-lm does not fit model_type 'vit'"):
+        trace_training(config("tiny-vit"), "causal-lm", plan())
 
 
 def test_factory_output_without_a_loss_asks_for_loss_fn():
@@ -431,3 +437,36 @@ def test_one_step_says_it_has_no_steady_state():
     trace = trace_training(config("tiny-gpt2"), "causal-lm", plan(), steps=1)
     assert len(trace.step_ends) == 1 and any("no steady state" in note for note in trace.notes)
     assert math.isfinite(peak_bytes(trace))
+
+
+# -- image classification (ViT) ------------------------------------------------------------------
+
+def test_image_cls_trace_equals_the_trainers_real_step():
+    """The fake trace against measure.py's real step (train.py's loop: the batch dropped after the forward)."""
+    from toolkit.estimate.measure import measured_peak_bytes
+
+    for knobs in ({"micro_batch": 16}, {"micro_batch": 16, "precision": "bf16-mixed", "checkpointing": True}):
+        p = plan(**knobs)
+        assert peak_bytes(trace_training(config("tiny-vit"), "image-cls", p, target="cpu")) == \
+            measured_peak_bytes(config("tiny-vit"), "image-cls", p)
+
+
+def test_image_cls_takes_pixels_of_the_config_and_ignores_seq_len():
+    short = trace_training(config("tiny-vit"), "image-cls", plan(seq_len=8), target="cpu")
+    long = trace_training(config("tiny-vit"), "image-cls", plan(seq_len=4096), target="cpu")  # past any position table
+    assert short.samples == long.samples
+    assert any("3x32x32 pixels" in note and "does not apply" in note for note in long.notes)
+    bigger = trace_training(config("tiny-vit", image_size=64), "image-cls", plan(), target="cpu")
+    assert peak_bytes(bigger) > peak_bytes(short)  # 65 patches + CLS instead of 17
+
+
+def test_vit_base_traced_and_analytic_agree_on_a_gpu_partition():
+    """Two independent derivations of a ViT-B/16 step (CUDA behaviour traced, arithmetic): within 2 %."""
+    from toolkit.estimate import estimate, model_ref
+
+    p = plan(micro_batch=32, precision="bf16-mixed")
+    part = gpu_partition()
+    traced_est = estimate(model_ref("vit-base", "image-cls"), p, part, method="traced")
+    analytic_est = estimate(model_ref("vit-base", "image-cls"), p, part, method="analytic")
+    assert traced_est.peak_allocated_mib == pytest.approx(analytic_est.peak_allocated_mib, rel=0.02)
+    assert traced_est.fits and traced_est.components["params"] == pytest.approx(4 * 86_567_656 / MIB, abs=0.01)

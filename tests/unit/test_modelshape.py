@@ -134,3 +134,77 @@ def test_from_param_count_is_exact_and_shaped():
         ModelShape.from_param_count(1_000_000, hidden=4096, layers=32, heads=32, vocab=32000)
     with pytest.raises(ConfigError, match="multiple"):
         ModelShape.from_param_count(10**9, hidden=1000, layers=8, heads=16, vocab=1000)
+
+
+# -- image classification (ViT) -------------------------------------------------------------
+
+TINY_VIT = {
+    "tiny-vit": load_model_config("tiny-vit"),
+    "vit-no-qkv-bias-grey-rectangular": {**load_model_config("tiny-vit"), "qkv_bias": False, "num_channels": 1,
+                                         "image_size": [32, 48], "patch_size": [8, 16]},
+    "vit-labels-from-id2label": {**{k: v for k, v in load_model_config("tiny-vit").items() if k != "num_labels"},
+                                 "id2label": {str(i): f"class-{i}" for i in range(7)}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY_VIT))
+def test_vit_n_params_and_largest_equal_the_real_tiny_model(name):
+    model = real_model(TINY_VIT[name], "image-cls")
+    assert type(model).__name__ == "ViTForImageClassification"
+    shape = ModelShape.from_config(TINY_VIT[name], "image-cls")
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert shape.largest_param_numel == max(p.numel() for p in model.parameters())
+    assert shape.num_labels == model.config.num_labels
+    assert shape.seq_len == model.vit.embeddings.position_embeddings.shape[1]  # patches + CLS
+
+
+def test_vit_base_n_params_equal_the_real_full_size_model():
+    cfg = load_model_config("vit-base")
+    model = real_model(cfg, "image-cls", meta=True)
+    shape = ModelShape.from_config(cfg, "image-cls")
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert shape.n_params == 86_567_656  # google/vit-base-patch16-224 as published (ImageNet-1k head)
+
+
+def test_vit_layer_tensors_are_one_real_layer_and_the_patch_embedding_a_conv():
+    cfg = TINY_VIT["tiny-vit"]
+    model = real_model(cfg, "image-cls")
+    shape = ModelShape.from_config(cfg, "image-cls")
+    layer = model.vit.layers[0]
+    assert shape.layer_params == sum(p.numel() for p in layer.parameters())
+    linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    assert shape.layer_linear_params == linear
+    conv = model.vit.embeddings.patch_embeddings.projection
+    c, p, h = cfg["num_channels"], cfg["patch_size"], cfg["hidden_size"]
+    assert conv.weight.numel() + conv.bias.numel() == c * p * p * h + h
+    head = conv.weight.numel() + model.classifier.weight.numel()
+    assert shape.head_linear_params == head  # what autocast copies outside the layers: patch conv and classifier
+
+
+def test_vit_sizes_and_sequence():
+    vit = ModelShape.from_config(load_model_config("vit-base"), "image-cls")
+    assert (vit.family, vit.hidden, vit.layers, vit.heads, vit.ffn, vit.num_labels) == ("vit", 768, 12, 12, 3072, 1000)
+    assert vit.seq_len == (224 // 16) ** 2 + 1 and vit.image == (3, 224, 224)
+    assert vit.vocab == 0 and not vit.tied and not vit.gated and not vit.kv_cache
+    assert (vit.hidden_dropout, vit.attn_dropout) == (0.0, 0.0)
+    rect = ModelShape.from_config(TINY_VIT["vit-no-qkv-bias-grey-rectangular"], "image-cls")
+    assert rect.seq_len == (32 // 8) * (48 // 16) + 1 and rect.image == (1, 32, 48)
+    assert ModelShape.from_config(TINY_VIT["tiny-vit"], "image-cls").to_dict()["seq_len"] == 17
+    assert ModelShape.from_config(load_model_config("gpt2")).seq_len is None  # text: the plan's seq_len
+
+
+@pytest.mark.parametrize("cfg, task, needle", [
+    (load_model_config("tiny-vit"), "causal-lm", "image model"),
+    (load_model_config("tiny-vit"), "seq-cls", "image model"),
+    (load_model_config("tiny-gpt2"), "image-cls", "text model"),
+    (load_model_config("bert-large"), "image-cls", "text model"),
+    ({k: v for k, v in load_model_config("tiny-vit").items() if k != "image_size"}, "image-cls", "image_size"),
+    ({k: v for k, v in load_model_config("tiny-vit").items() if k != "intermediate_size"}, "image-cls",
+     "intermediate_size"),
+    ({**load_model_config("tiny-vit"), "patch_size": 64}, "image-cls", "larger than image_size"),
+    ({**load_model_config("tiny-vit"), "image_size": [32]}, "image-cls", "image_size"),
+])
+def test_image_and_text_mismatches_are_one_line_errors(cfg, task, needle):
+    with pytest.raises(ConfigError, match=needle) as err:
+        ModelShape.from_config(cfg, task)
+    assert "\n" not in str(err.value)

@@ -142,6 +142,8 @@ SHIPPED = {
     "gpt2": ("causal-lm", 124.4, 0.5),
     "bert-large": ("seq-cls", 335.1, 1.0),
     "llama-7b": ("causal-lm", 6738.4, 5.0),
+    "tiny-vit": ("image-cls", 0.11, 0.01),
+    "vit-base": ("image-cls", 86.6, 0.1),
 }
 
 
@@ -158,6 +160,8 @@ def test_shipped_model_builds_with_the_expected_size(name):
         model = models.build_model(config, task, "sdpa")
     assert models.count_parameters(model) / 1e6 == pytest.approx(millions, abs=tol)
     assert model.config._attn_implementation == "sdpa"
+    if task == "image-cls":
+        assert type(model).__name__ == "ViTForImageClassification"
 
 
 def test_llama_7b_has_the_llama2_shape():
@@ -173,3 +177,65 @@ def test_seq_cls_config_gets_a_pad_token():
     assert config.pad_token_id is not None and config.num_labels == 2
     with pytest.raises(ConfigError, match="task"):
         models.transformers_config(cfg, "translation")
+
+
+# -- image classification (a ViT) -------------------------------------------------------
+
+def test_image_cls_is_a_task_and_fits_only_image_models():
+    assert train.parse_args(["--model", "tiny-vit", "--task", "image-cls"]).task == "image-cls"
+    config = models.transformers_config(models.load_model_config("vit-base"), "image-cls")
+    assert models.image_input_shape(config) == (3, 224, 224) and config.num_labels == 1000
+    for name, task in (("tiny-vit", "causal-lm"), ("tiny-vit", "seq-cls"), ("tiny-gpt2", "image-cls")):
+        with pytest.raises(ConfigError, match=f"task {task} does not fit") as err:
+            models.transformers_config(models.load_model_config(name), task)
+        assert "\n" not in str(err.value)
+
+
+def test_synthetic_image_batches_follow_the_config():
+    torch = pytest.importorskip("torch")
+    config = models.transformers_config({**models.load_model_config("tiny-vit"), "image_size": [32, 48],
+                                         "num_channels": 1}, "image-cls")
+    batches = train.SyntheticBatches(config, "image-cls", micro_batch=5, seq_len=4096, device=torch.device("cpu"),
+                                     seed=0)
+    batch = batches.next()
+    assert set(batch) == {"pixel_values", "labels"}
+    assert batch["pixel_values"].shape == (5, 1, 32, 48) and batch["pixel_values"].dtype == torch.float32
+    assert batch["labels"].dtype == torch.int64 and 0 <= int(batch["labels"].min()) <= int(batch["labels"].max()) < 10
+    assert not torch.equal(batch["pixel_values"], batches.next()["pixel_values"])
+
+
+def _run_trainer(tmp_path, *args, env_extra=None):
+    """python -m toolkit.train outside hpcmem (no HPCMEM_PLAN), one process on the CPU; its metrics.json."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCMEM_", "SLURM_"))}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", **(env_extra or {}),
+                "PYTHONPATH": os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)})
+    result = subprocess.run([sys.executable, "-m", "toolkit.train", "--model", "tiny-vit", "--task", "image-cls",
+                             "--metrics-dir", str(tmp_path), *args], cwd=repo, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((tmp_path / "metrics.json").read_text()), result.stdout
+
+
+@pytest.mark.parametrize("sets", [
+    ["precision=bf16-mixed", "checkpointing=true", "attention=eager", "micro_batch=4", "optimizer=adafactor"],
+    ["launcher=deepspeed", "zero_stage=3", "precision=bf16-mixed", "micro_batch=4"],
+], ids=["torch-bf16-ckpt-eager-accum", "deepspeed-zero3"])
+def test_the_trainer_trains_a_vit_on_synthetic_images(tmp_path, sets):
+    import math
+
+    metrics, stdout = _run_trainer(tmp_path, "--steps", "3", *[a for s in sets for a in ("--set", s)])
+    assert metrics["status"] == "ok" and metrics["steps"] == 3 and metrics["device"] == "cpu"
+    assert math.isfinite(metrics["loss"]) and metrics["samples_per_s"] > 0
+    plan = metrics["plan"]
+    for knob, value in (s.split("=") for s in sets):
+        assert str(plan[knob]).lower() == value
+    assert plan["micro_batch"] * plan["grad_accum"] == plan["global_batch"] == 8  # the default plan's global batch
+    assert metrics["applied"]["seq_len"] == 17 and "patches" in metrics["applied"]["reasons"]["seq_len"]
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and "image 3x32x32 (17 tokens: patches + CLS)" in stdout

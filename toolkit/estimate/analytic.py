@@ -26,7 +26,12 @@ activations    what autograd saves in the forward, per transformer layer, tensor
                layer's input (s·b·h in the residual's dtype) and recomputes one layer at a
                time in the backward. Outside the layers: embeddings, final norm, the head's
                input, and for a causal LM the fp32 log-probabilities of the loss (4·b·s·V;
-               transformers upcasts the logits), plus the input ids and labels. Dropout
+               transformers upcasts the logits), plus the input ids and labels.
+               An image classifier (ViT, task image-cls) is a pre-LayerNorm encoder on
+               s = (image_size / patch_size)^2 + 1 tokens fixed by its config (the plan's
+               seq_len does not apply): its layers follow BERT's inventory, and outside
+               them it keeps the input pixels (and the patch convolution's 16-bit copy of
+               them), the final LayerNorm's input and the classifier's CLS input. Dropout
                keeps a mask: a byte per element on CUDA, a tensor of the input's dtype on
                the CPU. A decoder's classifier builds a KV cache (transformers' use_cache).
                CUDA's autocast runs a few more ops in fp32 than the CPU's (pow in
@@ -254,18 +259,23 @@ def _ffn_bytes(shape: ModelShape, dt: Dtypes) -> float:
     return ACTIVATION_SAVED.get(shape.activation, DEFAULT_ACTIVATION_SAVED) * c * f
 
 
+def sequence_length(shape: ModelShape, plan: Plan) -> int:
+    """Tokens per sample: fixed by an image model's config (patches + CLS), else the plan's seq_len."""
+    return shape.seq_len if shape.seq_len is not None else plan.seq_len
+
+
 def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
     """Per token: the attention kernel's saved Q, K, V and output, and the score matrix when stored."""
-    c, a, s = dt.compute, shape.heads, plan.seq_len
+    c, a, s = dt.compute, shape.heads, sequence_length(shape, plan)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not stores_scores(shape, plan, dt):
         return (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
     # Eager: K and V repeated to every head (GQA), softmax output, its 16-bit copy or dropout.
-    causal = shape.family != "bert"
+    causal = shape.family not in ("bert", "vit")
     # The causal mask is in the weights' dtype (fp32 under autocast) and CUDA's autocast
     # runs softmax in fp32: then softmax's output is fp32 and a 16-bit copy feeds the matmul.
-    # LLaMA's eager attention asks softmax for fp32 outright.
-    soft = 4 if shape.family == "llama" or (dt.autocast and (causal or dt.gpu)) else c
+    # LLaMA's and ViT's eager attention ask softmax for fp32 outright.
+    soft = 4 if shape.family in ("llama", "vit") or (dt.autocast and (causal or dt.gpu)) else c
     if shape.attn_dropout > 0:
         extra = dt.mask + c
     else:
@@ -297,9 +307,10 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
         cache = 2 * shape.kv_heads * shape.head_dim * c if shape.kv_cache and not plan.checkpointing else 0
         # ln_1 input, c_attn input, ln_2 input, c_fc input (+ LayerNorm stats)
         return core + cache + 2 * (h * p + LN_STATS_BYTES) + 2 * h * c
-    if shape.family == "bert":
+    if shape.family in ("bert", "vit"):
         qkv_in = 3 * h * c if dt.autocast else h * p
-        # Q/K/V input, two post-LayerNorm inputs, the intermediate dense's input
+        # Q/K/V input, two LayerNorm inputs (BERT: after each residual add; ViT: the residual
+        # stream before attention and before the MLP), the intermediate dense's input
         return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
     # llama: RMSNorm in python keeps its fp32 input, rstd and the normalised tensor
     rms = 4 * h + 4 + h * p
@@ -311,6 +322,11 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
 def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
     """Per token, what is saved outside the layers: ids, embeddings, final norm, head input, log-probs."""
     h, p, c = shape.hidden, dt.param, dt.compute
+    if shape.family == "vit":
+        # embedding dropout, the final LayerNorm's input; the classifier's CLS view keeps the whole
+        # normalised output alive unless autocast copied the CLS rows (see outside_bytes_per_sample)
+        emb = h * dt.mask if shape.embd_dropout > 0 else 0
+        return emb + h * p + LN_STATS_BYTES + (0 if dt.autocast else h * p)
     causal = shape.task == "causal-lm"
     ids = ID_BYTES * (3 if causal else 1)  # input ids; labels and their shifted copy for the loss
     logprobs = 4 * shape.vocab if causal else 0  # transformers upcasts the logits; log_softmax keeps fp32
@@ -327,11 +343,29 @@ def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
     return ids + (4 * h + 4 + h * p) + h * c + logprobs
 
 
+def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
+    """Per sample, what the patch convolution saves and keeps to the end of the backward: its
+    input pixels in the compute dtype (the batch's own fp32 tensor in fp32, else a 16-bit copy).
+    0 for a text model."""
+    return 0.0 if shape.image is None else prod(shape.image) * dt.compute
+
+
+def outside_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
+    """Per sample, what an image model holds outside the layers in the forward: the patch
+    convolution's input, the batch's fp32 pixels when that is a copy of them, the label, and under
+    autocast the classifier's 16-bit copy of the CLS token. 0 for a text model."""
+    if shape.image is None:
+        return 0.0
+    batch = 4 * prod(shape.image) if dt.compute != 4 else 0
+    return input_bytes_per_sample(shape, dt) + batch + ID_BYTES + (shape.hidden * dt.compute if dt.autocast else 0)
+
+
 # Net transient of one layer's backward: gradients alive while that layer's saved tensors
 # are not yet freed, per token, as (x ffn in the compute dtype, x hidden in the residual
 # gradient's dtype: the weights' dtype, fp32 inside LLaMA's RMSNorm). Fitted on real
 # training steps on the CPU (torch 2.13, transformers 5.23; see tests/unit/test_estimate_analytic.py).
-LAYER_BACKWARD_TEMP = {("gpt2", "gelu_new"): (2.25, 0.5), "gpt2": (0.8, 2.3), "bert": (0.4, 4.4), "llama": (0.55, 5.3)}
+LAYER_BACKWARD_TEMP = {("gpt2", "gelu_new"): (2.25, 0.5), "gpt2": (0.8, 2.3), "bert": (0.4, 4.4), "llama": (0.55, 5.3),
+                       "vit": (1.0, 1.0)}
 # With eager attention, in (a x s per token) in the compute dtype: GPT-2's peak inside a
 # layer's backward comes after part of its score matrix is freed.
 EAGER_BACKWARD_TEMP = {"gpt2": -1.0}
@@ -342,8 +376,10 @@ def layer_backward_temp_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> 
     ffn, hid = LAYER_BACKWARD_TEMP.get((shape.family, shape.activation)) or LAYER_BACKWARD_TEMP[shape.family]
     grad = 4 if shape.family == "llama" else dt.param
     temp = ffn * shape.ffn * dt.compute + hid * shape.hidden * grad
+    if shape.family == "vit" and dt.autocast:
+        temp += shape.hidden * dt.compute  # the residual's fp32 gradient cast to 16-bit for the MLP's matmul
     if stores_scores(shape, plan, dt):
-        temp += EAGER_BACKWARD_TEMP.get(shape.family, 0.0) * shape.heads * plan.seq_len * dt.compute
+        temp += EAGER_BACKWARD_TEMP.get(shape.family, 0.0) * shape.heads * sequence_length(shape, plan) * dt.compute
     return temp
 
 
@@ -357,6 +393,8 @@ class Activations:
     """what one layer keeps until its backward: layer_bytes, or its input under checkpointing"""
     outside_bytes: float
     """saved outside the layers (embeddings, final norm, head input, log-probs, ids)"""
+    input_bytes: float
+    """the part of outside_bytes kept through the whole backward: an image model's pixels (0 for text)"""
     layer_cast_bytes: float
     """autocast's 16-bit copies of one layer's matmul weights"""
     head_cast_bytes: float
@@ -371,8 +409,9 @@ class Activations:
 
 
 def activations(shape: ModelShape, plan: Plan, dt: Dtypes) -> Activations:
-    """Activation bytes of one micro-batch (plan.micro_batch x plan.seq_len tokens) on one rank."""
-    tokens = plan.micro_batch * plan.seq_len
+    """Activation bytes of one micro-batch (plan.micro_batch x sequence_length tokens) on one rank."""
+    seq = sequence_length(shape, plan)
+    tokens = plan.micro_batch * seq
     h, c = shape.hidden, dt.compute
     layer = tokens * layer_bytes_per_token(shape, plan, dt)
     kept = tokens * h * dt.param if plan.checkpointing else layer
@@ -381,14 +420,21 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes) -> Activations:
     causal = shape.task == "causal-lm"
     logits = tokens * shape.vocab if causal else 0
     loss_fwd = logits * (c + (4 if c != 4 else 0))
+    if shape.image is not None and dt.autocast:
+        loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
     loss_bwd = 8.0 * logits
     head_weight = shape.vocab * h if causal else 0
     head_bwd = logits * c + (head_weight * c if dt.autocast else 0)
     layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)
     if plan.checkpointing:
         layer_bwd += layer + layer_cast  # the layer is recomputed (and its weights re-cast) first
-    outside = tokens * outside_bytes_per_token(shape, dt) + ID_BYTES * plan.seq_len  # + position ids
+        if shape.family == "vit":
+            layer_bwd -= kept  # a pre-LN layer saves its input, which is the tensor checkpointing kept
+    outside = tokens * outside_bytes_per_token(shape, dt) + plan.micro_batch * outside_bytes_per_sample(shape, dt)
+    if shape.image is None:
+        outside += ID_BYTES * seq  # position ids
     return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
+                       input_bytes=plan.micro_batch * input_bytes_per_sample(shape, dt),
                        layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
                        loss_forward_temp_bytes=loss_fwd, loss_backward_temp_bytes=loss_bwd,
                        head_backward_temp_bytes=head_bwd, layer_backward_temp_bytes=layer_bwd)
@@ -424,6 +470,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     head_g = (grads - live) * shape.head_linear_params / shape.n_params
     layer_g = (grads - live) * shape.layer_params / shape.n_params
     kept = L * acts.kept_layer_bytes
+    pixels = acts.input_bytes  # an image model's input, saved by its first op: kept to the end of the backward
     layer_casts = 0.0 if ckpt else L * acts.layer_cast_bytes  # recomputed layers re-cast their weights
     # Adding a new gradient to an existing one (the tied LM head's, or a previous
     # micro-batch's) holds the new one and the sum at once: two vocab x hidden transients.
@@ -436,10 +483,11 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               buf + L * acts.layer_cast_bytes + acts.head_cast_bytes + acts.loss_forward_temp_bytes),
         Phase("backward start", fwd_params, live, opt, kept + acts.outside_bytes,
               buf + layer_casts + acts.head_cast_bytes + acts.loss_backward_temp_bytes),
-        Phase("head backward", fwd_params, live + head_g, opt, kept, buf + layer_casts + head_temp),
-        Phase("backward, last layer", fwd_params, live + head_g, opt, kept,
+        Phase("head backward", fwd_params, live + head_g, opt, kept + pixels, buf + layer_casts + head_temp),
+        Phase("backward, last layer", fwd_params, live + head_g, opt, kept + pixels,
               buf + layer_casts + acts.layer_backward_temp_bytes),
-        Phase("backward, first layer", fwd_params, live + head_g + (L - 1) * layer_g, opt, acts.kept_layer_bytes,
+        Phase("backward, first layer", fwd_params, live + head_g + (L - 1) * layer_g, opt,
+              acts.kept_layer_bytes + pixels,
               buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
         Phase("backward end", fwd_params, grads, opt, 0.0, buf + emb_temp),
         Phase("optimizer step", params, grads, opt, 0.0, buf + states.step_temp_bytes),
@@ -530,7 +578,10 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
                      "the Python/torch process itself is not counted")
     if plan.uses_deepspeed and plan.precision == "bf16-true":
         notes.append("DeepSpeed runs bf16-true as bf16 with fp32 master weights")
-    if shape.max_positions is not None and plan.seq_len > shape.max_positions:
+    if shape.seq_len is not None:
+        notes.append(f"{shape.task}: {shape.seq_len} tokens per sample (patches + CLS) from the model's config; "
+                     f"the plan's seq_len ({plan.seq_len}) does not apply")
+    elif shape.max_positions is not None and plan.seq_len > shape.max_positions:
         notes.append(f"seq_len {plan.seq_len} is longer than the model's {shape.max_positions} positions")
     if shape.kv_cache and not plan.checkpointing and shape.family == "gpt2":
         notes.append("the classifier's forward builds a KV cache (config use_cache), copying K and V in every layer")

@@ -4,6 +4,8 @@
 ``toolkit/train.py``'s torch loop does and returns the peak of live tensor storage
 bytes (every op's outputs counted until their storage is freed). Used by the tests
 and by benchmarks/estimator.py; needs torch and transformers (the ``job`` extra).
+An image-cls model gets random ``pixel_values`` of its config's image size (the plan's
+seq_len does not apply) and integer labels.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..models import build_model, build_optimizer, transformers_config
+from ..models import build_model, build_optimizer, random_image_batch, transformers_config
 from ..plan import Plan
 
 
@@ -70,6 +72,8 @@ def train_setup(cfg, task, p: Plan):
     gen = torch.Generator().manual_seed(1)
 
     def batch():
+        if task == "image-cls":
+            return random_image_batch(config, p.micro_batch, gen)
         ids = torch.randint(0, config.vocab_size, (p.micro_batch, p.seq_len), generator=gen)
         labels = ids if task == "causal-lm" else torch.randint(0, 2, (p.micro_batch,), generator=gen)
         return {"input_ids": ids, "labels": labels}

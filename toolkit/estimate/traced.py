@@ -149,7 +149,8 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     """Trace ``steps`` training steps of the plan's model and return its memory per GPU (MiB).
 
     ``model_config`` is a transformers config dict (``toolkit.models.load_model_config``)
-    for ``task`` (causal-lm, seq-cls); or ``model_factory`` makes the model (see
+    for ``task`` (causal-lm, seq-cls, image-cls: random ``pixel_values`` of the config's
+    image size, the plan's seq_len not used); or ``model_factory`` makes the model (see
     ``TracedModel``; then ``model_config`` and ``task`` are not used). The peak is the
     highest traced total over all steps after ZeRO/offload arithmetic;
     ``device_used_mib`` = CUDA context (``cuda_context_mib``, default the partition's) +
@@ -193,7 +194,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
     notes = list(layout.notes)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with (_quiet(), _no_automatic_gc(), mode, _device_behaviour(target, notes),
-          _unpacked_batches(model_factory is None)):
+          _unpacked_batches(model_factory is None), _value_free_init(fake)):
         traced = _build(model_config, task, plan, layout, target, model_factory, notes)
         module = traced.module
         params = [p for p in module.parameters() if p.requires_grad]
@@ -374,8 +375,12 @@ def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_f
 
     config = models.transformers_config(dict(model_config), task)
     limit = models.max_positions(config)
-    if limit is not None and plan.seq_len > limit:
+    if task not in models.IMAGE_TASKS and limit is not None and plan.seq_len > limit:
         raise PlanError(f"seq_len {plan.seq_len} is longer than the model's {limit} positions")
+    if task in models.IMAGE_TASKS:
+        c, h, w = models.image_input_shape(config)
+        notes.append(f"{task}: {c}x{h}x{w} pixels per sample from the model's config; the plan's seq_len "
+                     f"({plan.seq_len}) does not apply")
     attention = HF_ATTENTION[plan.attention]
     if plan.attention == "flash":
         attention = "sdpa"
@@ -390,6 +395,10 @@ def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_f
 
 
 def _hf_batch_maker(config, task: str, target: str) -> Callable[[int, int], dict]:
+    if task in models.IMAGE_TASKS:
+        # fp32 pixels of the config's image size and integer labels, as train.py makes them;
+        # the encoder's sequence (patches + CLS) follows from the config, not from seq_len.
+        return lambda micro_batch, seq_len: models.random_image_batch(config, micro_batch)
     vocab = int(config.vocab_size)
     labels_n = int(getattr(config, "num_labels", 2) or 2)
 
@@ -534,16 +543,18 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
         autocast = (torch.autocast("cpu", dtype=layout.autocast_dtype) if layout.autocast_dtype is not None
                     else contextlib.nullcontext())
         with autocast:
-            # The output (logits and all) goes before backward, as in train.py's
-            # ``loss = model(**batch).loss``; only the loss's graph keeps what it needs.
+            # The output (logits and all) and the batch go before backward, as in train.py's
+            # ``loss = model(**batches.next()).loss``; only the loss's graph keeps what it needs
+            # (an image batch's fp32 pixels are freed once autocast has made its 16-bit copy).
             loss = _loss(traced, _call(traced.module, batch), batch)
+        del batch
         if plan.grad_accum > 1:
             loss = loss / plan.grad_accum
         if layout.loss_scaling:
             loss = loss * LOSS_SCALE
         _set_phase(tracker, 1)
         loss.backward()
-        del loss, batch
+        del loss
         if tracker is not None:
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
             gc.collect(0)
@@ -772,6 +783,39 @@ def _unpacked_batches(ours: bool) -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _value_free_init(fake: bool) -> Iterator[None]:
+    """Initialise weights without reading their values while the model is built on fake tensors.
+
+    torch's ``trunc_normal_`` (ViT's initialiser) checks its samples (``mask.any()``), which
+    fake tensors cannot answer; a plain ``normal_`` fills the same tensor (the values never
+    matter to the memory). transformers keeps its own reference to the torch function.
+    """
+    if not fake:
+        yield
+        return
+    try:
+        from transformers import initialization as hf_init
+    except ImportError:  # a model factory without transformers
+        hf_init = None
+    table = getattr(hf_init, "TORCH_INIT_FUNCTIONS", None)
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):  # noqa: ARG001 - torch's signature
+        with torch.no_grad():
+            return tensor.normal_(mean, std)
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    if isinstance(table, dict) and "trunc_normal_" in table:
+        table["trunc_normal_"] = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original
+        if isinstance(table, dict) and "trunc_normal_" in table:
+            table["trunc_normal_"] = original
 
 
 @contextlib.contextmanager
