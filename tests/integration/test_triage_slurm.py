@@ -169,3 +169,23 @@ def test_since_groups_the_windows_failed_jobs_by_kind(failed):
 def test_a_job_id_this_cluster_does_not_know(failed):
     f, = triage("99999999", home=failed["home"])
     assert f["verdict"]["kind"] == "unknown" and f["job"]["missing"]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("name, kind, state", [
+    ("oom", "host_oom", "OUT_OF_MEMORY"), ("error", "not_oom", "FAILED"), ("timeout", "not_oom", "TIMEOUT"),
+    ("cancelled", "not_oom", "CANCELLED"),
+])
+def test_every_failed_job_by_id_and_by_log_agrees_in_all_formats(failed, name, kind, state):
+    home = failed["home"]
+    by_id, = triage(failed[name], home=home)
+    assert by_id["verdict"]["kind"] == kind and by_id["job"]["state"] == state and by_id["logs"]
+    by_log, = triage(by_id["logs"][0], home=home)
+    assert by_log["verdict"]["kind"] == kind and by_log["job"]["job_id"] == failed[name]  # the log found its job
+    assert by_log["job"]["state"] == state and by_log["verdict"]["evidence"] == by_id["verdict"]["evidence"]
+    for target in (failed[name], by_id["logs"][0]):
+        text = triage(target, home=home, fmt="text")
+        md = triage(target, home=home, fmt="markdown")
+        assert f"job {failed[name]}" in text and f"job {failed[name]}" in md
+        assert kind in text and f"`{kind}`" in md and state in text and state in md
+        assert ("hpcmem submit" in md) == (kind == "host_oom")
