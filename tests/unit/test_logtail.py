@@ -142,15 +142,20 @@ def test_gzip_header_only(tmp_path):
     assert tail.text == "" and tail.damaged
 
 
+def peak_bytes(read):
+    """``read()``'s result and the peak of Python memory allocated while it ran (bytes)."""
+    tracemalloc.start()
+    try:
+        result = read()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_gzip_memory_stays_bounded(tmp_path):
     # 64 MiB of text, read with a 1 MiB window: peak memory stays a few MiB.
     path = write(tmp_path, "big.gz", gzip.compress((b"y" * 99 + b"\n") * (64 * 2**20 // 100)))
-    tracemalloc.start()
-    try:
-        tail = read_tail(path, max_bytes=2**20)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    tail, peak = peak_bytes(lambda: read_tail(path, max_bytes=2**20))
     assert tail.text.endswith("y" * 99 + "\n") and len(tail.text) <= 2**20
     assert peak < 8 * 2**20
 
@@ -234,12 +239,7 @@ def test_stream_memory_stays_bounded_for_plain_and_gzip():
     plain = (b"z" * 99 + b"\n") * (48 * 2**20 // 100)
     for data in (plain, gzip.compress(plain)):
         stream = io.BytesIO(data)
-        tracemalloc.start()
-        try:
-            tail = read_stream_tail(stream, max_bytes=2**20)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        tail, peak = peak_bytes(lambda: read_stream_tail(stream, max_bytes=2**20))
         assert tail.text.endswith("z" * 99 + "\n") and tail.size == len(plain)
         assert peak < 8 * 2**20
 
