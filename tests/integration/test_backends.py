@@ -311,6 +311,15 @@ def test_fake_fresh_job_not_yet_in_sacct_is_found_by_squeue(fake, slurm_fast):
     assert fake.calls("scontrol") == []
 
 
+def test_fake_ended_job_not_yet_in_sacct_gets_its_exit_code_from_scontrol(fake, slurm_fast):
+    fake.command("sacct", "true")  # slurmdbd is behind (a busy cluster): the job ended but sacct does not list it
+    fake.command("squeue", "printf '9|FAILED|NonZeroExitCode|vm|0:03\\n'")
+    fake.command("scontrol", 'echo "JobId=9 JobName=x JobState=FAILED Reason=NonZeroExitCode ExitCode=3:0 RunTime=00:00:03"')
+    status = slurm_fast.poll(["9"])["9"]
+    assert (status.state, status.exit_code, status.signal) == ("FAILED", 3, 0)
+    assert fake.calls("scontrol") == ["scontrol show job -o 9"]
+
+
 def test_fake_sbatch_refusal_carries_slurms_message(fake, slurm_fast, tmp_path):
     fake.command("sbatch", 'echo "sbatch: error: invalid partition specified: foo" >&2\n'
                            'echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2; exit 1')

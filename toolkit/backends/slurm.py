@@ -705,7 +705,9 @@ class SlurmBackend(Backend):
         missing = [i for i in ids if i not in found]
         if missing:
             found.update(parse_squeue(self._query(squeue_command(missing))))
-        for job_id in [i for i in ids if i not in found]:
+        # squeue has no exit code: a job it shows as ended (sacct not caught up yet) is asked of scontrol too
+        ended = [i for i in missing if i in found and found[i].finished]
+        for job_id in [i for i in ids if i not in found] + ended:
             found.update(parse_scontrol(self._query(scontrol_command(job_id))))
         return {i: found.get(i) or JobStatus(i, UNKNOWN, reason=why_missing) for i in ids}
 
