@@ -1,6 +1,6 @@
 """``hpcmem triage --since 24h``: every failed job of a window, grouped by verdict kind, with the top remedies.
 
-One batched sacct call lists the window's failed jobs (``SlurmBackend.failed_jobs``); each job's log
+One batched sacct call lists the window's failed jobs (``sources.window_cases``); each job's log
 tail (a short one: the end of a log is where a failure is) is classified with the job's record; jobs
 that were hpcmem attempts take their plan from the ledger. The first ladder move of each
 out-of-memory job is counted per group, so the morning view says what most of them need.
@@ -54,9 +54,8 @@ def parse_since(text: str, now: float | None = None) -> float:
 def since_report(backend, start: float, end: float, *, partition: str | None = None, user: str | None = None,
                  site=None, ledger=None) -> SinceReport:
     """The window's failed jobs, classified and grouped (largest group first)."""
-    from .sources import window_cases
-
     from .diagnose import read_verdict
+    from .sources import window_cases
 
     found = window_cases(backend, start, end, partition=partition, user=user, ledger=ledger)  # no sacct: an error
     rows = []
@@ -82,19 +81,18 @@ def group(rows: Iterable[tuple[Any, Any, str | None]]) -> tuple[Group, ...]:
     return tuple(Group(k, tuple(by_kind[k]), tuple(remedies.get(k, Counter()).most_common(3))) for k in order)
 
 
-def _first_remedy(verdict, plan_dict: Mapping | None, site, facts) -> str:
-    """The first ladder move for a job whose plan is known, else the kind's direction."""
-    if plan_dict is not None and site is not None:
+def _first_remedy(verdict, knobs: Mapping | None, site, facts) -> str:
+    """The first ladder move for a job whose plan is known (an hpcmem attempt), else the kind's direction."""
+    if knobs and site is not None:
         from .. import ladder
         from ..jobspec import DEFAULT_ALLOW
-        from ..plan import Plan
         from .diagnose import pick_partition
+        from .picture import fill_plan
 
         try:
-            plan = Plan.from_dict(plan_dict)
             part, _ = pick_partition(site, facts.partition, verdict)
             if part is not None:
-                decision = ladder.next_plan(plan, verdict, part, allow=DEFAULT_ALLOW)
+                decision = ladder.next_plan(fill_plan(knobs, part).plan, verdict, part, allow=DEFAULT_ALLOW)
                 if decision.action == "retry" and decision.moves:
                     return ", ".join(decision.moves)
         except HpcmemError:
