@@ -142,9 +142,11 @@ def remedy_view(r: Mapping[str, Any], said: Iterable[str] = ()) -> dict[str, Any
     fit = {True: "fits", False: "does NOT fit", None: "fit not predicted"}[r.get("fits")]
     peak = r.get("predicted_peak_mib")
     figures = [f"predicted peak {mib_text(peak)} per GPU" if peak is not None else "peak not predicted", fit]
+    if note.lstrip().startswith(("Predicted peak", "Peak not predicted")):
+        figures = []  # the note says peak and fit in full
     if r.get("slowdown") is not None:
         figures.append(slowdown_text(r["slowdown"]))
-    return {**r, "figures": ", ".join(figures), "note": " ".join(note.split())}
+    return {**r, "figures": ", ".join(figures), "note": " ".join(note.split())}  # figures may be "" (see note)
 
 
 def duration(seconds: float) -> str:
