@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from .errors import HpcmemError, SchedulerError
-from .render import write_atomic
+from .files import write_atomic
 from .resources import data_dir
 from .sites import Partition, Site
 

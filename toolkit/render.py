@@ -8,7 +8,6 @@ filter (``shlex.quote``); ``#SBATCH`` values are checked by ``sbatch_value``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import sys
@@ -24,6 +23,7 @@ from .models import load_model_config
 from .jobspec import JobSpec, fill_placeholders
 from .plan import Plan
 from .sites import Partition, format_minutes
+from .files import write_atomic
 from .templating import render_template
 
 TEMPLATES = {"torchrun": "torchrun.sbatch.j2", "deepspeed": "deepspeed.sbatch.j2"}
@@ -180,10 +180,3 @@ def check_program(spec: JobSpec) -> None:
     """Refuse a script that does not exist here (login nodes share the file system with compute nodes)."""
     if spec.script is not None and not spec.script.is_file():
         raise ConfigError(f"{spec.path}: command.script: {spec.script}: no such script")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file so that a reader sees the old or the new content, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -41,6 +41,7 @@ from pathlib import Path
 import toolkit
 
 from .. import proc
+from ..files import write_atomic
 from ..errors import SchedulerError
 from .base import CANCELLED, FAILED, PENDING, RUNNING, UNKNOWN, Backend, JobStatus
 from .slurm import clean_environment, gpus_requested, parse_mem_mib, parse_time_limit_s, read_directives
@@ -64,15 +65,6 @@ def cancel_path(attempt_dir: Path, job_id: str) -> Path:
     """Present when the job was asked to stop; survives a lost signal."""
     return Path(attempt_dir) / f"{job_id}.cancel"
 
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` so readers see either nothing or all of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
 
 
 def now_iso(epoch: float | None = None) -> str:
@@ -205,7 +197,7 @@ class LocalBackend(Backend):
             record = self._read_record(job_id)
             if record is None or result_path(Path(record["attempt_dir"]), job_id).exists():
                 continue
-            write_atomically(cancel_path(Path(record["attempt_dir"]), job_id), f"{time.time()}\n")
+            write_atomic(cancel_path(Path(record["attempt_dir"]), job_id), f"{time.time()}\n")
             if record["runner_pid"] and _alive(record["runner_pid"], record["runner_start"]):
                 _kill(record["runner_pid"], signal.SIGTERM)
             waiting.append(record)
@@ -269,7 +261,7 @@ class LocalBackend(Backend):
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 last = int(counter.read_text()) if counter.exists() else 0
-                write_atomically(counter, f"{last + 1}\n")
+                write_atomic(counter, f"{last + 1}\n")
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return f"local-{last + 1}"
@@ -282,7 +274,7 @@ class LocalBackend(Backend):
     def _write_record(self, record: dict) -> None:
         path = self._record_path(record["job_id"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps(record, indent=2) + "\n")
+        write_atomic(path, json.dumps(record, indent=2) + "\n")
 
     def _read_record(self, job_id: str) -> dict | None:
         try:

@@ -27,7 +27,8 @@ from pathlib import Path
 from .. import proc
 from ..errors import CommandError
 from .base import CANCELLED, COMPLETED, FAILED, TIMEOUT
-from .local import cancel_path, now_iso, pid_path, result_path, write_atomically
+from ..files import write_atomic
+from .local import cancel_path, now_iso, pid_path, result_path
 
 _TICK_S = 0.1
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"local-runner: error: {exc}", flush=True)
         _record(args, start, FAILED, None, None, 0.0, str(exc))
         return 1
-    write_atomically(pid_path(attempt_dir, args.job_id), f"{pid}\n")
+    write_atomic(pid_path(attempt_dir, args.job_id), f"{pid}\n")
 
     stopping, kill_at = None, None
     while True:
@@ -103,7 +104,7 @@ def _record(args, start: float, state: str, code, sig, max_rss_mib: float, reaso
         "max_rss_mib": round(max_rss_mib, 1), "reason": reason, "node": "localhost",
         "mem_cap_mib": args.mem_mib, "time_limit_s": args.time_limit_s,
     }
-    write_atomically(result_path(Path(args.attempt_dir), args.job_id), json.dumps(result, indent=2) + "\n")
+    write_atomic(result_path(Path(args.attempt_dir), args.job_id), json.dumps(result, indent=2) + "\n")
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -28,6 +28,7 @@ import pandas as pd
 
 from .. import __version__
 from ..errors import ConfigError, HpcmemError, UnknownNameError
+from ..files import write_atomic
 from ..templating import render_template
 from . import regress
 from .columns import COLUMNS, FAILED_STATUSES, KEY
@@ -236,7 +237,7 @@ def draw_figures(frame: pd.DataFrame, table: pd.DataFrame, fmt: str, out_dir: Pa
             out[group] = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
         else:
             name = "trend-" + re.sub(r"[^A-Za-z0-9._+-]", "_", "-".join(label)) + ".png"
-            _write_bytes(out_dir / name, png)
+            _write(out_dir / name, png)
             out[group] = name
     return out
 
@@ -338,16 +339,10 @@ def render(template: str, context: dict[str, Any]) -> str:
     return render_template(template, **context)
 
 
-def _write(path: Path, text: str) -> None:
-    _write_bytes(path, text.encode())
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
+def _write(path: Path, data: str | bytes) -> None:
     """Write atomically; an OSError (disk full, permissions) is one line naming the file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError as exc:
         raise HpcmemError(f"{path}: cannot write: {exc.strerror or exc}") from exc
 

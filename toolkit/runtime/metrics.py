@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+from ..files import write_atomic
 
 METRICS_FILE = "metrics.json"
 RANKS_DIR = "metrics"
@@ -117,22 +118,11 @@ def _finite(value: Any) -> bool:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` through a temp file in the same directory and ``os.replace``."""
+    """Write ``data`` as JSON to ``path`` atomically (``files.write_atomic``), creating its directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(_strict(data), fh, indent=2, sort_keys=True, default=str, allow_nan=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    text = json.dumps(_strict(data), indent=2, sort_keys=True, default=str, allow_nan=False) + "\n"
+    return write_atomic(path, text)
 
 
 def _strict(value: Any) -> Any:
