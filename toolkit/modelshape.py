@@ -240,6 +240,11 @@ def _need(cfg: Mapping[str, Any], *names: str) -> int:
     return value
 
 
+
+def _needs(cfg: Mapping[str, Any], *names: str) -> tuple:
+    """Several required fields, one spelling each, in order (``_need`` takes alternative spellings of one)."""
+    return tuple(_need(cfg, name) for name in names)
+
 def _labels(cfg: Mapping[str, Any]) -> int:
     """The config's label count: num_labels, else the length of id2label, else 2 (as transformers)."""
     if cfg.get("num_labels") is not None:
@@ -329,11 +334,8 @@ def _gpt2(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
 
 
 def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
-    h = _need(cfg, "hidden_size")
-    layers = _need(cfg, "num_hidden_layers")
-    heads = _need(cfg, "num_attention_heads")
-    vocab = _need(cfg, "vocab_size")
-    f = _need(cfg, "intermediate_size")
+    h, layers, heads, vocab, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                                        "intermediate_size")
     positions = int(_first(cfg, "max_position_embeddings", default=512))
     types = int(_first(cfg, "type_vocab_size", default=2))
     if h % heads:
@@ -370,11 +372,8 @@ def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
 
 
 def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
-    h = _need(cfg, "hidden_size")
-    layers = _need(cfg, "num_hidden_layers")
-    heads = _need(cfg, "num_attention_heads")
-    vocab = _need(cfg, "vocab_size")
-    f = _need(cfg, "intermediate_size")
+    h, layers, heads, vocab, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                                        "intermediate_size")
     kv, d = _heads(cfg, h, heads)
     model_type = cfg["model_type"]
     # Qwen2 always has Q/K/V biases; LLaMA has them (and the output bias) with attention_bias.
@@ -413,10 +412,7 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
 def _vit(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     """ViTForImageClassification: patch conv + CLS token + positions, pre-LN encoder layers, final
     LayerNorm, a linear classifier on the CLS token (no pooler)."""
-    h = _need(cfg, "hidden_size")
-    layers = _need(cfg, "num_hidden_layers")
-    heads = _need(cfg, "num_attention_heads")
-    f = _need(cfg, "intermediate_size")
+    h, layers, heads, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     (ih, iw), (ph, pw) = _pair(cfg, "image_size"), _pair(cfg, "patch_size")
     channels = int(_first(cfg, "num_channels", default=3))
     seq = image_sequence(cfg)

@@ -229,9 +229,8 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 from toolkit.estimate.measure import LiveTensorBytes, measured_peak_bytes, train_setup  # noqa: E402
 
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 344,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
-              "max_position_embeddings": 512}
+from model_configs import TINY_LLAMA  # noqa: E402
+
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
           "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit")}
 

@@ -15,10 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 344,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
-              "max_position_embeddings": 512}
-"""A LLaMA-like config: grouped-query attention, SwiGLU, untied head (LLaMA's default)."""
+from model_configs import TINY_LLAMA  # noqa: E402
 
 TINY = {
     "tiny-gpt2": load_model_config("tiny-gpt2"),
