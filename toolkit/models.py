@@ -177,36 +177,59 @@ def count_parameters(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-SGD_MOMENTUM = 0.9
-
-
 def build_optimizer(name: str, params, lr: float, foreach: bool | None = None):
-    """The plan's optimizer as the reference trainer uses it (adamw, sgd with momentum, adafactor, adamw-8bit).
+    """The plan's optimizer built as its row in ``toolkit.optimizers`` says (a plan name or alias).
 
-    ``foreach`` picks torch's multi-tensor implementation (None: torch's default for the tensors' device).
+    ``foreach`` picks torch's multi-tensor implementation for the rows that leave it to torch
+    (adamw, sgd: None is torch's default for the tensors' device); the rows that name an
+    implementation (adamw-fused, adamw-perparam) keep theirs. ``adamw-fused`` is fused on CUDA
+    tensors and, where torch has no fused kernel for the tensors' device, foreach.
     """
     import torch
 
-    if name == "adamw":
+    from .optimizers import ADAFACTOR_BETA1, SGD_MOMENTUM, get
+
+    row = get(name)
+    if row.name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
-    if name == "sgd":
+    if row.name == "adamw-fused":
+        params = list(params)
+        on_cuda = any(getattr(p, "is_cuda", False) for p in _flat_params(params))
+        return torch.optim.AdamW(params, lr=lr, fused=True if on_cuda else None)
+    if row.name == "adamw-perparam":
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    if row.name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, foreach=foreach)
-    if name == "adafactor":
+    if row.name == "sgd-plain":
+        return torch.optim.SGD(params, lr=lr, momentum=0.0, foreach=foreach)
+    if row.name in ("adafactor", "adafactor-momentum"):
         from transformers.optimization import Adafactor
 
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
-    if name == "adamw-8bit":
-        return import_bitsandbytes().optim.AdamW8bit(params, lr=lr)
-    raise ConfigError(f"unknown optimizer {name!r}")
+        beta1 = ADAFACTOR_BETA1 if row.name == "adafactor-momentum" else None
+        return Adafactor(params, lr=lr, beta1=beta1, scale_parameter=False, relative_step=False, warmup_init=False)
+    if row.name == "adamw-8bit":
+        return import_bitsandbytes(row.name).optim.AdamW8bit(params, lr=lr)
+    if row.name == "adamw-8bit-paged":
+        return import_bitsandbytes(row.name).optim.PagedAdamW8bit(params, lr=lr)
+    raise ConfigError(f"optimizer {row.name!r} has no builder in toolkit.models.build_optimizer")
 
 
-def import_bitsandbytes():
-    """bitsandbytes for optimizer=adamw-8bit, or an error saying it is missing (never a substitute)."""
+def _flat_params(params):
+    """Tensors of a parameter list or of param-group dicts."""
+    for p in params:
+        if isinstance(p, dict):
+            yield from p.get("params", ())
+        else:
+            yield p
+
+
+def import_bitsandbytes(optimizer: str = "adamw-8bit"):
+    """bitsandbytes for the 8-bit optimizers, or an error saying it is missing (never a substitute)."""
     try:
         import bitsandbytes
     except Exception as exc:  # noqa: BLE001 - ImportError or a broken CUDA set-up inside bitsandbytes
         first = str(exc).strip().splitlines()
-        raise HpcmemError(f"optimizer=adamw-8bit needs bitsandbytes, which cannot be imported here "
+        raise HpcmemError(f"optimizer={optimizer} needs bitsandbytes, which cannot be imported here "
                           f"({type(exc).__name__}: {first[0] if first else ''}); hpcmem does not substitute "
                           "another optimizer (pip install bitsandbytes, or set optimizer=adamw or adafactor)") from exc
     return bitsandbytes
