@@ -23,13 +23,13 @@ from .files import write_atomic
 from .resources import data_dir
 from .sites import Partition, Site
 
-CALIBRATION_KEYS = ("gpu_model", "gpu_mem_gib", "gpus", "cuda_context_mib", "bf16", "flash_attention", "host_mem_gib",
+CALIBRATION_KEYS = ("gpu_model", "gpu_mem_gib", "gpus", "cuda_context_mib", "fp16", "bf16", "flash_attention", "host_mem_gib",
                     "nvme_free_gib", "allocator_overhead_frac")
 """What a calibration file may set per partition (anything else in the file is kept but not applied)."""
 
 
 def probe(nvme_path: str | None = None) -> dict[str, Any]:
-    """Measure the node this runs on: GPU, CUDA context, bf16/flash support, host memory, NVMe free space."""
+    """Measure the node this runs on: GPU, CUDA context, fp16/bf16/flash support, host memory, NVMe free space."""
     out: dict[str, Any] = {"host": os.uname().nodename, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "host_mem_gib": _host_mem_gib()}
     if nvme_path:
@@ -48,7 +48,7 @@ def _gpu_probe() -> dict[str, Any]:
         return {"gpus": 0, "note": "torch is not installed on the node: GPU not probed"}
     out: dict[str, Any] = {"torch": str(torch.__version__)}
     if not torch.cuda.is_available():
-        return {**out, "gpus": 0}
+        return {**out, "gpus": 0, **cpu_precisions(torch)}
     before = _nvml_used_mib()
     torch.zeros(1, device="cuda")  # creates the context
     torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # loads cuBLAS and its workspace
@@ -65,6 +65,16 @@ def _gpu_probe() -> dict[str, Any]:
     if before is not None and after is not None:
         out["cuda_context_mib"] = round(after - before - torch.cuda.memory_reserved() / 2**20, 1)
     return out
+
+
+def cpu_precisions(torch) -> dict[str, bool]:
+    """What this CPU runs: fp16 needs oneDNN's fp16 kernels (AVX512-FP16 / AMX-FP16), which DeepSpeed's CPU
+    accelerator checks; bf16 always runs (reference kernels where oneDNN has none)."""
+    try:
+        fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: fp16 cannot be counted on
+        fp16 = False
+    return {"fp16": fp16, "bf16": True}
 
 
 def _nvml_used_mib() -> float | None:

@@ -61,7 +61,7 @@ def sites(ctx, as_json) -> None:
         click.echo(f"{s.name} ({s.scheduler}) {s.path}")
         for p in s.partitions.values():
             gpu = f"{p.gpus_per_node}x {p.gpu_model} {p.gpu_mem_gib:g} GiB" if p.has_gpu else "CPU only"
-            caps = ",".join(c for c, ok in (("bf16", p.bf16), ("tf32", p.tf32), ("flash", p.flash_attention)) if ok) or "-"
+            caps = ",".join(c for c, ok in (("fp16", p.fp16), ("bf16", p.bf16), ("tf32", p.tf32), ("flash", p.flash_attention)) if ok) or "-"
             click.echo(f"  {p.name:<12} {gpu:<40} cpus={p.cpus_per_node:<4} host={p.host_mem_gib:g}GiB "
                        f"nvme={p.nvme_gib:g}GiB caps={caps} max={p.max_time}")
 
@@ -272,7 +272,7 @@ def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_jso
 @_json_opt
 @click.pass_context
 def calibrate(ctx, site, partition, from_runs, from_bench, store_path, as_json) -> None:
-    """Measure a partition (GPU, CUDA context, bf16/flash, host memory, NVMe) and keep it beside the site profile."""
+    """Measure a partition (GPU, CUDA context, fp16/bf16/flash, host memory, NVMe) and keep it beside the site profile."""
     from .calibrate import calibration_path, fit_recorded, load_measured, run_probe, write_calibration
     from .resources import home_dir
 

@@ -4,7 +4,8 @@ A site is one YAML file, ``<site>.yaml``, found in (first match wins):
 the ``--sites-dir`` directories, the ``HPCMEM_SITES`` directories (``:``-separated),
 then the shipped ``site_configs/``. Every file is checked against
 ``site_configs/schema.json``; a bad key names itself and its file.
-GPU capabilities (bf16, tf32, flash attention) are derived from the GPU model.
+GPU capabilities (fp16, bf16, tf32, flash attention) are derived from the GPU model; a CPU
+partition's fp16 support depends on the CPU and is measured by ``hpcmem calibrate``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class Partition:
     max_time_min: int
     cuda_context_mib: float
     """CUDA context + cuBLAS workspace per process, as measured on the partition."""
+    fp16: bool
+    """fp16 kernels: every CUDA GPU; a CPU only with oneDNN fp16 (AVX512-FP16 or AMX-FP16), which DeepSpeed's
+    CPU accelerator requires (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``). Measured by calibrate."""
     bf16: bool
     tf32: bool
     flash_attention: bool
@@ -97,6 +101,9 @@ class Partition:
     def check_plan(self, plan: Plan) -> None:
         """Refuse a plan this partition cannot run, naming the knob and what would work."""
         where = f"partition {self.site}:{self.name}"
+        if plan.precision == "fp16-mixed" and not self.fp16:
+            raise PlanError(f"precision=fp16-mixed: {where} ({self.gpu_model or 'CPU'}) has no fp16 support; "
+                            "use precision=bf16-mixed or fp32")
         if plan.precision.startswith("bf16") and not self.bf16:
             raise PlanError(f"precision={plan.precision}: {where} ({self.gpu_model}) has no bf16; use precision=fp16-mixed")
         if plan.attention == "flash" and not self.flash_attention:
@@ -119,7 +126,7 @@ class Partition:
             "name": self.name, "slurm_partition": self.slurm_partition, "gpu_model": self.gpu_model,
             "gpu_mem_gib": self.gpu_mem_gib, "gpus_per_node": self.gpus_per_node,
             "cpus_per_node": self.cpus_per_node, "host_mem_gib": self.host_mem_gib,
-            "nvme_path": self.nvme_path, "nvme_gib": self.nvme_gib, "bf16": self.bf16, "tf32": self.tf32,
+            "nvme_path": self.nvme_path, "nvme_gib": self.nvme_gib, "fp16": self.fp16, "bf16": self.bf16, "tf32": self.tf32,
             "flash_attention": self.flash_attention, "cuda_context_mib": self.cuda_context_mib,
             "max_time": self.max_time,
         }
@@ -221,6 +228,10 @@ def apply_calibration(part: Partition, measured: dict | None) -> Partition:
         for key in ("gpu_mem_gib", "bf16", "flash_attention"):
             if measured.get(key) is not None:
                 changes[key] = measured[key]
+    if not part.has_gpu and not measured.get("gpus"):  # a CPU node: its precision support is the CPU's
+        for key in ("fp16", "bf16"):
+            if isinstance(measured.get(key), bool):
+                changes[key] = measured[key]
     if part.has_gpu and (measured.get("gpus") or measured.get("fitted_from_ranks")) \
             and measured.get("cuda_context_mib") is not None:
         changes["cuda_context_mib"] = measured["cuda_context_mib"]
@@ -240,7 +251,7 @@ def _partition(site: str, name: str, raw: dict, path: Path) -> Partition:
     gpus = raw["gpus_per_node"]
     if (model is None) != (gpus == 0):
         raise ConfigError(f"{where}: gpu_model must be null exactly when gpus_per_node is 0")
-    caps = dict(zip(("bf16", "tf32", "flash_attention"), capabilities(model, where)))
+    caps = dict(zip(CAPABILITIES, capabilities(model, where)))
     caps.update(raw.get("capabilities", {}))
     return Partition(
         site=site, name=name, slurm_partition=raw["slurm_partition"], gpu_model=model,
@@ -271,16 +282,21 @@ def _resolve_auto(raw: dict, path: Path, name: str) -> dict:
     return out
 
 
-def capabilities(gpu_model: str | None, where: str) -> tuple[bool, bool, bool]:
-    """(bf16, tf32, flash_attention) for a GPU model; a CPU (None) has bf16 only."""
+CAPABILITIES = ("fp16", "bf16", "tf32", "flash_attention")
+
+
+def capabilities(gpu_model: str | None, where: str) -> tuple[bool, bool, bool, bool]:
+    """(fp16, bf16, tf32, flash_attention) for a GPU model. A CPU (None) runs bf16 everywhere (PyTorch has
+    reference kernels; DeepSpeed's CPU accelerator accepts it) and is taken to run fp16 until calibration
+    measures that it cannot (the runtime then falls back and says so in metrics.json)."""
     if gpu_model is None:
-        return True, False, False
+        return True, True, False, False
     upper = gpu_model.upper()
     for family, bf16, tf32, flash in GPU_FAMILIES:
         if family in upper:
-            return bf16, tf32, flash
+            return True, bf16, tf32, flash
     raise ConfigError(f"{where}: gpu_model {gpu_model!r} is not a GPU hpcmem knows; "
-                      "state its capabilities: {bf16: ..., tf32: ..., flash_attention: ...}")
+                      "state its capabilities: {fp16: ..., bf16: ..., tf32: ..., flash_attention: ...}")
 
 
 _TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d)(?::(\d\d))?")

@@ -276,6 +276,19 @@ def choose_attention(attention: str, device_type: str, flash_installed: bool) ->
     return "flash_attention_2", None
 
 
+def choose_precision(precision: str, fp16_ok: bool, bf16_ok: bool, engine: str) -> tuple[str, str | None]:
+    """(precision to run, reason when it differs from the plan's) for an engine that refuses what its
+    device lacks. fp16-mixed's nearest is bf16-mixed (16-bit activations, fp32 master weights, no loss
+    scaling needed), then fp32; bf16's nearest is fp16-mixed, then fp32."""
+    wanted = {"fp16-mixed": fp16_ok, "bf16-mixed": bf16_ok, "bf16-true": bf16_ok}.get(precision, True)
+    if wanted:
+        return precision, None
+    nearest = [p for p, ok in (("bf16-mixed", bf16_ok), ("fp16-mixed", fp16_ok), ("fp32", True))
+               if ok and p != precision][0]
+    dtype = "fp16" if precision.startswith("fp16") else "bf16"
+    return nearest, f"{engine} has no {dtype} on this device; ran {nearest} instead of {precision}"
+
+
 # -- the run -------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -395,6 +408,16 @@ class Trainer:
             raise PlanError(f"precision={self.plan.precision}: this GPU ({torch.cuda.get_device_name(device)}) "
                             "has no bf16; use fp16-mixed")
         if self.ds_cfg is not None:
+            from deepspeed.accelerator import get_accelerator
+
+            accel = get_accelerator()
+            precision, why = choose_precision(self.plan.precision, bool(accel.is_fp16_supported()),
+                                              bool(accel.is_bf16_supported()), f"DeepSpeed's {accel.device_name()} accelerator")
+            if why:
+                self.monitor.note("precision", precision, why)
+                self.log(f"hpcmem train: {why}")
+                self.plan = self.plan.replace(precision=precision)
+                self.ds_cfg = fill_ds_config(self.ds_cfg, self.plan)
             if self.plan.precision == "bf16-true" and not self.ds_cfg["bf16"].get("bf16_master_weights_and_grads"):
                 self.monitor.note("precision", "bf16-mixed",
                                   "DeepSpeed's bf16 mode keeps fp32 master weights unless the config sets "

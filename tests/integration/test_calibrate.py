@@ -42,10 +42,24 @@ def test_measured_gpu_values_replace_the_profile(tmp_path, monkeypatch):
     assert not v100.calibrated and v100.cuda_context_mib == 420
 
 
-def test_local_calibration_is_in_process(tmp_path):
+def test_local_calibration_is_in_process(tmp_path, monkeypatch):
+    import torch
+
+    from toolkit.calibrate import cpu_precisions
+
     result = hpcmem("calibrate", "--site", "local", "--json", home=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["measured"]["host_mem_gib"] > 0
+    measured = json.loads(result.stdout)["measured"]
+    assert measured["host_mem_gib"] > 0
+    if measured["gpus"] == 0:  # a CPU machine: its precision support is measured and then applied
+        fp16 = cpu_precisions(torch)["fp16"]
+        assert (measured["fp16"], measured["bf16"]) == (fp16, True)
+        monkeypatch.setenv("HPCMEM_HOME", str(tmp_path))
+        assert sites.load_site("local").partition(None).fp16 is fp16
+        plan = hpcmem("plan", "quickstart", "--site", "local", "--set", "precision=fp16-mixed", home=tmp_path)
+        if not fp16:
+            assert plan.returncode != 0 and plan.stderr.strip().count("\n") == 0
+            assert "has no fp16 support" in plan.stderr
 
 
 def _record_attempts(home, site_name, partition, rank_metrics):

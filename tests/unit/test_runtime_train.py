@@ -110,6 +110,17 @@ def test_choose_attention():
         train.choose_attention("flash", "cuda", False)
 
 
+def test_choose_precision_takes_the_nearest_the_engine_runs():
+    engine = "DeepSpeed's cpu accelerator"
+    assert train.choose_precision("fp16-mixed", True, True, engine) == ("fp16-mixed", None)
+    assert train.choose_precision("fp32", False, False, engine) == ("fp32", None)
+    precision, why = train.choose_precision("fp16-mixed", False, True, engine)
+    assert precision == "bf16-mixed" and why == f"{engine} has no fp16 on this device; ran bf16-mixed instead of fp16-mixed"
+    assert train.choose_precision("fp16-mixed", False, False, engine)[0] == "fp32"
+    assert train.choose_precision("bf16-true", True, False, engine)[0] == "fp16-mixed"
+    assert train.choose_precision("bf16-mixed", False, False, engine)[0] == "fp32"
+
+
 def test_local_rank_argument_of_the_deepspeed_launcher_is_accepted():
     assert train.parse_args(["--local_rank=1"] + BASE).local_rank == 1
 

@@ -123,6 +123,21 @@ def test_partition_refuses_what_it_cannot_do():
     v100.check_plan(Plan(precision="fp16-mixed"))
 
 
+def test_a_cpu_partition_measured_without_fp16_refuses_it(tmp_path, monkeypatch):
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "testcluster.calibration.yaml").write_text(
+        "partitions:\n  cpu: {gpus: 0, fp16: false, bf16: true}\n  a100: {gpus: 0, fp16: false, bf16: true}\n")
+    monkeypatch.setenv("HPCMEM_HOME", str(tmp_path))
+    site = sites.load_site("testcluster")
+    cpu, a100 = site.partition("cpu"), site.partition("a100")
+    assert (cpu.fp16, cpu.bf16) == (False, True)
+    with pytest.raises(PlanError, match=r"^precision=fp16-mixed: partition testcluster:cpu \(CPU\) has no fp16 support; "
+                                        r"use precision=bf16-mixed or fp32$"):
+        cpu.check_plan(Plan(precision="fp16-mixed"))
+    cpu.check_plan(Plan(precision="bf16-mixed"))
+    assert a100.fp16  # a named GPU partition keeps its GPU's capabilities whatever the probe's CPU could do
+
+
 def test_time_parsing():
     assert sites.parse_minutes("02:00:00") == 120
     assert sites.parse_minutes("1-12:00:00") == 2160
@@ -132,7 +147,7 @@ def test_time_parsing():
 
 def test_sites_json_shape():
     fields = {"name", "slurm_partition", "gpu_model", "gpu_mem_gib", "gpus_per_node", "cpus_per_node", "host_mem_gib",
-              "nvme_path", "nvme_gib", "bf16", "tf32", "flash_attention", "cuda_context_mib", "max_time"}
+              "nvme_path", "nvme_gib", "fp16", "bf16", "tf32", "flash_attention", "cuda_context_mib", "max_time"}
     for site in sites.all_sites():
         d = json.loads(json.dumps(site.to_dict()))
         assert set(d) == {"site", "scheduler", "partitions"}
