@@ -1,0 +1,220 @@
+"""The caching-allocator model (toolkit/estimate/allocator.py) on hand-worked sequences.
+
+Each expected figure is worked out by hand from the policy of c10/cuda/CUDACachingAllocator.cpp.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from toolkit.errors import ConfigError
+from toolkit.estimate.allocator import (K_LARGE_BUFFER, K_SMALL_BUFFER, MIB, allocation_size, parse_alloc_conf,
+                                        replay, round_size)
+
+
+def A(i, n):
+    return ("alloc", i, n)
+
+
+def F(i):
+    return ("free", i)
+
+
+def test_rounding_to_512_bytes():
+    assert round_size(1) == 512
+    assert round_size(512) == 512
+    assert round_size(513) == 1024
+    r = replay([A(1, 1), A(2, 513)])
+    assert r.peak_allocated == 512 + 1024 and r.peak_requested == 514
+    assert r.peak_reserved == K_SMALL_BUFFER and r.segments == 1
+
+
+def test_small_and_large_pool_choice_and_segment_sizes():
+    assert allocation_size(MIB) == K_SMALL_BUFFER            # <= 1 MiB: a 2 MiB small segment
+    assert allocation_size(MIB + 512) == K_LARGE_BUFFER      # 1 .. 10 MiB: a 20 MiB segment
+    assert allocation_size(10 * MIB - 512) == K_LARGE_BUFFER
+    assert allocation_size(10 * MIB) == 10 * MIB             # >= 10 MiB: rounded up to 2 MiB
+    assert allocation_size(11 * MIB) == 12 * MIB
+    r = replay([A(1, MIB), A(2, MIB + 1)])
+    assert r.peak_reserved == 2 * MIB + 20 * MIB and r.segments == 2
+
+
+def test_small_large_pool_requests_share_one_20_mib_segment():
+    # five 3 MiB requests: the first makes a 20 MiB segment, split; the next four reuse its remainder
+    # (20 - 15 = 5 MiB left, > 1 MiB: still split); the 7th 3 MiB does not fit the 2 MiB left: a new segment
+    evs = [A(i, 3 * MIB) for i in range(6)]
+    r = replay(evs)
+    assert r.peak_reserved == 20 * MIB and r.segments == 1 and r.peak_allocated == 18 * MIB
+    r = replay(evs + [A(6, 3 * MIB)])
+    assert r.peak_reserved == 40 * MIB and r.segments == 2
+    assert r.fragmentation == pytest.approx((40 - 21) / 40)
+
+
+def test_split_rule_large_pool_remainder_must_exceed_1_mib():
+    # 19 MiB from a 20 MiB segment leaves exactly 1 MiB: not > 1 MiB, so not split: allocated counts 20 MiB
+    r = replay([A(1, 3 * MIB), F(1), A(2, 19 * MIB)])
+    # 19 MiB >= 10 MiB would make its own 20 MiB segment; but the cached 20 MiB block fits (best fit)
+    assert r.peak_reserved == 20 * MIB
+    assert r.allocated_end == 20 * MIB and r.peak_requested == 19 * MIB
+    r = replay([A(1, 3 * MIB), F(1), A(2, 18 * MIB + 512), A(3, 600 * 1024)])
+    # 20 - 18.0005 MiB = ~1.9995 MiB > 1 MiB: split; a small request still goes to the small pool
+    assert r.allocated_end == 18 * MIB + 512 + 600 * 1024
+    assert r.peak_reserved == 22 * MIB
+
+
+def test_free_blocks_merge_and_are_reused_best_fit():
+    evs = [A(1, 4 * MIB), A(2, 4 * MIB), A(3, 4 * MIB), A(4, 4 * MIB), F(2), F(3)]  # 8 MiB hole in the middle
+    evs += [A(5, 8 * MIB)]  # the merged 8 MiB hole, no new segment
+    r = replay(evs)
+    assert r.peak_reserved == 20 * MIB and r.segments_end == 1
+    # best fit: with a 2 MiB hole and the 10 MiB tail (20 - 10) free, a 2 MiB request takes the hole,
+    # so the 10 MiB request still fits the tail (first fit would have taken the tail: a second segment)
+    r = replay([A(1, 2 * MIB), A(2, 6 * MIB), A(3, 2 * MIB), F(1), A(4, 2 * MIB), A(5, 10 * MIB)])
+    assert r.peak_reserved == 20 * MIB and r.segments_end == 1
+
+
+def test_oversize_blocks_with_max_split_size():
+    cfg = "max_split_size_mb:64"
+    # a 100 MiB block is oversize: never split, and a small request may not take it
+    r = replay([A(1, 100 * MIB), F(1), A(2, 30 * MIB)], config=cfg)
+    assert r.peak_reserved == 130 * MIB and r.allocated_end == 30 * MIB
+    # without the option the 30 MiB request splits the cached 100 MiB block
+    r = replay([A(1, 100 * MIB), F(1), A(2, 30 * MIB)])
+    assert r.peak_reserved == 100 * MIB
+    # a large request may take an oversize block only if it wastes < 20 MiB (max_non_split_rounding)
+    r = replay([A(1, 100 * MIB), F(1), A(2, 90 * MIB)], config=cfg)
+    assert r.peak_reserved == 100 * MIB and r.allocated_end == 100 * MIB
+    r = replay([A(1, 100 * MIB), F(1), A(2, 70 * MIB)], config=cfg)
+    assert r.peak_reserved == 170 * MIB
+
+
+def test_freeing_the_cache_before_an_oom_and_the_oom_itself():
+    cap = 100 * MIB
+    # 60 MiB cached and free, 50 MiB asked: cudaMalloc fails, cached unsplit segments are freed, retried
+    r = replay([A(1, 60 * MIB), F(1), A(2, 50 * MIB)], capacity=cap)
+    assert r.oom is None and r.reserved_end == 60 * MIB  # best fit: the 60 MiB block is reused (split)
+    r = replay([A(1, 60 * MIB), A(9, 30 * MIB), F(1), A(2, 70 * MIB)], capacity=cap)
+    assert r.oom is None and r.reserved_end == 100 * MIB and r.segments_end == 2
+    # a split segment cannot be freed: 20 MiB segment partly used + 60 MiB free segment partly used
+    evs = [A(1, 3 * MIB), A(2, 60 * MIB), A(3, 2 * MIB + 0), F(2), A(4, 40 * MIB), A(5, 30 * MIB)]
+    r = replay(evs, capacity=cap)
+    assert r.oom is not None
+    assert r.oom.request == 30 * MIB and r.oom.allocated == 3 * MIB + 2 * MIB + 40 * MIB
+    assert r.oom.reserved == 80 * MIB and r.oom.free == 20 * MIB
+    assert "Tried to allocate 30.00 MiB" in r.oom.message()
+
+
+def test_expandable_segments_grow_one_segment_without_fragmentation_across_it():
+    # without: a 12 MiB, 12 MiB, free the first, 24 MiB: a third segment
+    evs = [A(1, 12 * MIB), A(2, 12 * MIB), F(1), A(3, 24 * MIB)]
+    r = replay(evs)
+    assert r.peak_reserved == 48 * MIB and r.segments_end == 3
+    # with: one large-pool segment mapped in 20 MiB pages: 12 -> 20 mapped, 24 -> 40, then 24 at the
+    # free tail (16 MiB free after 24 used, grows by 20) -> 60 mapped; the 12 MiB hole stays
+    r = replay(evs, config="expandable_segments:True")
+    assert r.segments_end == 1 and r.peak_reserved == 60 * MIB
+    # a freed hole is reused in place
+    r = replay([A(1, 12 * MIB), A(2, 12 * MIB), F(1), A(3, 12 * MIB)], config="expandable_segments:True")
+    assert r.peak_reserved == 40 * MIB
+    # two freed 12 MiB segments cannot serve a 24 MiB request (no merging across segments): 48 MiB;
+    # in one expandable range the two freed blocks merge: 24 MiB fits the 40 MiB mapped
+    evs = [A(1, 12 * MIB), A(2, 12 * MIB), F(1), F(2), A(3, 24 * MIB)]
+    assert replay(evs).peak_reserved == 48 * MIB
+    r = replay(evs, config="expandable_segments:True")
+    assert r.peak_reserved == 40 * MIB and r.fragmentation == pytest.approx(16 / 40)
+
+
+def test_expandable_segments_release_free_pages_before_an_oom():
+    cfg = "expandable_segments:True"
+    # ten 1 MiB small-pool blocks map 10 MiB of 2 MiB pages; all freed, a 70 MiB request under an 80 MiB cap
+    # needs 80 MiB of large pages: the map fails, the free small pages are unmapped, the retry fits
+    evs = [A(i, MIB) for i in range(10)] + [F(i) for i in range(10)] + [A(99, 70 * MIB)]
+    r = replay(evs, capacity=80 * MIB, config=cfg)
+    assert r.oom is None and r.reserved_end == 80 * MIB and r.peak_reserved == 80 * MIB
+    # pages are the granule: 10 MiB used + 55 MiB asked maps 20 + 60 MiB, over a 70 MiB cap even after
+    # the free pages are unmapped
+    evs = [A(1, 10 * MIB), A(2, 50 * MIB), F(2), A(3, 55 * MIB)]
+    r = replay(evs, capacity=70 * MIB, config=cfg)
+    assert r.oom is not None and r.oom.reserved == 20 * MIB and r.oom.allocated == 10 * MIB
+
+
+def test_roundup_power2_divisions():
+    cfg = parse_alloc_conf("roundup_power2_divisions:4")
+    # 1200 MiB lies between 1024 and 2048: quarters of 256 MiB -> 1280 MiB
+    assert round_size(1200 * MIB, cfg) == 1280 * MIB
+    assert round_size(1024 * MIB, cfg) == 1024 * MIB
+    assert round_size(1000, cfg) == 1024  # below 512 x 4 bytes: plain 512 rounding
+    cfg = parse_alloc_conf("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]")
+    assert cfg.roundup_power2_divisions[:8] == (1,) * 8 and cfg.roundup_power2_divisions[9] == 2
+    # ">" covers the intervals after the last named one (torch >= 2.8; older releases also overwrote it)
+    assert cfg.roundup_power2_divisions[10] == 4 and cfg.roundup_power2_divisions[11:] == (8,) * 5
+    assert round_size(3 * MIB, cfg) == 3 * MIB  # divisions 1 in the 2-4 MiB interval: no power-of-2 rounding
+    assert round_size(1200 * MIB, cfg) == 1280 * MIB
+    assert round_size(3000 * MIB, cfg) == 3072 * MIB  # 2048..4096 in eighths of 256 MiB
+    r = replay([A(1, 1200 * MIB)], config="roundup_power2_divisions:4")
+    assert r.peak_allocated == 1280 * MIB and r.peak_requested == 1200 * MIB
+
+
+def test_garbage_collection_threshold_frees_old_cached_segments_under_a_cap():
+    cap = 200 * MIB
+    evs = [A(1, 60 * MIB), F(1), A(2, 50 * MIB + 0), F(2)]
+    evs = [A(1, 60 * MIB), A(2, 70 * MIB), F(1), F(2)] + [A(10 + i, 30 * MIB) for i in range(1)]
+    plain = replay(evs + [A(99, 100 * MIB)], capacity=cap)
+    gc = replay(evs + [A(99, 100 * MIB)], capacity=cap, config="garbage_collection_threshold:0.5")
+    # both fit; with gc the cached 130 MiB above 100 MiB (0.5 x cap) is partly given back first
+    assert plain.oom is None and gc.oom is None
+    assert gc.reserved_end <= plain.reserved_end
+
+
+def test_alloc_conf_parsing_names_what_it_refuses():
+    with pytest.raises(ConfigError, match="'expandable_segment'"):
+        parse_alloc_conf("expandable_segment:True")
+    with pytest.raises(ConfigError, match="max_split_size_mb too small"):
+        parse_alloc_conf("max_split_size_mb:10")
+    with pytest.raises(ConfigError, match="power of 2"):
+        parse_alloc_conf("roundup_power2_divisions:3")
+    with pytest.raises(ConfigError, match="True or False"):
+        parse_alloc_conf("expandable_segments:yes")
+    cfg = parse_alloc_conf("max_split_size_mb:128, garbage_collection_threshold:0.6,expandable_segments:True")
+    assert cfg.max_split_size == 128 * MIB and cfg.garbage_collection_threshold == 0.6 and cfg.expandable_segments
+    assert parse_alloc_conf("").expandable_segments is False
+    assert parse_alloc_conf("backend:cudaMallocAsync").unmodelled
+    assert parse_alloc_conf("max_split_size_mb:128").with_option("expandable_segments:True").expandable_segments
+
+
+def test_broken_streams_are_errors():
+    with pytest.raises(ValueError, match="not live"):
+        replay([F(1)])
+    with pytest.raises(ValueError, match="twice"):
+        replay([A(1, 10), A(1, 10)])
+
+
+def _stream(n, seed=0):
+    rnd = random.Random(seed)
+    live, evs, k = [], [], 0
+    while len(evs) < n:
+        if live and rnd.random() < 0.48:
+            evs.append(F(live.pop(rnd.randrange(len(live)))))
+        else:
+            size = rnd.choice([rnd.randint(1, 4096), rnd.randint(4096, 2 * MIB), rnd.randint(2 * MIB, 64 * MIB)])
+            evs.append(A(k, size))
+            live.append(k)
+            k += 1
+    return evs
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:32"])
+def test_invariants_on_random_streams(conf):
+    r = replay(_stream(3000, seed=len(conf)), config=conf)
+    assert r.peak_requested <= r.peak_allocated <= r.peak_reserved
+    assert 0.0 <= r.fragmentation < 1.0
+
+
+def test_a_100k_event_stream_replays_in_well_under_a_second():
+    evs = _stream(100_000)
+    t0 = time.perf_counter()
+    replay(evs)
+    assert time.perf_counter() - t0 < 1.0

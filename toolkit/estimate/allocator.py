@@ -1,0 +1,709 @@
+"""A model of PyTorch's CUDA caching allocator: replay an alloc/free stream, get what the GPU reserves.
+
+The POLICY of ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.x, the native backend), re-written
+in Python from reading the source (no code copied). What it models, with the source's names:
+
+- ``round_size``: requests round up to 512 B (``kMinBlockSize``); with ``roundup_power2_divisions``
+  a request above 512 x divisions rounds up to the next of ``divisions`` equal steps between two
+  powers of two (``roundup_power2_next_division``; divisions per power-of-two interval from 1 MiB
+  to 64 GiB, 16 intervals).
+- pools: a rounded request <= 1 MiB (``kSmallSize``) comes from the small pool, whose segments
+  are 2 MiB (``kSmallBuffer``); larger ones from the large pool, whose new segments are 20 MiB
+  (``kLargeBuffer``, ``large_segment_size_mb`` in the newest releases) for requests < 10 MiB
+  (``kMinLargeAlloc``) and otherwise the request rounded up to 2 MiB (``kRoundLarge``)
+  (``get_allocation_size``).
+- ``get_free_block``: best fit, the smallest cached free block of the same pool (and stream: one
+  stream here) at least as large as the request, lowest address first among equals; never an
+  oversize block (>= ``max_split_size``) for a request under it, nor, for a request above it, a
+  block larger than the request + ``max_non_split_rounding_mb`` (default 20 MiB).
+- ``should_split``: the block is split (the allocation at its front) when the remainder is
+  >= 512 B in the small pool (and with expandable segments), > 1 MiB in the large pool, and
+  never for a request >= ``max_split_size``. An unsplit block counts whole in "allocated"
+  (``memory_allocated`` sums block sizes).
+- ``free_block``: a freed block merges with free neighbours of its segment and returns to its pool.
+- ``malloc``: free block -> (``garbage_collection_threshold``, only under a memory cap:
+  ``set_per_process_memory_fraction``; here: a capacity) -> ``alloc_block`` (cudaMalloc of the
+  segment size) -> ``release_available_cached_blocks`` (with ``max_split_size`` set: free oversize
+  cached segments, largest first, until the request is covered) and retry -> ``release_cached_blocks``
+  (every cached unsplit segment of both pools) and retry -> out of memory.
+- ``expandable_segments:True``: one segment per pool, a virtual address range mapped in pages of
+  the pool's segment size (2 MiB small, 20 MiB large: ``find_expandable_block`` builds
+  ``ExpandableSegment(..., segment_size = is_small ? kSmallBuffer : kLargeBuffer)`` and ``map``
+  rounds to it); a request no free block holds maps pages at the free end (the free block right
+  before the unmapped range grows); best fit prefers blocks that do not need to grow; blocks split
+  whenever the remainder is >= 512 B; on a failed map, free pages inside free blocks are unmapped
+  and the map is retried. Reserved = mapped bytes.
+
+Not modelled: several streams (``record_stream``), CUDA graphs' private pools, the
+``cudaMallocAsync`` backend (its options are accepted and named in ``AllocatorConfig.unmodelled``),
+pinned host memory options (irrelevant to device memory).
+
+Input: an ordered stream of events, ``("alloc", id, nbytes)`` / ``("free", id)`` (also ``"a"``/``"f"``),
+a capacity (bytes the allocator may reserve: the card minus context and non-PyTorch memory) or
+None, and an ``AllocatorConfig`` (``parse_alloc_conf(PYTORCH_CUDA_ALLOC_CONF)``). Output: a frozen
+``Replay``. Pure Python, no torch: a 100k-event stream replays in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from ..errors import ConfigError
+
+MIB = 1024 * 1024
+K_MIN_BLOCK = 512                 # kMinBlockSize: all sizes are rounded to at least 512 bytes
+K_SMALL_SIZE = 1 * MIB            # kSmallSize: largest "small" allocation is 1 MiB
+K_SMALL_BUFFER = 2 * MIB          # kSmallBuffer: "small" allocations are packed in 2 MiB blocks
+K_LARGE_BUFFER = 20 * MIB         # kLargeBuffer: allocations between 1 and 10 MiB may use 20 MiB blocks
+K_MIN_LARGE_ALLOC = 10 * MIB      # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
+K_ROUND_LARGE = 2 * MIB           # kRoundLarge: round up large allocations to 2 MiB
+ROUNDUP_INTERVALS = 16            # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
+NO_LIMIT = (1 << 64) - 1          # max_split_size default: std::numeric_limits<size_t>::max()
+_ADDRESS_SPACE = 1 << 52          # an expandable segment's virtual range (the card x 1.125 in torch): "enough"
+
+# Options CUDAAllocatorConfig::parseArgs accepts (torch 2.x); the modelled ones first.
+_MODELLED = ("max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+             "roundup_power2_divisions", "expandable_segments", "large_segment_size_mb")
+_ACCEPTED = ("backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
+             "pinned_use_hip_host_register", "pinned_use_host_register", "pinned_num_register_threads",
+             "pinned_use_background_threads", "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse",
+             "per_process_memory_fraction")
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The caching allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``), in bytes where sizes."""
+
+    max_split_size: int = NO_LIMIT
+    max_non_split_rounding: int = K_LARGE_BUFFER
+    garbage_collection_threshold: float = 0.0
+    roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
+    expandable_segments: bool = False
+    large_segment_size: int = K_LARGE_BUFFER
+    backend: str = "native"
+    text: str = ""
+    """the string it was parsed from"""
+    unmodelled: tuple[str, ...] = ()
+    """options accepted but without effect on device memory here"""
+
+    def with_option(self, text: str) -> "AllocatorConfig":
+        """These settings plus ``text`` (e.g. ``expandable_segments:True``), later options winning."""
+        joined = ",".join(t for t in (self.text, text) if t)
+        return parse_alloc_conf(joined)
+
+
+def _tokens(text: str) -> list[str]:
+    """PyTorch's lexArgs: split on ``,`` ``:`` ``[`` ``]`` (kept as tokens), spaces dropped."""
+    out, word = [], ""
+    for ch in text:
+        if ch in ",:[]":
+            if word:
+                out.append(word)
+                word = ""
+            out.append(ch)
+        elif not ch.isspace():
+            word += ch
+    if word:
+        out.append(word)
+    return out
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def parse_alloc_conf(text: str | None) -> AllocatorConfig:
+    """Settings from a ``PYTORCH_CUDA_ALLOC_CONF`` string; an unknown option or a bad value is a
+    ConfigError naming it (as PyTorch refuses them at start-up)."""
+    text = (text or "").strip()
+    t = _tokens(text)
+    kw: dict = {}
+    divisions = [0] * ROUNDUP_INTERVALS
+    unmodelled: list[str] = []
+    i = 0
+
+    def value(j: int, key: str) -> tuple[str, int]:
+        if j + 2 >= len(t) + 1 or j + 1 >= len(t) or t[j + 1] != ":" or j + 2 >= len(t):
+            raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: {key} needs a value ({key}:VALUE)")
+        return t[j + 2], j + 2
+
+    def number(word: str, key: str, kind=int):
+        try:
+            return kind(word)
+        except ValueError:
+            raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: {key}: {word!r} is not a number") from None
+
+    def boolean(word: str, key: str) -> bool:
+        if word not in ("True", "False"):
+            raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: {key} takes True or False, got {word!r}")
+        return word == "True"
+
+    while i < len(t):
+        key = t[i]
+        if key == ",":
+            i += 1
+            continue
+        if key == "max_split_size_mb":
+            word, i = value(i, key)
+            mb = number(word, key)
+            if mb <= K_LARGE_BUFFER // MIB:
+                raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: max_split_size_mb too small, must be > "
+                                  f"{K_LARGE_BUFFER // MIB}")
+            kw["max_split_size"] = mb * MIB
+        elif key == "max_non_split_rounding_mb":
+            word, i = value(i, key)
+            kw["max_non_split_rounding"] = number(word, key) * MIB
+        elif key == "large_segment_size_mb":
+            word, i = value(i, key)
+            kw["large_segment_size"] = number(word, key) * MIB
+        elif key == "garbage_collection_threshold":
+            word, i = value(i, key)
+            frac = number(word, key, float)
+            if not 0.0 < frac < 1.0:
+                raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: garbage_collection_threshold must be "
+                                  "between 0.0 and 1.0")
+            kw["garbage_collection_threshold"] = frac
+        elif key == "expandable_segments":
+            word, i = value(i, key)
+            kw["expandable_segments"] = boolean(word, key)
+        elif key == "roundup_power2_divisions":
+            if i + 2 < len(t) and t[i + 1] == ":" and t[i + 2] == "[":
+                i += 3
+                first, last = True, 0
+                while i < len(t) and t[i] != "]":
+                    if t[i] == ",":
+                        i += 1
+                        continue
+                    interval = t[i]
+                    if i + 2 >= len(t) or t[i + 1] != ":":
+                        raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: roundup_power2_divisions: "
+                                          f"expected SIZE_MB:DIVISIONS, got {interval!r}")
+                    div = number(t[i + 2], key)
+                    if div != 0 and not _pow2(div):
+                        raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: roundup_power2_divisions: "
+                                          f"divisions must be a power of 2 (or 0), got {div}")
+                    if interval == ">":  # from the interval after the last named one (c10 AllocatorConfig.cpp;
+                        # torch <= 2.7's CUDAAllocatorConfig.cpp also overwrote the last named interval)
+                        for k in range(last + 1 if not first else 0, ROUNDUP_INTERVALS):
+                            divisions[k] = div
+                    else:
+                        mb = number(interval, key)
+                        if not _pow2(mb):
+                            raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: roundup_power2_divisions: "
+                                              f"interval sizes must be powers of 2 (MB), got {mb}")
+                        index = min(mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+                        if first:
+                            for k in range(index):
+                                divisions[k] = div
+                            first = False
+                        divisions[index] = div
+                        last = index
+                    i += 3
+                if i >= len(t):
+                    raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: roundup_power2_divisions: missing ']'")
+            else:
+                word, i = value(i, key)
+                div = number(word, key)
+                if not _pow2(div):
+                    raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: roundup_power2_divisions must be a "
+                                      f"power of 2, got {div}")
+                divisions = [div] * ROUNDUP_INTERVALS
+        elif key in _ACCEPTED:
+            word, i = value(i, key)
+            if key == "backend":
+                if word not in ("native", "cudaMallocAsync"):
+                    raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: backend must be native or cudaMallocAsync, "
+                                      f"got {word!r}")
+                kw["backend"] = word
+                if word != "native":
+                    unmodelled.append("backend:cudaMallocAsync (replayed as the native allocator)")
+            else:
+                unmodelled.append(key)
+        else:
+            raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF {text!r}: unknown option {key!r}; valid: "
+                              f"{', '.join(_MODELLED + _ACCEPTED)}")
+        i += 1
+    return AllocatorConfig(roundup_power2_divisions=tuple(divisions), text=text, unmodelled=tuple(unmodelled), **kw)
+
+
+# -- sizes --------------------------------------------------------------------------------------
+
+
+def _divisions(cfg: AllocatorConfig, size: int) -> int:
+    index = size.bit_length() - 1 - 20  # log2(size) - log2(1 MiB)
+    return cfg.roundup_power2_divisions[max(0, min(index, ROUNDUP_INTERVALS - 1))]
+
+
+def round_size(size: int, cfg: AllocatorConfig | None = None) -> int:
+    """The block size a request of ``size`` bytes gets (``round_size``)."""
+    if size < K_MIN_BLOCK:
+        return K_MIN_BLOCK
+    divisions = _divisions(cfg, size) if cfg is not None else 0
+    if divisions > 1 and size > K_MIN_BLOCK * divisions:
+        if _pow2(size):
+            return size
+        floor = 1 << (size.bit_length() - 1)
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        low = size & ~(step - 1)
+        return size if low == size else low + step
+    return K_MIN_BLOCK * -(-size // K_MIN_BLOCK)
+
+
+def allocation_size(size: int, cfg: AllocatorConfig | None = None) -> int:
+    """The segment cudaMalloc'd for a (rounded) request no cached block holds (``get_allocation_size``)."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return cfg.large_segment_size if cfg is not None else K_LARGE_BUFFER
+    return K_ROUND_LARGE * -(-size // K_ROUND_LARGE)
+
+
+# -- results ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The request that failed, in the terms of PyTorch's "CUDA out of memory" message (bytes)."""
+
+    event: int
+    """index of the failing event in the stream"""
+    request: int
+    """the bytes asked for ("Tried to allocate")"""
+    allocated: int
+    """"allocated by PyTorch" at the failure"""
+    reserved: int
+    """"reserved by PyTorch" (allocated + reserved-but-unallocated) after the cache was emptied"""
+    capacity: int
+    free: int
+    """what was left under the capacity ("of which ... is free")"""
+
+    def message(self) -> str:
+        """The figures as PyTorch's message states them."""
+        def size(n: int) -> str:
+            return f"{n / MIB / 1024:.2f} GiB" if n >= 1024 * MIB else f"{n / MIB:.2f} MiB"
+        return (f"CUDA out of memory. Tried to allocate {size(self.request)}. Of the allocated memory "
+                f"{size(self.allocated)} is allocated by PyTorch, and {size(self.reserved - self.allocated)} is "
+                f"reserved by PyTorch but unallocated; {size(self.free)} free of the allocator's {size(self.capacity)}.")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the caching allocator did with a stream (bytes)."""
+
+    peak_allocated: int
+    """``torch.cuda.max_memory_allocated``: block sizes, after rounding and unsplit remainders"""
+    peak_requested: int
+    """the peak of the bytes asked for (before rounding)"""
+    peak_reserved: int
+    """``torch.cuda.max_memory_reserved``"""
+    reserved_end: int
+    allocated_end: int
+    fragmentation: float
+    """reserved-but-unallocated / reserved, at the reserved peak"""
+    segments: int
+    """segments (cudaMalloc calls alive) at the reserved peak; expandable: one per pool in use"""
+    segments_end: int
+    oom: OutOfMemory | None = None
+    events: int = 0
+    config: AllocatorConfig = field(default_factory=AllocatorConfig)
+    marks: tuple[tuple[str, int, int], ...] = ()
+    """(label, allocated, reserved) at each ``("mark", label)`` event"""
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+
+class _Block:
+    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "small", "seg", "born")
+
+    def __init__(self, addr: int, size: int, small: bool, seg: int):
+        self.addr, self.size, self.small, self.seg = addr, size, small, seg
+        self.allocated, self.mapped = False, True
+        self.prev = self.next = None
+        self.born = 0
+
+
+class _Pool:
+    """Free mapped blocks of one pool, ordered by (size, address)."""
+
+    __slots__ = ("keys", "blocks", "small", "calls", "unmapped", "page")
+
+    def __init__(self, small: bool, page: int):
+        self.keys: list[tuple[int, int]] = []
+        self.blocks: dict[int, _Block] = {}
+        self.small, self.calls, self.page = small, 0, page
+        self.unmapped: dict[int, _Block] = {}  # addr -> unmapped block (expandable)
+
+    def insert(self, b: _Block) -> None:
+        bisect.insort(self.keys, (b.size, b.addr))
+        self.blocks[b.addr] = b
+        b.born = self.calls
+
+    def remove(self, b: _Block) -> None:
+        keys = self.keys
+        i = bisect.bisect_left(keys, (b.size, b.addr))
+        del keys[i]
+        del self.blocks[b.addr]
+
+
+class CachingAllocator:
+    """The allocator's state; ``malloc``/``free`` as PyTorch does them. Use ``replay`` for streams."""
+
+    def __init__(self, capacity: int | None = None, config: AllocatorConfig | None = None):
+        self.cfg = config or AllocatorConfig()
+        self.capacity = capacity
+        self.small = _Pool(True, K_SMALL_BUFFER)
+        self.large = _Pool(False, self.cfg.large_segment_size)
+        self.allocated = self.requested = self.reserved = 0
+        self.peak_allocated = self.peak_requested = self.peak_reserved = 0
+        self.segments = 0
+        self.frag_at_peak = 0.0
+        self.segments_at_peak = 0
+        self._next_addr = 1 << 20
+        self._next_seg = 0
+        self._base: dict[bool, int] = {}  # pool (small?) -> start address of its expandable segment
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        b = _Block(self._next_addr, size, small, self._next_seg)
+        self._next_addr += size + K_SMALL_BUFFER
+        self._next_seg += 1
+        return b
+
+    def _should_split(self, b: _Block, size: int) -> bool:
+        remaining = b.size - size
+        if b.small or self.cfg.expandable_segments:
+            return remaining >= K_MIN_BLOCK
+        return size < self.cfg.max_split_size and remaining > K_SMALL_SIZE
+
+    def _gc_on(self) -> bool:
+        return self.capacity is not None and self.cfg.garbage_collection_threshold > 0.0
+
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        if self._gc_on():
+            pool.calls += 1
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (size, -1))
+        if i == len(keys):
+            return None
+        b = pool.blocks[keys[i][1]]
+        cfg = self.cfg
+        if cfg.expandable_segments:
+            def grow(x: _Block) -> int:
+                return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+            while i + 1 < len(keys) and grow(pool.blocks[keys[i + 1][1]]) < grow(b):
+                i += 1
+                b = pool.blocks[keys[i][1]]
+        else:
+            if size < cfg.max_split_size and b.size >= cfg.max_split_size:
+                return None
+            if size >= cfg.max_split_size and b.size >= size + cfg.max_non_split_rounding:
+                return None
+        pool.remove(b)
+        return b
+
+    def _release_segment(self, b: _Block, pool: _Pool) -> None:
+        pool.remove(b)
+        self.reserved -= b.size
+        self.segments -= 1
+
+    def _release_cached(self) -> bool:
+        """release_cached_blocks: every cached unsplit segment (and free expandable pages)."""
+        for pool in (self.large, self.small):
+            for addr in list(pool.blocks):
+                b = pool.blocks.get(addr)
+                if b is None:
+                    continue
+                if self.cfg.expandable_segments:
+                    self._unmap(b, pool)
+                elif b.prev is None and b.next is None:
+                    self._release_segment(b, pool)
+        return True
+
+    def _release_available(self, pool: _Pool, size: int) -> bool:
+        """release_available_cached_blocks: with max_split_size set, free oversize cached segments."""
+        cfg = self.cfg
+        if cfg.max_split_size == NO_LIMIT or cfg.expandable_segments:
+            return False
+        key = max(size, cfg.max_split_size)
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (key, -1))
+        if i < len(keys):
+            self._release_segment(pool.blocks[keys[i][1]], pool)
+            return True
+        released, j = 0, len(keys) - 1
+        while j >= 0 and released < key:
+            b = pool.blocks[keys[j][1]]
+            if b.size < cfg.max_split_size:
+                break
+            self._release_segment(b, pool)
+            released += b.size
+            j -= 1
+        return released >= key
+
+    def _garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks: free old unsplit large-pool segments above the threshold."""
+        limit = int(self.cfg.garbage_collection_threshold * self.capacity)
+        if self.reserved <= limit:
+            return
+        target, reclaimed = self.reserved - limit, 0
+        pool = self.large
+        freeable = [b for b in pool.blocks.values() if b.prev is None and b.next is None]
+        if not freeable:
+            return
+        ages = {b.addr: pool.calls - b.born for b in freeable}
+        total, count = sum(ages.values()), len(freeable)
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            threshold = total / count
+            freed = False
+            for b in sorted((x for x in freeable if x.addr in pool.blocks), key=lambda x: (x.size, x.addr)):
+                if ages[b.addr] >= threshold:
+                    freed = True
+                    reclaimed += b.size
+                    total -= ages[b.addr]
+                    count -= 1
+                    self._release_segment(b, pool)
+
+    def _room(self, nbytes: int) -> bool:
+        return self.capacity is None or self.reserved + nbytes <= self.capacity
+
+    def _alloc_block(self, pool: _Pool, size: int) -> _Block | None:
+        """alloc_block: a new segment (or, expandable, newly mapped pages)."""
+        if self.cfg.expandable_segments:
+            return self._expand(pool, size)
+        nbytes = allocation_size(size, self.cfg)
+        if not self._room(nbytes):
+            return None
+        self.reserved += nbytes
+        self.segments += 1
+        return self._new_segment(nbytes, pool.small)
+
+    # -- expandable segments ---------------------------------------------------------------------
+
+    def _expand(self, pool: _Pool, size: int) -> _Block | None:
+        if pool.small not in self._base:
+            head = self._new_segment(_ADDRESS_SPACE, pool.small)
+            head.mapped = False
+            pool.unmapped[head.addr] = head
+            self._base[pool.small] = head.addr
+            self.segments += 1
+        # find_expandable_block: the lowest unmapped range (with the free block before it) with room
+        for addr in sorted(pool.unmapped):
+            c = pool.unmapped[addr]
+            if c.prev is not None and not c.prev.allocated and c.prev.mapped:
+                c = c.prev
+            room, x = 0, c
+            while room < size and x is not None and not x.allocated:
+                room += x.size
+                x = x.next
+            if room >= size:
+                break
+        else:  # pragma: no cover - the address space is "enough"
+            return None
+        # map what is missing, from c on
+        if c.mapped:
+            pool.remove(c)
+        else:
+            if not self._map(c, min(c.size, size), pool):
+                return None
+        while c.size < size:
+            nxt = c.next
+            if nxt.mapped:  # a free mapped block between unmapped ranges
+                pool.remove(nxt)
+            elif not self._map(nxt, min(nxt.size, size - c.size), pool):
+                pool.insert(c)
+                return None
+            c.size += nxt.size
+            c.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = c
+        return c
+
+    def _map(self, b: _Block, nbytes: int, pool: _Pool) -> bool:
+        """Map whole pages at the front of unmapped ``b``; the mapped part stays ``b`` (taken out of
+        the unmapped set), the rest becomes a new unmapped block after it."""
+        pages = -(-nbytes // pool.page) * pool.page
+        pages = min(pages, b.size)
+        if not self._room(pages):
+            return False
+        del pool.unmapped[b.addr]
+        if pages < b.size:
+            rest = _Block(b.addr + pages, b.size - pages, b.small, b.seg)
+            rest.mapped = False
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            pool.unmapped[rest.addr] = rest
+            b.size = pages
+        b.mapped = True
+        self.reserved += pages
+        return True
+
+    def _unmap(self, b: _Block, pool: _Pool) -> None:
+        """unmap_block: the whole pages inside free block ``b`` go back to the driver."""
+        page = pool.page
+        start = -(-(b.addr - self._seg_base(b)) // page) * page + self._seg_base(b)
+        end = (b.addr + b.size - self._seg_base(b)) // page * page + self._seg_base(b)
+        if end <= start:
+            return
+        pool.remove(b)
+        pieces = []
+        if start > b.addr:
+            pieces.append((b.addr, start - b.addr, True))
+        pieces.append((start, end - start, False))
+        if b.addr + b.size > end:
+            pieces.append((end, b.addr + b.size - end, True))
+        prev, nxt = b.prev, b.next
+        made = []
+        for addr, size, mapped in pieces:
+            x = _Block(addr, size, b.small, b.seg)
+            x.mapped = mapped
+            made.append(x)
+        for a, c in zip(made, made[1:]):
+            a.next, c.prev = c, a
+        made[0].prev, made[-1].next = prev, nxt
+        if prev is not None:
+            prev.next = made[0]
+        if nxt is not None:
+            nxt.prev = made[-1]
+        self.reserved -= end - start
+        for x in made:
+            if x.mapped:
+                pool.insert(x)
+        hole = next(x for x in made if not x.mapped)
+        # merge with unmapped neighbours
+        for other in (hole.prev, hole.next):
+            if other is not None and not other.mapped and not other.allocated:
+                del pool.unmapped[other.addr]
+                lo, hi = (other, hole) if other.addr < hole.addr else (hole, other)
+                lo.size += hi.size
+                lo.next = hi.next
+                if hi.next is not None:
+                    hi.next.prev = lo
+                hole = lo
+        pool.unmapped[hole.addr] = hole
+
+    def _seg_base(self, b: _Block) -> int:
+        return self._base.get(b.small, b.addr)
+
+    # -- the API ---------------------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> _Block | None:
+        """A block for ``nbytes`` (None: out of memory, the cache already emptied)."""
+        size = round_size(nbytes, self.cfg)
+        pool = self.small if size <= K_SMALL_SIZE else self.large
+        b = self._get_free_block(pool, size)
+        if b is None:
+            if self._gc_on():
+                self._garbage_collect()
+            b = self._alloc_block(pool, size)
+            if b is None and self._release_available(pool, size):
+                b = self._alloc_block(pool, size)
+            if b is None:
+                self._release_cached()
+                b = self._alloc_block(pool, size)
+            if b is None:
+                return None
+        if self._should_split(b, size):
+            rest = _Block(b.addr + size, b.size - size, b.small, b.seg)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            pool.insert(rest)
+        b.allocated = True
+        self.allocated += b.size
+        self.requested += nbytes
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+        if self.reserved > self.peak_reserved or (self.reserved == self.peak_reserved and
+                                                  self.reserved - self.allocated < self.frag_at_peak * self.reserved):
+            self.peak_reserved = self.reserved
+            self.frag_at_peak = (self.reserved - self.allocated) / self.reserved if self.reserved else 0.0
+            self.segments_at_peak = self.segments
+        return b
+
+    def free(self, b: _Block, nbytes: int) -> None:
+        """free_block: back to its pool, merged with free neighbours."""
+        pool = self.small if b.small else self.large
+        b.allocated = False
+        self.allocated -= b.size
+        self.requested -= nbytes
+        for other in (b.prev, b.next):
+            if other is None or other.allocated or not other.mapped:
+                continue
+            pool.remove(other)
+            if other is b.prev:
+                other.size += b.size
+                other.next = b.next
+                if b.next is not None:
+                    b.next.prev = other
+                b = other
+            else:
+                b.size += other.size
+                b.next = other.next
+                if other.next is not None:
+                    other.next.prev = b
+        pool.insert(b)
+
+
+def replay(events: Iterable[Sequence], capacity: int | None = None,
+           config: AllocatorConfig | str | None = None) -> Replay:
+    """Replay ``events`` (``("alloc", id, nbytes)``, ``("free", id)``, ``("mark", label)``) through
+    the caching allocator under ``capacity`` bytes (None: unbounded) and ``config`` (an
+    ``AllocatorConfig`` or a ``PYTORCH_CUDA_ALLOC_CONF`` string). Stops at the first OOM.
+    Freeing an id that is not live is a ValueError (a broken stream, not a memory fact)."""
+    cfg = config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
+    a = CachingAllocator(capacity, cfg)
+    live: dict = {}
+    marks: list[tuple[str, int, int]] = []
+    oom = None
+    n = 0
+    malloc, free = a.malloc, a.free
+    for n, ev in enumerate(events, 1):
+        kind = ev[0]
+        if kind == "alloc" or kind == "a":
+            nbytes = int(ev[2])
+            if ev[1] in live:
+                raise ValueError(f"allocator stream: id {ev[1]!r} allocated twice without a free (event {n - 1})")
+            b = malloc(nbytes)
+            if b is None:
+                reserved = a.reserved
+                oom = OutOfMemory(event=n - 1, request=nbytes, allocated=a.allocated, reserved=reserved,
+                                  capacity=capacity or 0, free=max(0, (capacity or 0) - reserved))
+                break
+            live[ev[1]] = (b, nbytes)
+        elif kind == "free" or kind == "f":
+            got = live.pop(ev[1], None)
+            if got is None:
+                raise ValueError(f"allocator stream: free of id {ev[1]!r} that is not live (event {n - 1})")
+            free(*got)
+        elif kind == "mark":
+            marks.append((str(ev[1]), a.allocated, a.reserved))
+        else:
+            raise ValueError(f"allocator stream: unknown event {kind!r} (event {n - 1})")
+    if a.peak_reserved == 0:
+        frag = 0.0
+    else:
+        frag = a.frag_at_peak
+    return Replay(peak_allocated=a.peak_allocated, peak_requested=a.peak_requested, peak_reserved=a.peak_reserved,
+                  reserved_end=a.reserved, allocated_end=a.allocated, fragmentation=frag,
+                  segments=a.segments_at_peak, segments_end=a.segments, oom=oom, events=n, config=cfg,
+                  marks=tuple(marks))
