@@ -48,6 +48,17 @@ _set_opt = click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", he
 _json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
+def _interval(ctx, param, value: float) -> float:
+    """--interval: a finite number of seconds above zero, checked before anything is submitted."""
+    if not (value == value and 0 < value < float("inf")):  # value == value: not NaN
+        raise click.BadParameter(f"{value!r} is not a positive number of seconds", ctx=ctx, param=param)
+    return value
+
+
+def _interval_opt(help_text: str):
+    return click.option("--interval", default=2.0, show_default=True, type=float, callback=_interval, help=help_text)
+
+
 @main.command()
 @_json_opt
 @click.pass_context
@@ -92,7 +103,7 @@ def render_cmd(ctx, job, site, partition, sets, out_dir, as_json) -> None:
 @_set_opt
 @click.option("--wait", is_flag=True, help="Follow the run (retrying OOMs) to its end; exit 0 only on success.")
 @click.option("--detach", is_flag=True, help="Hand the run's controller loop to a job that outlives this session.")
-@click.option("--interval", default=2.0, show_default=True, help="Seconds between polls with --wait.")
+@_interval_opt("Seconds between polls with --wait.")
 @click.option("--plan", "use_planner", is_flag=True, help="Start from the planner's fastest plan predicted to fit.")
 @_json_opt
 @click.pass_context
@@ -164,7 +175,7 @@ def _status_printer():
 
 @main.command()
 @click.argument("run_id")
-@click.option("--interval", default=2.0, show_default=True, help="Seconds between polls.")
+@_interval_opt("Seconds between polls.")
 @click.option("--quiet", is_flag=True, help="No status line (for a detached controller).")
 def watch(run_id, interval, quiet) -> None:
     """Follow a run to its end (taking its steps: resubmitting after an OOM); exit 0 only on success."""
@@ -210,6 +221,24 @@ def runs_cmd(run_id, as_json) -> None:
             click.echo(f"  attempt {a['n']}: job {a['job_id'] or '-'} {a['state']}" + (f" [{kind}]" if kind else "")
                        + (f" peak_rss={peak:.0f}MiB" if peak else "") + (f" after: {moves}" if moves else "")
                        + f"  {a['attempt_dir']}")
+
+
+@main.command()
+@click.option("--repair", is_flag=True, help="Repair what the run directories can: rebuild a lost or damaged ledger, "
+              "record orphaned runs, remove leftovers, settle local jobs that never started.")
+@_json_opt
+def doctor(repair, as_json) -> None:
+    """Check HPCMEM_HOME: the ledger, run directories, locks, unfinished attempts, calibration files."""
+    from .doctor import doctor as check_home
+    from .resources import home_dir
+
+    report = check_home(home_dir(), repair=repair)
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        click.echo(report.text(), nl=False)
+    if not report.healthy:
+        sys.exit(1)
 
 
 @main.command()

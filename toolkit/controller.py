@@ -21,16 +21,15 @@ scheduler forgot the job). Run states: running, succeeded, failed, gave_up, canc
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Callable
 
 from . import render, runs
 from .backends import get_backend
-from .backends.base import JobStatus
+from .backends.base import JobStatus, fault
 from .classify import Verdict, classify, classify_paths
-from .errors import HpcmemError, SchedulerError
+from .errors import HpcmemError, MaybeSubmittedError, SchedulerError
 from .estimate import estimate, saving_model, spec_model
 from .jobspec import JobSpec
 from .ladder import Decision, next_plan
@@ -40,13 +39,10 @@ from .sites import Partition, Site
 
 TRANSIENT_STATES = ("NODE_FAIL", "BOOT_FAIL", "PREEMPTED")
 LOST_AFTER_S = float(os.environ.get("HPCMEM_LOST_AFTER_S", "900"))
-"""A job the scheduler has not known for this long after submission is LOST."""
+"""A job the scheduler has not known for this long after submission is LOST; so is an attempt whose
+submission stayed uncertain (sbatch timing out, the controller unreachable, no job by its name) that long."""
 
-
-def fault(point: str) -> None:
-    """Die here (SIGKILL) when HPCMEM_FAULT names this point: how the crash-safety tests kill the controller."""
-    if os.environ.get("HPCMEM_FAULT") == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+__all__ = ["start", "tick", "tick_all", "follow", "cancel", "fault", "attempt_verdict", "LOST_AFTER_S"]
 
 
 def start(ledger: Ledger, spec: JobSpec, site: Site, partition: Partition, plan: Plan, **kwargs) -> Run:
@@ -89,11 +85,18 @@ def _step(ledger: Ledger, run: Run) -> None:
         _render(ledger, run, last, site)
         _submit(ledger, run, last, backend)
     elif last.state == "submitting":
-        job_id = backend.find(_job_name(run, last), Path(last.attempt_dir))
+        try:
+            job_id = backend.find(_job_name(run, last), Path(last.attempt_dir))
+        except SchedulerError as exc:
+            if not _give_up_submitting(ledger, run, last, exc):
+                raise
+            return
         if job_id:
             ledger.add_event(run.run_id, last.n, f"found job {job_id} submitted before a crash")
             ledger.update_attempt(run.run_id, last.n, job_id=job_id, state="PENDING", submitted=time.time())
         else:
+            if not (Path(last.attempt_dir) / "job.sbatch").is_file():
+                _render(ledger, run, last, site)  # a crash came before its files were complete
             _submit(ledger, run, last, backend)
     elif not runs.finished(last.state):
         _poll(ledger, run, last, backend)
@@ -106,29 +109,49 @@ def _job_name(run: Run, attempt: AttemptRow) -> str:
 
 
 def _render(ledger: Ledger, run: Run, attempt: AttemptRow, site: Site) -> None:
-    """Write the attempt's files from its recorded plan (again, if a crash interrupted the first time)."""
+    """Write the attempt's files from its recorded plan (again, if a crash interrupted the first time),
+    from the spec as recorded with the run; then its record in the run directory (``attempt.json``)."""
+    fault("before_render")
     try:
         render.render_attempt(runs.spec_for(run), site.partition(attempt.partition), Plan.from_dict(attempt.plan),
                               Path(attempt.attempt_dir), run_id=run.run_id, attempt=attempt.n, workdir=Path(run.workdir))
+        runs.write_attempt_record(attempt)
     except HpcmemError as exc:
         ledger.update_attempt(run.run_id, attempt.n, state="submit_failed")
-        ledger.set_run_state(run.run_id, "failed", f"attempt {attempt.n} could not be rendered: {exc}")
+        runs.end_run(ledger, run, "failed", f"attempt {attempt.n} could not be rendered: {exc}")
         raise
+    fault("after_render")
 
 
 def _submit(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
-    ledger.update_attempt(run.run_id, attempt.n, state="submitting")
+    # ``submitted`` holds when the submission began until the job id is known: it bounds an uncertain one
+    ledger.update_attempt(run.run_id, attempt.n, state="submitting", submitted=attempt.submitted or time.time())
     fault("before_sbatch")
     try:
         job_id = backend.submit(Path(attempt.attempt_dir) / "job.sbatch", Path(attempt.attempt_dir))
+    except MaybeSubmittedError as exc:  # stay 'submitting': the next tick looks the job up by name
+        ledger.add_event(run.run_id, attempt.n, f"submission uncertain, will look for the job: {exc}")
+        if not _give_up_submitting(ledger, run, ledger.attempts(run.run_id)[attempt.n - 1], exc):
+            raise
+        return
     except SchedulerError as exc:
-        if "may or may not have been submitted" in str(exc):
-            raise  # stay 'submitting': the next tick looks the job up by name
         ledger.update_attempt(run.run_id, attempt.n, state="submit_failed")
-        ledger.set_run_state(run.run_id, "failed", f"attempt {attempt.n} was refused: {exc}")
+        runs.end_run(ledger, run, "failed", f"attempt {attempt.n} was refused: {exc}")
         raise
     fault("after_sbatch")
     ledger.update_attempt(run.run_id, attempt.n, job_id=job_id, state="PENDING", submitted=time.time())
+
+
+def _give_up_submitting(ledger: Ledger, run: Run, attempt: AttemptRow, exc: Exception) -> bool:
+    """An attempt whose submission stayed uncertain for LOST_AFTER_S becomes LOST (the run fails); True if so."""
+    since = attempt.submitted
+    if since is None or time.time() - since <= LOST_AFTER_S:
+        return False
+    ledger.update_attempt(run.run_id, attempt.n, state="LOST", finished=time.time(),
+                          verdict=classify(None, "").to_dict())
+    runs.end_run(ledger, run, "failed", f"attempt {attempt.n} could not be submitted for {time.time() - since:.0f} s "
+                                        f"and no job of its name exists: {exc}")
+    return True
 
 
 def _poll(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
@@ -142,7 +165,7 @@ def _poll(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
         if attempt.submitted and time.time() - attempt.submitted > LOST_AFTER_S:
             ledger.update_attempt(run.run_id, attempt.n, state="LOST", finished=time.time(),
                                   verdict=classify(None, "").to_dict())
-            ledger.set_run_state(run.run_id, "failed", f"the scheduler no longer knows job {attempt.job_id}")
+            runs.end_run(ledger, run, "failed", f"the scheduler no longer knows job {attempt.job_id}")
         return
     if status.finished:
         _record_end(ledger, run, attempt, status)
@@ -172,7 +195,7 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
     if last.state in ("submit_failed", "LOST"):
         return  # the run state was set when this happened
     if last.state == "COMPLETED" and not last.exit_code:
-        ledger.set_run_state(run.run_id, "succeeded")
+        runs.end_run(ledger, run, "succeeded")
         return
     spec = runs.spec_for(run)
     verdict = Verdict.from_dict(last.verdict) if last.verdict else classify(None, "")
@@ -185,8 +208,8 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
             ledger.add_attempt(run.run_id, last.n + 1, retry.plan.to_dict(), _attempt_dir(run, last.n + 1),
                                partition.name, retry.to_dict())
             return
-        ledger.set_run_state(run.run_id, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
-                             f"{verdict.reason} Not a memory failure: not retried.")
+        runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
+                     f"{verdict.reason} Not a memory failure: not retried.")
         return
     tried = [(Plan.from_dict(a.plan), site.partition(a.partition)) for a in attempts]
     bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
@@ -199,9 +222,9 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
                            decision.partition.name, decision.to_dict())
         fault("after_decide")
     elif decision.action == "give_up":
-        ledger.set_run_state(run.run_id, "gave_up", decision.reason)
+        runs.end_run(ledger, run, "gave_up", decision.reason)
     else:
-        ledger.set_run_state(run.run_id, "failed", f"attempt {last.n} (job {last.job_id}): {decision.reason}")
+        runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}): {decision.reason}")
 
 
 def _estimator_saving(spec: JobSpec, partition: Partition):
@@ -256,7 +279,7 @@ def cancel(ledger: Ledger, run_id: str) -> Run:
     with runs.run_lock(run, wait_s=60) as mine:
         if not mine:
             raise HpcmemError(f"run {run_id} is busy (a controller holds it); try again")
-        ledger.set_run_state(run_id, "cancelled", "cancelled by the user")
+        runs.end_run(ledger, run, "cancelled", "cancelled by the user")
         live = [a for a in ledger.attempts(run_id) if not runs.finished(a.state)]
         backend = get_backend(runs.load_site_for(run).scheduler)
         for a in live:

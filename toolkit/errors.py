@@ -51,5 +51,13 @@ class SchedulerError(HpcmemError):
     """The scheduler refused or could not answer (after bounded retries)."""
 
 
+class MaybeSubmittedError(SchedulerError):
+    """A submission whose outcome is not known: sbatch timed out, or the controller could not be reached.
+
+    The job may exist. The controller keeps the attempt ``submitting`` and the next tick looks
+    the job up by its unique name before submitting again; it never counts as a refusal.
+    """
+
+
 class LedgerError(HpcmemError):
     """The ledger is locked, unreadable or of an unknown version."""

@@ -3,10 +3,22 @@
 A run lives under ``$HPCMEM_HOME/runs/<run_id>/`` with one ``attempt-<n>/`` per
 job. The controller (toolkit/controller.py) moves it forward; this module holds
 what both the controller and the CLI need to find, lock and show it.
+
+The run directory is the run's own record, enough to rebuild its ledger rows
+(``hpcmem doctor --repair``) and to carry on without the user's files:
+
+- ``spec.yaml``: the job spec as submitted, byte for byte. Later attempts read this copy,
+  never the user's file (``spec_for``), so editing or deleting that file changes nothing.
+- ``run.json``: where the spec came from and what its relative paths meant when it was
+  submitted (spec directory, absolute script, model config), the site and partition, the
+  working directory.
+- ``attempt-<n>/attempt.json``: the attempt's partition, plan and the decision that chose it.
+- ``end.json``: the run's final state and reason, once it has one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import secrets
@@ -16,10 +28,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import render
+from . import __version__, render
 from .backends.base import FINISHED_STATES
-from .errors import HpcmemError
-from .jobspec import JobSpec, load_spec
+from .errors import ConfigError, HpcmemError, LedgerError
+from .files import write_atomic
+from .jobspec import JobSpec, fill_placeholders, load_spec
 from .logtail import read_tail
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
@@ -29,8 +42,27 @@ from .sites import Partition, Site, load_site_file
 TERMINAL_RUN_STATES = ("succeeded", "failed", "gave_up", "cancelled")
 
 
+RUN_RECORD, END_RECORD, ATTEMPT_RECORD, SPEC_COPY = "run.json", "end.json", "attempt.json", "spec.yaml"
+
+
 def open_ledger(home: Path | None = None) -> Ledger:
-    return Ledger((home or home_dir()) / "ledger.sqlite")
+    home = home or home_dir()
+    if home.exists() and not home.is_dir():
+        raise LedgerError(f"HPCMEM_HOME {home} is not a directory; point HPCMEM_HOME at a directory (or unset it "
+                          "for ~/.hpcmem)")
+    return Ledger(home / "ledger.sqlite")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedSpec(JobSpec):
+    """A job spec read from a run's copy: its relative paths mean what they meant when it was submitted."""
+
+    origin_dir: Path | None = None
+    """The directory of the user's spec file at submission (``{spec_dir}`` and relative paths)."""
+
+    @property
+    def spec_dir(self) -> Path:
+        return self.origin_dir or self.path.parent
 
 
 def new_run_id() -> str:
@@ -45,13 +77,76 @@ def create_run(ledger: Ledger, spec: JobSpec, site: Site, partition: Partition, 
     run_id = new_run_id()
     run_dir = (home or home_dir()) / "runs" / run_id
     run_dir.mkdir(parents=True)
-    shutil.copyfile(spec.path, run_dir / "spec.yaml")
+    shutil.copyfile(spec.path, run_dir / SPEC_COPY)
     now = time.time()
     run = Run(run_id=run_id, spec_path=str(spec.path), spec_name=spec.name, site=site.name, site_path=str(site.path),
               partition=partition.name, run_dir=str(run_dir), workdir=str(workdir or Path.cwd()), state="running",
               reason="", created=now, updated=now)
+    write_atomic(run_dir / RUN_RECORD, json.dumps({**run_record(run, spec), "first_plan": plan.to_dict()}, indent=2)
+                 + "\n")
     ledger.add_run(run, plan.to_dict(), str(run_dir / "attempt-1"))
     return run
+
+
+def run_record(run: Run, spec: JobSpec) -> dict[str, Any]:
+    """``run.json``: the run's ledger row as created, plus what the spec's relative paths meant."""
+    return {
+        "run_id": run.run_id, "spec_name": run.spec_name, "spec_path": run.spec_path,
+        "spec_dir": str(Path(spec.spec_dir).resolve()), "script": str(spec.script) if spec.script else None,
+        "model_config": _model_config_as_submitted(spec, Path(run.workdir)),
+        "site": run.site, "site_path": run.site_path, "partition": run.partition, "workdir": run.workdir,
+        "created": run.created, "hpcmem": __version__,
+    }
+
+
+def _model_config_as_submitted(spec: JobSpec, workdir: Path) -> str | None:
+    """The spec's model config with ``{spec_dir}`` filled in; a relative path made absolute (against the
+    working directory, as the estimator reads it, else the spec's directory); a name stays a name."""
+    name = (spec.model or {}).get("config")
+    if not name:
+        return None
+    try:
+        name = fill_placeholders(str(name), {"spec_dir": str(spec.spec_dir)}, spec.path)
+    except HpcmemError:
+        return str(name)
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return str(path)
+    for base in (workdir, Path(spec.spec_dir)):
+        if (base / path).exists():
+            return str((base / path).resolve())
+    return name
+
+
+def read_run_record(run_dir: Path) -> dict | None:
+    """A run directory's ``run.json`` (None when absent: a run made by an older hpcmem); damaged: an error."""
+    path = Path(run_dir) / RUN_RECORD
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise LedgerError(f"{path} is unreadable ({exc}); see `hpcmem doctor`") from None
+    if not isinstance(data, dict):
+        raise LedgerError(f"{path} is damaged (not a JSON object); see `hpcmem doctor`")
+    return data
+
+
+def end_run(ledger: Ledger, run: Run, state: str, reason: str = "") -> None:
+    """Record a run's final state: the ledger first, then ``end.json`` in its directory (for a rebuild)."""
+    ledger.set_run_state(run.run_id, state, reason)
+    try:
+        write_atomic(Path(run.run_dir) / END_RECORD,
+                     json.dumps({"state": state, "reason": reason, "at": time.time()}, indent=2) + "\n")
+    except OSError:
+        pass  # the ledger holds it; only a rebuild would miss it
+
+
+def write_attempt_record(attempt: AttemptRow) -> None:
+    """``attempt.json``: what the ledger knows of an attempt before it is submitted (for a rebuild)."""
+    write_atomic(Path(attempt.attempt_dir) / ATTEMPT_RECORD, json.dumps(
+        {"run_id": attempt.run_id, "n": attempt.n, "partition": attempt.partition, "plan": attempt.plan,
+         "decision": attempt.decision, "created": attempt.created}, indent=2) + "\n")
 
 
 @contextmanager
@@ -101,7 +196,25 @@ def load_site_for(run: Run) -> Site:
 
 
 def spec_for(run: Run) -> JobSpec:
-    return load_spec(run.spec_path)
+    """The job spec as recorded with the run (``runs/<id>/spec.yaml``), never the user's file: its
+    ``{spec_dir}``, relative script and model config resolve as they did at submission."""
+    copy = Path(run.run_dir) / SPEC_COPY
+    if not copy.is_file():
+        raise ConfigError(f"run {run.run_id}: its recorded spec {copy} is missing, so its next attempt cannot be "
+                          "planned; see `hpcmem doctor`")
+    spec = load_spec(copy)
+    record = read_run_record(Path(run.run_dir)) or {}
+    origin = Path(record.get("spec_dir") or Path(run.spec_path).parent)
+    script = spec.script
+    if record.get("script"):
+        script = Path(record["script"])
+    elif script is not None and script.is_relative_to(copy.parent):  # an older run: relative to the user's directory
+        script = origin / script.relative_to(copy.parent)
+    model = dict(spec.model or {})
+    if record.get("model_config") and model.get("config"):
+        model["config"] = record["model_config"]
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(JobSpec)}
+    return RecordedSpec(**{**fields, "script": script, "model": model}, origin_dir=origin)
 
 
 def finished(state: str) -> bool:

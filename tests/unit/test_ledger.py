@@ -83,3 +83,94 @@ def test_status_line_shows_the_jobs_last_progress_line(tmp_path):
                      exit_code=None, created=0, submitted=0, finished=None, updated=0)
     line = status_line(make_run(), [row])
     assert "attempt 1 job 7 RUNNING" in line and line.endswith("| step 2/8 loss 8.2 samples/s 41")
+
+
+# ---------------------------------------------------------------- a damaged ledger is one clear line
+
+
+def _filled(path, runs=3):
+    with Ledger(path) as led:
+        for i in range(runs):
+            led.add_run(make_run(f"r{i}"), {"micro_batch": 8, "note": "x" * 2000}, f"/runs/r{i}/attempt-1")
+            for _ in range(20):
+                led.add_event(f"r{i}", 1, "padding " * 50)
+        led.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def test_a_garbage_page_inside_the_ledger_is_a_ledger_error_not_a_traceback(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    _filled(path)
+    data = bytearray(path.read_bytes())
+    assert len(data) >= 4 * 4096
+    data[2 * 4096:4 * 4096] = b"\xde\xad\xbe\xef" * 2048  # pages 3-4: table b-tree pages, not the header
+    path.write_bytes(bytes(data))
+    with pytest.raises(LedgerError, match=r"is damaged .*malformed.*run `hpcmem doctor`") as caught:
+        with Ledger(path) as led:
+            for run in led.runs():
+                led.attempts(run.run_id)
+                led.events(run.run_id)
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_json_in_a_row_names_the_row_and_the_repair(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.add_run(make_run(), {"micro_batch": 8}, "/runs/r1/attempt-1")
+        led.db.execute("UPDATE attempts SET plan='{not json' WHERE run_id='r1'")
+        led.db.execute("UPDATE attempts SET verdict='[1, 2]' WHERE run_id='r1'")
+    with Ledger(path) as led:
+        with pytest.raises(LedgerError, match=r"run r1 attempt 1: its plan is not valid JSON; run `hpcmem doctor`"):
+            led.attempts("r1")
+        assert any("its plan is not valid JSON" in p for p in led.check())
+
+
+@pytest.mark.parametrize("version", ["one", "1.5", ""])
+def test_a_schema_version_that_is_not_a_number_is_a_ledger_error(tmp_path, version):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
+    with pytest.raises(LedgerError, match=r"schema version .* is not a number; run `hpcmem doctor`"):
+        Ledger(path)
+
+
+def test_a_file_that_is_not_sqlite_is_a_ledger_error(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    path.write_bytes(b"this is not a database\n" * 500)
+    with pytest.raises(LedgerError, match="damaged or not an hpcmem ledger .*hpcmem doctor"):
+        Ledger(path)
+
+
+def test_an_empty_or_missing_ledger_beside_run_directories_is_not_silently_recreated(tmp_path):
+    (tmp_path / "runs" / "20260101-000000-abcd").mkdir(parents=True)
+    path = tmp_path / "ledger.sqlite"
+    path.write_bytes(b"")
+    with pytest.raises(LedgerError, match=r"is empty \(0 bytes\) but 1 run directory exist.*hpcmem doctor --repair"):
+        Ledger(path)
+    assert path.stat().st_size == 0, "nothing may be written over the evidence"
+    path.unlink()
+    with pytest.raises(LedgerError, match="is missing but 1 run directory exist"):
+        Ledger(path)
+    with Ledger(path, rebuilding=True) as led:  # what doctor --repair does
+        assert led.runs() == []
+
+
+def test_a_new_home_gets_a_new_ledger(tmp_path):
+    path = tmp_path / "fresh" / "ledger.sqlite"
+    with Ledger(path) as led:
+        assert led.runs() == [] and led.check() == []
+    path.unlink()
+    (tmp_path / "fresh" / "ledger.sqlite-wal").unlink(missing_ok=True)
+    path.write_bytes(b"")  # 0 bytes and no run directory: nothing was lost
+    with Ledger(path) as led:
+        assert led.runs() == []
+
+
+def test_hpcmem_home_that_is_a_file_is_one_line(tmp_path):
+    home = tmp_path / "home"
+    home.write_text("oops\n")
+    with pytest.raises(LedgerError, match="HPCMEM_HOME must be a directory"):
+        Ledger(home / "ledger.sqlite")
+    from toolkit.runs import open_ledger
+
+    with pytest.raises(LedgerError, match=r"^HPCMEM_HOME .* is not a directory"):
+        open_ledger(home)

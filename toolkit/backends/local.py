@@ -22,15 +22,29 @@ Contracts:
 - **Files** in the attempt directory: ``slurm-<id>.out`` (the log), ``<id>.json`` (the
   runner's result, written atomically), ``<id>.pid`` (the job's process group) and
   ``<id>.cancel`` (a cancel request).
-- **States**: RUNNING while the runner lives and has not written its result (there is
-  no queue, so no PENDING); then the runner's COMPLETED / FAILED / TIMEOUT / CANCELLED;
-  a runner that vanished without a result is FAILED with a reason.
+- **States**: PENDING from the job's record until its runner has started (there is no
+  queue: a moment), RUNNING while the runner lives and has not written its result; then the
+  runner's COMPLETED / FAILED / TIMEOUT / CANCELLED. A runner that vanished after starting the
+  job is FAILED with a reason (and whatever the job left running is killed, as when
+  slurmstepd dies); one that vanished before starting it is BOOT_FAIL.
+- **Crash safety of submit**: the record (``runner_pid: null``, the submitting process's pid)
+  is written before the runner is spawned, and the runner *claims* the job
+  (``jobs/<id>.claim``, created with ``link``, so exactly one claim exists) before it starts
+  the script. A job whose record has no runner is PENDING while its submitter lives (at most
+  ``START_GRACE_S``); after that whoever looks first claims it as abandoned: it never runs,
+  its result is BOOT_FAIL ("never started"), and ``find`` skips it, so the controller submits
+  the attempt again. A runner that lost the claim exits without running anything; a runner
+  that won it is found through the claim even when the submitter died before recording its pid.
+- **Accounting** (``job_facts``, ``failed_jobs``, ``batch_scripts``, ``controller_facts``):
+  answered from the job records and results under the state directory, in the shape of
+  ``slurm.parse_sacct_facts``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import getpass
 import json
 import os
 import signal
@@ -42,8 +56,10 @@ import toolkit
 
 from .. import proc
 from ..files import write_atomic
-from ..errors import SchedulerError
-from .base import CANCELLED, FAILED, PENDING, RUNNING, UNKNOWN, Backend, JobStatus
+from ..errors import CommandError, SchedulerError
+from .base import (
+    BOOT_FAIL, CANCELLED, COMPLETED, FAILED, PENDING, RUNNING, UNKNOWN, Backend, JobStatus, fault,
+)
 from .slurm import clean_environment, gpus_requested, parse_mem_mib, parse_time_limit_s, read_directives
 
 # The runner is started as ``python -m toolkit.backends.local_runner`` from the directory
@@ -65,6 +81,39 @@ def cancel_path(attempt_dir: Path, job_id: str) -> Path:
     """Present when the job was asked to stop; survives a lost signal."""
     return Path(attempt_dir) / f"{job_id}.cancel"
 
+
+
+START_GRACE_S = float(os.environ.get("HPCMEM_LOCAL_START_GRACE_S", "60"))
+"""How long a job whose runner is not recorded yet stays PENDING while its submitter lives."""
+
+_SCRIPT_MAX_BYTES = 1 << 20
+
+
+def claim_path(state_dir: Path, job_id: str) -> Path:
+    """Who runs the job: its runner (``{"by": "runner", "pid", "start"}``) or nobody (``{"by": "abandoned"}``)."""
+    return Path(state_dir) / "jobs" / f"{job_id}.claim"
+
+
+def take_claim(path: Path, claim: dict) -> dict:
+    """Create ``path`` holding ``claim`` unless it exists; return the claim that is there now (ours or the
+    earlier one). ``link`` makes it atomic: of two claimants exactly one wins, and nobody reads half a claim."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    tmp.write_text(json.dumps(claim) + "\n")
+    try:
+        os.link(tmp, path)
+        return claim
+    except FileExistsError:
+        return read_claim(path) or claim
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_claim(path: Path) -> dict | None:
+    try:
+        claim = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return claim if isinstance(claim, dict) else None
 
 
 def now_iso(epoch: float | None = None) -> str:
@@ -111,27 +160,38 @@ class LocalBackend(Backend):
         cwd = Path(attempt_dir, directives.get("chdir") or ".").resolve()
 
         job_id = self._next_id()
+        fault("local_after_id")
         log = self.log_path(attempt_dir, job_id)
+        me = os.getpid()
         record = {
             "job_id": job_id, "attempt_dir": str(attempt_dir), "script": str(script), "log": str(log),
             "submitted": time.time(), "mem_cap_mib": mem_mib, "time_limit_s": time_limit_s,
+            "name": directives.get("job-name") or script.name, "partition": directives.get("partition"),
+            "cwd": str(cwd), "user": _user(), "gpus": gpus,
+            "submitter_pid": me, "submitter_start": _start_ticks(me),
             "runner_pid": None, "runner_start": None,
         }
         self._write_record(record)
+        fault("local_after_record")
         env = job_environment(
-            os.environ, job_id=job_id, job_name=directives.get("job-name") or script.name,
+            os.environ, job_id=job_id, job_name=record["name"],
             submit_dir=attempt_dir, gpus=gpus, mem_mib=mem_mib, partition=directives.get("partition"),
         )
         argv = [
             sys.executable, "-m", "toolkit.backends.local_runner", "--job-id", job_id, "--script", str(script),
             "--attempt-dir", str(attempt_dir), "--cwd", str(cwd), "--log", str(log),
-            "--kill-wait-s", str(self.kill_wait_s),
+            "--kill-wait-s", str(self.kill_wait_s), "--claim", str(claim_path(self.state_dir, job_id)),
         ]
         if mem_mib is not None and not gpus:
             argv += ["--mem-mib", str(mem_mib)]
         if time_limit_s is not None:
             argv += ["--time-limit-s", str(time_limit_s)]
-        pid = proc.spawn_detached(argv, env=env, cwd=_PACKAGE_PARENT, stdout_path=log)
+        try:
+            pid = proc.spawn_detached(argv, env=env, cwd=_PACKAGE_PARENT, stdout_path=log)
+        except (CommandError, OSError) as exc:
+            self._abandon(record, f"its runner could not be started: {exc}")
+            raise SchedulerError(f"local: could not start the runner of {job_id}: {exc}") from exc
+        fault("local_after_spawn")
         self._write_record({**record, "runner_pid": pid, "runner_start": _start_ticks(pid)})
         return job_id
 
@@ -173,19 +233,81 @@ class LocalBackend(Backend):
         done = _read_result(attempt_dir, job_id)
         if done:
             return done
-        if record["runner_pid"] is None:
-            return JobStatus(job_id, PENDING, node="localhost", reason="starting")
-        if _alive(record["runner_pid"], record["runner_start"]):
+        if record.get("runner_pid") is None:
+            record = self._settle_start(record)
+            if record.get("runner_pid") is None:
+                return _read_result(attempt_dir, job_id) or JobStatus(job_id, PENDING, node="localhost",
+                                                                      reason="starting")
+        if _alive(record["runner_pid"], record.get("runner_start")):
             return JobStatus(job_id, RUNNING, elapsed_s=time.time() - record["submitted"], node="localhost")
         done = _read_result(attempt_dir, job_id)  # it may have finished between the two looks
         if done:
             return done
+        return self._runner_vanished(record)
+
+    def _settle_start(self, record: dict) -> dict:
+        """A record without a runner pid: the runner that claimed the job (its pid recorded now), or, once
+        nobody can start it any more, the job abandoned (BOOT_FAIL). Returns the record as it stands."""
+        job_id = record["job_id"]
+        claim = read_claim(claim_path(self.state_dir, job_id))
+        if claim is None:
+            if self._submitter_may_still_start(record):
+                return record
+            claim = self._abandon(record, "the job never started: the process submitting it "
+                                          f"(pid {record.get('submitter_pid')}) died before starting its runner")
+        if claim.get("by") == "runner" and isinstance(claim.get("pid"), int):
+            record = {**record, "runner_pid": claim["pid"], "runner_start": claim.get("start")}
+            self._write_record(record)
+        return record
+
+    def _submitter_may_still_start(self, record: dict) -> bool:
+        if time.time() - record["submitted"] > START_GRACE_S:
+            return False
+        pid = record.get("submitter_pid")
+        return isinstance(pid, int) and _alive(pid, record.get("submitter_start"))
+
+    def _abandon(self, record: dict, reason: str, state: str = BOOT_FAIL) -> dict:
+        """Claim a job nobody started as never to run, and record it BOOT_FAIL; returns the claim that won
+        (the runner's, when it was quicker: then the job runs and nothing is recorded here)."""
+        job_id = record["job_id"]
+        path = claim_path(self.state_dir, job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        claim = take_claim(path, {"by": "abandoned", "at": time.time(), "reason": reason})
+        if claim.get("by") == "abandoned":
+            _record_once(Path(record["attempt_dir"]), job_id, {
+                "job_id": job_id, "state": state, "exit_code": None, "signal": None, "start": None, "end": now_iso(),
+                "elapsed_s": 0.0, "max_rss_mib": None, "reason": claim.get("reason", reason), "node": "localhost",
+            })
+        return claim
+
+    def _runner_vanished(self, record: dict) -> JobStatus:
+        """The runner is gone without a result: BOOT_FAIL if it never started the job, else FAILED (and the
+        job's process group, nobody's now, is killed). Recorded, so every later look says the same."""
+        attempt_dir, job_id = Path(record["attempt_dir"]), record["job_id"]
         if cancel_path(attempt_dir, job_id).exists():
-            return JobStatus(job_id, CANCELLED, node="localhost", reason="cancelled; the runner ended before recording it")
-        return JobStatus(
-            job_id, FAILED, node="localhost",
-            reason=f"the local runner (pid {record['runner_pid']}) ended without recording a result",
-        )
+            state, reason = CANCELLED, "cancelled; the runner ended before recording it"
+        else:
+            state = FAILED
+            reason = f"the local runner (pid {record['runner_pid']}) ended without recording a result"
+        try:
+            job_pid = int(pid_path(attempt_dir, job_id).read_text())
+        except (OSError, ValueError):
+            job_pid = None
+        if job_pid:
+            try:
+                os.killpg(job_pid, signal.SIGKILL)
+                reason += "; its job was killed with it"
+            except (ProcessLookupError, PermissionError):
+                pass
+        elif state == FAILED:
+            take_claim(claim_path(self.state_dir, job_id), {"by": "abandoned", "at": time.time(), "reason": reason})
+            state, reason = BOOT_FAIL, f"the local runner (pid {record['runner_pid']}) died before starting the job"
+        _record_once(attempt_dir, job_id, {
+            "job_id": job_id, "state": state, "exit_code": None, "signal": None, "start": None, "end": now_iso(),
+            "elapsed_s": round(time.time() - record["submitted"], 3), "max_rss_mib": None, "reason": reason,
+            "node": "localhost",
+        })
+        return _read_result(attempt_dir, job_id) or JobStatus(job_id, state, node="localhost", reason=reason)
 
     # -- cancel
 
@@ -198,6 +320,11 @@ class LocalBackend(Backend):
             if record is None or result_path(Path(record["attempt_dir"]), job_id).exists():
                 continue
             write_atomic(cancel_path(Path(record["attempt_dir"]), job_id), f"{time.time()}\n")
+            if record.get("runner_pid") is None:
+                record = self._settle_start(record)
+                if record.get("runner_pid") is None:  # nobody started it: make sure nobody will
+                    self._abandon(record, "cancelled before it started", CANCELLED)
+                    continue
             if record["runner_pid"] and _alive(record["runner_pid"], record["runner_start"]):
                 _kill(record["runner_pid"], signal.SIGTERM)
             waiting.append(record)
@@ -228,29 +355,98 @@ class LocalBackend(Backend):
             "start": None, "end": None, "elapsed_s": time.time() - record["submitted"], "max_rss_mib": None,
             "reason": "cancelled; the runner did not answer and was killed", "node": "localhost",
         }
-        tmp = attempt_dir / f".{job_id}.cancel.tmp"
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        try:
-            os.link(tmp, result_path(attempt_dir, job_id))  # never overwrite what the runner wrote
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        _record_once(attempt_dir, job_id, result)
 
     # -- find
 
     def find(self, job_name: str, attempt_dir: Path) -> str | None:
-        """The newest local job started for ``attempt_dir`` (the name is not needed: the records hold the directory)."""
+        """The newest local job started for ``attempt_dir`` (the name is not needed: the records hold the
+        directory). A job that was abandoned before it started does not count: it never ran."""
         attempt_dir = str(Path(attempt_dir).resolve())
         found = []
-        for path in (self.state_dir / "jobs").glob("local-*.json"):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
+        for record in self._records():
             if record.get("attempt_dir") == attempt_dir:
                 found.append(record["job_id"])
-        return max(found, key=lambda j: int(j.split("-")[1])) if found else None
+        for job_id in sorted(found, key=_id_number, reverse=True):
+            claim = read_claim(claim_path(self.state_dir, job_id))
+            if claim is None and self._read_record(job_id).get("runner_pid") is None:
+                self._status(job_id)  # settles it: started, still starting, or abandoned
+                claim = read_claim(claim_path(self.state_dir, job_id))
+            if claim is None or claim.get("by") != "abandoned":
+                return job_id
+        return None
+
+    # -- accounting (triage)
+
+    def job_facts(self, job_ids: list[str]) -> dict[str, dict]:
+        """The local jobs' records and results as ``slurm.parse_sacct_facts`` shapes them; unknown ids are absent."""
+        out = {}
+        for job_id in dict.fromkeys(job_ids):
+            record = self._read_record(job_id)
+            if record is not None:
+                out[job_id] = self._facts(record, self._status(job_id))
+        return out
+
+    def failed_jobs(self, start_s: float, end_s: float, *, partition: str | None = None,
+                    user: str | None = None) -> dict[str, dict]:
+        """Every local job that ended badly between ``start_s`` and ``end_s`` (by the end its result records)."""
+        out = {}
+        for record in self._records():
+            done = _read_result(Path(record["attempt_dir"]), record["job_id"])
+            if done is None or done.state == COMPLETED:
+                continue
+            ended = _result_end(done.raw)
+            if ended is None or not start_s <= ended <= end_s:
+                continue
+            if (partition and record.get("partition") != partition) or (user and record.get("user") != user):
+                continue
+            out[record["job_id"]] = self._facts(record, done)
+        return out
+
+    def batch_scripts(self, job_ids: list[str]) -> dict[str, str]:
+        """The job scripts the records point at, while they still exist (the attempt directory keeps them)."""
+        out = {}
+        for job_id in dict.fromkeys(job_ids):
+            record = self._read_record(job_id)
+            if record is None:
+                continue
+            try:
+                with open(record["script"], "rb") as handle:
+                    out[job_id] = handle.read(_SCRIPT_MAX_BYTES).decode(errors="replace")
+            except OSError:
+                continue
+        return out
+
+    def controller_facts(self, job_ids: list[str]) -> dict[str, dict]:
+        """As ``job_facts`` plus the log (``stdout``/``stderr``) and the script (``command``); no steps."""
+        out = {}
+        for job_id, facts in self.job_facts(job_ids).items():
+            record = self._read_record(job_id)
+            out[job_id] = {**facts, "max_rss_mib": None, "steps": [], "stdout": record["log"],
+                           "stderr": record["log"], "command": record["script"]}
+        return out
+
+    def _facts(self, record: dict, status: JobStatus) -> dict:
+        mem = record.get("mem_cap_mib")
+        tres = {"cpu": str(len(os.sched_getaffinity(0))), "node": "1"}
+        if mem:
+            tres["mem"] = f"{mem}M"
+        if record.get("gpus"):
+            tres["gres/gpu"] = str(record["gpus"])
+        result = {}
+        try:
+            result = json.loads(status.raw) if status.raw else {}
+        except ValueError:
+            pass
+        return {
+            "array_job_id": None, "array_task_id": None, "job_id": record["job_id"], "raw_id": record["job_id"],
+            "name": record.get("name"), "user": record.get("user"), "partition": record.get("partition"),
+            "cluster": "local", "state": status.state, "state_text": status.state, "exit_code": status.exit_code,
+            "signal": status.signal, "elapsed_s": status.elapsed_s, "timelimit_s": record.get("time_limit_s"),
+            "max_rss_mib": status.max_rss_mib, "req_tres": dict(tres), "alloc_tres": dict(tres),
+            "nodes": "localhost", "workdir": record.get("cwd"), "submit": now_iso(record["submitted"]),
+            "start": result.get("start"), "end": result.get("end"), "reason": status.reason, "steps": [],
+        }
 
     # -- the state directory
 
@@ -260,7 +456,10 @@ class LocalBackend(Backend):
         with open(self.state_dir / "lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                last = int(counter.read_text()) if counter.exists() else 0
+                try:
+                    last = int(counter.read_text()) if counter.exists() else 0
+                except ValueError:  # a damaged counter: never reuse an id that has a record
+                    last = max((_id_number(r["job_id"]) for r in self._records()), default=0)
                 write_atomic(counter, f"{last + 1}\n")
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -277,10 +476,28 @@ class LocalBackend(Backend):
         write_atomic(path, json.dumps(record, indent=2) + "\n")
 
     def _read_record(self, job_id: str) -> dict | None:
+        path = self._record_path(job_id)
         try:
-            return json.loads(self._record_path(job_id).read_text())
+            record = json.loads(path.read_text())
         except FileNotFoundError:
             return None
+        except (OSError, ValueError) as exc:
+            raise SchedulerError(f"local job record {path} is unreadable ({exc}); see `hpcmem doctor`") from None
+        if not isinstance(record, dict) or not {"job_id", "attempt_dir", "submitted"} <= set(record):
+            raise SchedulerError(f"local job record {path} is damaged; see `hpcmem doctor`")
+        return record
+
+    def _records(self) -> list[dict]:
+        """Every readable job record (damaged ones are skipped: ``hpcmem doctor`` reports them)."""
+        out = []
+        for path in (self.state_dir / "jobs").glob("local-*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and {"job_id", "attempt_dir", "submitted"} <= set(record):
+                out.append(record)
+        return out
 
 
 def job_environment(
@@ -319,12 +536,52 @@ def _read_result(attempt_dir: Path, job_id: str) -> JobStatus | None:
         text = result_path(attempt_dir, job_id).read_text()
     except FileNotFoundError:
         return None
-    data = json.loads(text)
-    return JobStatus(
-        job_id=job_id, state=data["state"], exit_code=data.get("exit_code"), signal=data.get("signal"),
-        elapsed_s=data.get("elapsed_s"), max_rss_mib=data.get("max_rss_mib"), node=data.get("node"),
-        reason=data.get("reason"), raw=text,
-    )
+    try:
+        data = json.loads(text)
+        return JobStatus(
+            job_id=job_id, state=data["state"], exit_code=data.get("exit_code"), signal=data.get("signal"),
+            elapsed_s=data.get("elapsed_s"), max_rss_mib=data.get("max_rss_mib"), node=data.get("node"),
+            reason=data.get("reason"), raw=text,
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return JobStatus(job_id, FAILED, node="localhost", raw=text,
+                         reason=f"the job's result {result_path(attempt_dir, job_id)} is unreadable")
+
+
+def _record_once(attempt_dir: Path, job_id: str, result: dict) -> None:
+    """Write a result the runner did not write (never over one it did: ``link`` fails if it exists)."""
+    tmp = Path(attempt_dir) / f".{job_id}.{os.getpid()}.result.tmp"
+    try:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.link(tmp, result_path(attempt_dir, job_id))
+    except FileExistsError:
+        pass
+    except OSError:  # the attempt directory is gone: nothing to record into
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _result_end(raw: str) -> float | None:
+    try:
+        end = json.loads(raw).get("end")
+        return dt.datetime.fromisoformat(end).timestamp() if end else None
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def _id_number(job_id: str) -> int:
+    try:
+        return int(job_id.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _user() -> str | None:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return None
 
 
 def _settled(record: dict) -> bool:

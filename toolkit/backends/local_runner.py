@@ -26,9 +26,9 @@ from pathlib import Path
 
 from .. import proc
 from ..errors import CommandError
-from .base import CANCELLED, COMPLETED, FAILED, TIMEOUT
+from .base import CANCELLED, COMPLETED, FAILED, TIMEOUT, fault
 from ..files import write_atomic
-from .local import cancel_path, now_iso, pid_path, result_path
+from .local import _start_ticks, cancel_path, now_iso, pid_path, result_path, take_claim
 
 _TICK_S = 0.1
 
@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: asked_to_stop.append(1))
     signal.signal(signal.SIGHUP, lambda *_: None)
 
+    fault("runner_start")
+    if args.claim:  # exactly one of this runner and a later "nobody started it" decides
+        claim = take_claim(Path(args.claim), {"by": "runner", "pid": os.getpid(), "start": _start_ticks(os.getpid())})
+        if claim.get("by") != "runner" or claim.get("pid") != os.getpid():
+            print(f"local-runner: job {args.job_id} was given up before this runner started "
+                  f"({claim.get('reason', 'abandoned')}); not running it", flush=True)
+            return 0
+    fault("runner_after_claim")
+
     start = time.time()
     try:
         pid = proc.spawn_detached(
@@ -59,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         _record(args, start, FAILED, None, None, 0.0, str(exc))
         return 1
     write_atomic(pid_path(attempt_dir, args.job_id), f"{pid}\n")
+    fault("runner_after_job_spawn")
 
     stopping, kill_at = None, None
     while True:
@@ -124,6 +134,7 @@ def _parse_args(argv):
     parser.add_argument("--mem-mib", type=int, default=None, help="RLIMIT_AS of the job's processes")
     parser.add_argument("--time-limit-s", type=float, default=None)
     parser.add_argument("--kill-wait-s", type=float, default=5.0, help="SIGTERM to SIGKILL grace")
+    parser.add_argument("--claim", default=None, help="claim file: the runner starts the job only if it creates it")
     return parser.parse_args(argv)
 
 

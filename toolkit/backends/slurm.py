@@ -14,11 +14,13 @@ or sacct does not know a fresh job yet, the controller is asked instead:
 ``squeue`` for the jobs it still lists, then ``scontrol show job`` one by one; a job
 nobody knows is UNKNOWN.
 
-Retries: a query that fails with a non-zero exit or a timeout (socket timed out,
-controller unreachable, ...) is tried ``tries`` times with ``backoff_s``, 2x, 4x ...
-between tries, then raises ``SchedulerError``. ``sbatch`` is retried only when the
+Retries (one loop, ``base.retrying``): a query that fails with a non-zero exit or a timeout
+(socket timed out, controller unreachable, ...) is tried ``tries`` times with ``backoff_s``,
+2x, 4x ... between tries, then raises ``SchedulerError``. ``sbatch`` is retried only when the
 controller could not be contacted at all: any other failure may have created the job,
-and submitting twice is worse than failing once.
+and submitting twice is worse than failing once. An sbatch that timed out, or a controller
+still unreachable after the tries, raises ``MaybeSubmittedError``: the controller keeps the
+attempt ``submitting`` and looks the job up by name before it submits again.
 
 Environment: jobs started from inside another Slurm job must behave as from a login
 node, so every Slurm command runs without the caller's ``SLURM_*``, ``SBATCH_*``,
@@ -37,10 +39,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .. import proc
-from ..errors import CommandError, SchedulerError
+from ..errors import CommandError, MaybeSubmittedError, SchedulerError
 from .base import (
-    ACTIVE_STATES, CANCELLED, FAILED, OUT_OF_MEMORY, PENDING, RUNNING, STATES, UNKNOWN,
-    Backend, JobStatus,
+    ACTIVE_STATES, CANCELLED, FAILED, OUT_OF_MEMORY, PENDING, RETRY, RUNNING, STATES, UNKNOWN,
+    Backend, JobStatus, retrying,
 )
 
 SACCT_FIELDS = ("JobID", "State", "ExitCode", "Elapsed", "MaxRSS", "NodeList", "Reason")
@@ -673,22 +675,23 @@ class SlurmBackend(Backend):
         return lines[-1] if lines else "sbatch: job accepted"
 
     def _sbatch(self, argv: list[str], cwd: Path) -> proc.Completed:
-        for attempt in range(1, self.tries + 1):
-            try:
-                return proc.run(argv, timeout=self.timeout_s, env=clean_environment(os.environ), cwd=cwd)
-            except proc.CommandNotFoundError:
-                raise
-            except proc.CommandTimeoutError as exc:
-                raise SchedulerError(
+        """sbatch, retried only while the controller cannot be contacted (nothing was created then)."""
+        def judge(exc: CommandError, last: bool):
+            if isinstance(exc, proc.CommandTimeoutError):
+                raise MaybeSubmittedError(
                     f"sbatch did not answer within {self.timeout_s:g} s; the job may or may not have been "
-                    f"submitted (check squeue)"
-                ) from exc
-            except CommandError as exc:
-                message = first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
-                if _SBATCH_NOT_CONNECTED not in message.lower() or attempt == self.tries:
-                    raise SchedulerError(message) from exc
-                self._pause(attempt)
-        raise AssertionError("unreachable")
+                    f"submitted (check squeue)") from exc
+            message = _message(exc)
+            if _SBATCH_NOT_CONNECTED not in message.lower():
+                raise SchedulerError(message) from exc
+            if last:  # nothing was submitted, but the refusal is the controller's absence, not the job's
+                raise MaybeSubmittedError(f"{message} (tried {self.tries} times; the next step tries again)") from exc
+            return RETRY
+        return self._retrying(lambda: proc.run(argv, timeout=self.timeout_s, env=clean_environment(os.environ), cwd=cwd),
+                              judge)
+
+    def _retrying(self, call, judge):
+        return retrying(call, judge, tries=self.tries, pause=self._pause)
 
     # -- poll
 
@@ -713,22 +716,18 @@ class SlurmBackend(Backend):
 
     def _query(self, argv: list[str]) -> str:
         """Run a read-only Slurm command with bounded retries; an unknown job id is empty output."""
-        for attempt in range(1, self.tries + 1):
-            try:
-                return proc.run(argv, timeout=self.timeout_s, env=clean_environment(os.environ)).stdout
-            except proc.CommandNotFoundError:
-                raise
-            except CommandError as exc:
-                message = first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
-                low = message.lower()
-                if _INVALID_JOB in low:
-                    return ""
-                if argv[0] == "sacct" and any(m in low for m in _ACCOUNTING_OFF):
-                    raise _AccountingUnavailable(message) from exc
-                if attempt == self.tries:
-                    raise SchedulerError(f"{argv[0]} failed {self.tries} times: {message}") from exc
-                self._pause(attempt)
-        raise AssertionError("unreachable")
+        def judge(exc: CommandError, last: bool):
+            message = _message(exc)
+            low = message.lower()
+            if _INVALID_JOB in low:
+                return proc.Completed(argv, exc.returncode or 1, "", exc.stderr)
+            if argv[0] == "sacct" and any(m in low for m in _ACCOUNTING_OFF):
+                raise _AccountingUnavailable(message) from exc
+            if last:
+                raise SchedulerError(f"{argv[0]} failed {self.tries} times: {message}") from exc
+            return RETRY
+        return self._retrying(lambda: proc.run(argv, timeout=self.timeout_s, env=clean_environment(os.environ)),
+                              judge).stdout
 
     # -- find
 
@@ -748,20 +747,16 @@ class SlurmBackend(Backend):
         ids = _check_ids(job_ids)
         if not ids:
             return
-        for attempt in range(1, self.tries + 1):
-            try:
-                proc.run(scancel_command(ids), timeout=self.timeout_s, env=clean_environment(os.environ))
-                return
-            except proc.CommandNotFoundError:
-                raise
-            except CommandError as exc:
-                message = first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
-                low = message.lower()
-                if _INVALID_JOB in low or any(m in low for m in _ALREADY_DONE):
-                    return  # finished (or forgotten) jobs need no cancelling
-                if attempt == self.tries:
-                    raise SchedulerError(f"scancel failed {self.tries} times: {message}") from exc
-                self._pause(attempt)
+        def judge(exc: CommandError, last: bool):
+            message = _message(exc)
+            low = message.lower()
+            if _INVALID_JOB in low or any(m in low for m in _ALREADY_DONE):
+                return None  # finished (or forgotten) jobs need no cancelling
+            if last:
+                raise SchedulerError(f"scancel failed {self.tries} times: {message}") from exc
+            return RETRY
+        self._retrying(lambda: proc.run(scancel_command(ids), timeout=self.timeout_s, env=clean_environment(os.environ)),
+                       judge)
 
     # -- facts (triage)
 
@@ -814,6 +809,11 @@ class SlurmBackend(Backend):
 
     def _pause(self, attempt: int) -> None:
         self._sleep(self.backoff_s * 2 ** (attempt - 1))
+
+
+def _message(exc: CommandError) -> str:
+    """Slurm's own words from a failed command (its first ``error:`` line), else the error itself."""
+    return first_error_line(exc.stderr + "\n" + exc.stdout) or str(exc)
 
 
 class _AccountingUnavailable(Exception):

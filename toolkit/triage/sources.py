@@ -62,7 +62,7 @@ def cases(target: str, *, backend: Backend | None = None, ledger=None, stdin: Bi
 def target_cases(targets: Iterable[str], *, backend: Backend | None = None, ledger=None,
                  stdin: BinaryIO | None = None) -> list[Case]:
     """The cases TARGETs stand for, in target order (a target may give several: an array job's failed
-    tasks, a directory's jobs). ``backend``: a ``SlurmBackend`` or None (no Slurm here); ``ledger``: a
+    tasks, a directory's jobs). ``backend``: a ``Backend`` (its accounting queries) or None (no scheduler here); ``ledger``: a
     ``toolkit.ledger.Ledger`` or None; ``stdin``: a binary stream for ``-``. One sacct call for every
     job id of all targets, at most one ``sacct -B``. Raises ``HpcmemError`` for a TARGET of no kind
     (before anything is read)."""
@@ -171,7 +171,7 @@ class _Gathering:
         ids = list(dict.fromkeys(i for i in job_ids if JOB_ID.match(i or "")))
         if not ids:
             return {}
-        if self.backend is None or not hasattr(self.backend, "job_facts"):
+        if self.backend is None:
             self.sacct_problem = "no Slurm scheduler on this machine: job facts come from files only"
             return {}
         try:
@@ -200,7 +200,7 @@ class _Gathering:
     def remembered(self, job_ids: list[str]) -> dict[str, dict]:
         """What scontrol still remembers of the jobs, asking only for ids not asked before in this call."""
         new = [i for i in dict.fromkeys(job_ids) if i not in self._remembered_asked and JOB_ID.match(i or "")]
-        if new and self.backend is not None and hasattr(self.backend, "controller_facts"):
+        if new and self.backend is not None:
             self._remembered_asked.update(new)
             try:
                 self._remembered.update(self.backend.controller_facts(new))
