@@ -139,3 +139,6 @@ def test_report_runs_and_summarizes(gpu, capsys):
     assert len(out["rows"]) >= 25 and all(r["error_pct"] is not None for r in out["rows"])
     overall = [s for s in out["summary"] if s["source"] == "ALL"]
     assert len(overall) == 1 and overall[0]["rows"] == len(out["rows"])
+    exact = [s for s in out["summary"] if s["source"] == gpu.EXACT]
+    assert len(exact) == 1 and exact[0]["rows"] == sum(1 for r in out["rows"] if not r["gaps"]) > 0
+    assert all(s["worst_under_pct"] <= 0 and s["max_abs_pct"] >= s["median_abs_pct"] for s in out["summary"])
