@@ -218,3 +218,40 @@ def test_a_100k_event_stream_replays_in_well_under_a_second():
     t0 = time.perf_counter()
     replay(evs)
     assert time.perf_counter() - t0 < 1.0
+
+
+# -- device_memory: fit, reserved over capacity, the setting that fixes it ----------------------------
+
+
+def test_device_memory_names_the_setting_that_makes_a_fragmented_step_fit():
+    from toolkit.estimate.device import device_memory
+
+    # 100 MiB freed, a 3 MiB tensor splits its cached block, then 120 MiB: a second segment (223 MiB
+    # reserved) under a 200 MiB cap; the first segment is split so it cannot be released: OOM, though
+    # the tensors (123 MiB) fit. Expandable segments grow the free tail by 20 MiB pages: 140 MiB.
+    evs = [A(1, 100 * MIB), F(1), A(0, 3 * MIB), A(2, 120 * MIB)]
+    dm = device_memory(evs, capacity_mib=200)
+    assert not dm.fits and dm.fits_allocated and dm.fragmentation_only
+    assert dm.peak_allocated_mib == 123
+    assert dm.oom is not None and dm.oom.request == 120 * MIB
+    assert dm.fix == "expandable_segments:True" and dm.fix_peak_reserved_mib == 140
+    ok = device_memory(evs, capacity_mib=300)
+    assert ok.fits and ok.fix is None and ok.peak_reserved_mib == 220
+    too_big = device_memory(evs, capacity_mib=100)
+    assert not too_big.fits and not too_big.fits_allocated and too_big.fix is None
+    # with the setting already given, the replay uses it and fits
+    assert device_memory(evs, capacity_mib=200, alloc_conf="expandable_segments:True").fits
+
+
+def test_device_memory_caches_replays_by_key():
+    from toolkit.estimate.device import device_memory
+
+    calls = []
+
+    def make():
+        calls.append(1)
+        return [A(1, 5 * MIB)]
+
+    device_memory(make, capacity_mib=None, key=("test-cache", 1))
+    device_memory(make, capacity_mib=None, key=("test-cache", 1))
+    assert len(calls) == 1

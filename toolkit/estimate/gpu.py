@@ -1,0 +1,154 @@
+"""What a GPU process holds besides the tensors the model makes: the constants, each with its source.
+
+Two kinds:
+
+- inside the caching allocator (they are allocations in the replayed stream, so they take blocks
+  and segments like any tensor): cuBLAS and cuBLASLt workspaces, DDP gradient buckets, DeepSpeed's
+  reduce/all-gather buckets;
+- outside it (added to ``device_used`` as named extras): the CUDA context, NCCL's communicator
+  buffers, and on torch < 1.11 cuBLAS's own workspace (before PyTorch routed it through the allocator).
+
+Pure arithmetic, no torch import.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+KIB = 1024
+
+# cuBLAS workspace per (handle, stream), allocated through the caching allocator on the first GEMM and
+# kept for the process's life. PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize:
+# default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB (8.125 MiB) below compute
+# capability 9; ":4096:8" = 32 MiB on Hopper (sm90; torch >= 2.8 also Blackwell sm100/sm120). Also
+# PyTorch docs "CUDA semantics: cuBLAS workspaces".
+CUBLAS_WORKSPACE_DEFAULT = 2 * 4096 * KIB + 8 * 16 * KIB
+CUBLAS_WORKSPACE_HOPPER = 4096 * 8 * KIB
+# cuBLASLt workspace (used by addmm/linear with bias on CUDA): CublasHandlePool.cpp getCUDABlasLtWorkspaceSize:
+# CUBLASLT_WORKSPACE_SIZE (KiB), default 1024 KiB in torch 2.0-2.4; from 2.5 it defaults to the cuBLAS size
+# and shares the cuBLAS workspace when it fits (counted once here, as the cuBLAS one).
+CUBLASLT_WORKSPACE_OLD = 1024 * KIB
+
+# NCCL allocates its own device buffers (cudaMalloc, outside PyTorch's allocator) when a communicator
+# is set up: per channel and per peer, a buffer per protocol. NCCL docs, "Environment variables":
+# NCCL_BUFFSIZE default 4 MiB (the Simple protocol); LL128 ~4.6 MiB and LL 256 KiB per channel per peer
+# (NCCL src/include/device.h defaults). A ring touches 2 peers (send, recv) per channel; channel counts
+# depend on the topology (NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS); 2 is NCCL's minimum on PCIe, NVLink
+# systems use more. We count 2 channels x 2 peers x (4 + 4.6 + 0.25) MiB, a lower bound, and say so.
+NCCL_BUFFSIZE = 4 * MIB
+NCCL_LL128_BUFFSIZE = int(4.6 * MIB)
+NCCL_LL_BUFFSIZE = 256 * KIB
+NCCL_MIN_CHANNELS = 2
+
+# DDP: torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25); the first bucket is capped at
+# dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB (torch/nn/parallel/distributed.py). With
+# gradient_as_bucket_view=False (the default) the buckets are a second copy of the gradients,
+# allocated when the Reducer is built; with True the grads are views into them (no second copy).
+DDP_BUCKET_CAP = 25 * MIB
+DDP_FIRST_BUCKET = 1 * MIB
+
+
+def cublas_workspace_bytes(gpu_model: str | None, config: str | None = None) -> int:
+    """One cuBLAS workspace (bytes) for ``gpu_model`` (its name as nvidia-smi gives it), or for
+    ``config`` (a CUBLAS_WORKSPACE_CONFIG value ":SIZE_KIB:COUNT[:SIZE:COUNT...]")."""
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if not pairs:
+            raise ValueError(f"CUBLAS_WORKSPACE_CONFIG {config!r}: expected :SIZE:COUNT pairs (KiB)")
+        return sum(int(s) * int(n) for s, n in pairs) * KIB
+    return CUBLAS_WORKSPACE_HOPPER if gpu_generation(gpu_model) in ("hopper", "blackwell") else CUBLAS_WORKSPACE_DEFAULT
+
+
+def gpu_generation(gpu_model: str | None) -> str:
+    """volta, turing, ampere, ada, hopper, blackwell or unknown, from a GPU model name."""
+    name = (gpu_model or "").upper()
+    for marks, gen in ((("B100", "B200", "GB200", "B300", "RTX 50", "RTX PRO 6000 BLACKWELL"), "blackwell"),
+                       (("H100", "H200", "H800", "GH200"), "hopper"),
+                       (("L4", "L40", "RTX 40", "RTX 6000 ADA"), "ada"),
+                       (("A100", "A800", "A10", "A30", "A40", "A6000", "RTX 30", "A5000", "A4000"), "ampere"),
+                       (("T4", "RTX 20", "TITAN RTX", "QUADRO RTX"), "turing"),
+                       (("V100", "TITAN V"), "volta"), (("P100", "P40"), "pascal")):
+        if any(m in name for m in marks):
+            return gen
+    return "unknown"
+
+
+# CUDA context (MiB) as nvidia-smi shows it before any tensor memory, by how CUDA loads kernels.
+# With lazy loading (CUDA_MODULE_LOADING=LAZY: CUDA >= 11.7, the default PyTorch sets from 1.13/2.0 on)
+# only the kernels used are loaded: a few hundred MiB. Without it (torch < 1.13, or CUDA < 11.7) every
+# kernel of torch, cuBLAS and cuDNN is loaded at start-up: over a GiB.
+# Sources: Hugging Face "Efficient training on a single GPU" (V100, CUDA 11.2, torch 1.10): 1343 MiB
+# after a 1-element tensor; NVIDIA CUDA C Programming Guide, "Lazy Loading": module loading on first use.
+# The partition's profile (hpcmem calibrate measures it) always wins over this table.
+CUDA_CONTEXT_EAGER_MIB = 1343.0
+
+
+def lazy_loading(torch_version: str | None) -> bool:
+    """Whether PyTorch ``torch_version`` loads CUDA modules lazily by default (>= 1.13)."""
+    major, minor = version_tuple(torch_version)
+    return (major, minor) >= (1, 13)
+
+
+def version_tuple(text: str | None) -> tuple[int, int]:
+    """(major, minor) of a version string; None or unparsable: the current era (2, 99)."""
+    m = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (2, 99)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the job's software behaves where it changes device memory. The defaults are what
+    hpcmem's own runtime (torch 2.x, transformers 5.x) does; published measurements made with
+    older software are estimated by giving its version."""
+
+    torch_version: str | None = None
+    """None: the torch hpcmem runs (2.x)"""
+    grads_set_to_none: bool | None = None
+    """``zero_grad`` frees the gradients between steps (None: torch >= 2.0's default, True; torch
+    1.x's ``Module.zero_grad`` kept them, zeroed)"""
+    cublas_workspace_config: str | None = None
+    """CUBLAS_WORKSPACE_CONFIG when the job sets it"""
+
+    @property
+    def frees_grads(self) -> bool:
+        if self.grads_set_to_none is not None:
+            return self.grads_set_to_none
+        return version_tuple(self.torch_version) >= (2, 0)
+
+    @property
+    def cublas_in_allocator(self) -> bool:
+        """PyTorch >= 1.11 gives cuBLAS its workspace from the caching allocator (CublasHandlePool.cpp)."""
+        return version_tuple(self.torch_version) >= (1, 11)
+
+    @property
+    def cublaslt_separate(self) -> bool:
+        """torch 2.0-2.4 kept a separate 1 MiB cuBLASLt workspace; from 2.5 it shares cuBLAS's."""
+        return (2, 0) <= version_tuple(self.torch_version) < (2, 5)
+
+
+DEFAULT_RUNTIME = Runtime()
+
+
+def nccl_buffer_bytes(world_size: int) -> int:
+    """NCCL's own device buffers per rank (outside the allocator), a lower bound; 0 on one rank."""
+    if world_size <= 1:
+        return 0
+    return NCCL_MIN_CHANNELS * 2 * (NCCL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE)
+
+
+def ddp_bucket_sizes(grad_bytes_in_order: list[int]) -> list[int]:
+    """DDP's gradient buckets (bytes) over the parameters in reverse order of registration, as the
+    Reducer forms them: the first bucket up to 1 MiB, then up to 25 MiB each (a tensor larger than the
+    cap gets a bucket of its own)."""
+    out: list[int] = []
+    cap, cur = DDP_FIRST_BUCKET, 0
+    for g in reversed(grad_bytes_in_order):
+        if cur and cur + g > cap:
+            out.append(cur)
+            cur, cap = 0, DDP_BUCKET_CAP
+        cur += g
+    if cur:
+        out.append(cur)
+    return out

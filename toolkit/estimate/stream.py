@@ -1,0 +1,345 @@
+"""The analytic estimate's tensors as an ordered alloc/free stream, for the caching-allocator model.
+
+``step_events`` turns the per-tensor model of ``analytic`` (model states per parameter, activations
+per layer and per saved tensor where it sets block sizes, the loss's fp32 logits, the optimizer's
+temporaries per implementation) into the allocations and frees of training steps 1 and 2, in the
+order the runtime makes them:
+
+load       the weights, tensor by tensor in ``model.parameters()`` order (embeddings first, the layers,
+           the head); DDP's gradient buckets (a second copy of the grads unless
+           ``gradient_as_bucket_view``) or DeepSpeed's flat buffers; under DeepSpeed the fp32 master copy
+           and the optimizer states too (the engine makes them at start-up).
+step       for each micro-batch: the forward (per layer: autocast's 16-bit weight copies, kept in its
+           cache until the forward returns; the layer's saved tensors; under checkpointing the layer's
+           internals made and freed, its input kept), the loss (the logits, their fp32 upcast, the
+           log-probs), the backward (the loss's gradients, the head's, then per layer from the last: the
+           recompute, the layer's transient gradients, its parameters' gradients the first time, the
+           saved tensors freed); then the optimizer step: at step 1 its states, parameter by parameter
+           into whatever blocks the activations just freed, and the step's temporaries (foreach: a
+           state-sized copy of every parameter at once; a per-parameter loop: one parameter's); then
+           ``zero_grad`` (set_to_none: the grads are freed).
+Step 2 is the steady state: the forward's activations now meet blocks holding optimizer states.
+Two micro-batches stand for any accumulation (the pattern repeats).
+
+Sizes are what the allocator sees: tensor by tensor where the tensor is large enough to set a
+segment's size (weights, grads, states, hidden- and FFN-wide activations, score matrices, logits),
+the remainder of a per-layer total as one tensor. Pure Python; a 7B model's two steps are a few
+thousand events.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Iterator
+
+from .. import optimizers
+from ..modelshape import ModelShape
+from .gpu import DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD, ddp_bucket_sizes
+
+Event = tuple
+
+
+class _Ids:
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _split(total: float, unit: float) -> list[int]:
+    """``total`` bytes as tensors of ``unit`` bytes and one remainder (nothing under 1 byte)."""
+    total = int(total)
+    if total <= 0:
+        return []
+    unit = int(unit)
+    if unit <= 0 or unit >= total:
+        return [total]
+    n, rest = divmod(total, unit)
+    return [unit] * n + ([rest] if rest else [])
+
+
+def param_order(shape: ModelShape) -> list[tuple[str, tuple[int, ...], str, int | None]]:
+    """Parameters in ``model.parameters()`` order: (name, shape, kind, layer index or None)."""
+    first = [t for t in shape.other_tensors if t[2] == "embedding" or t[0].startswith("embeddings")]
+    last = [t for t in shape.other_tensors if t not in first]
+    out = [(n, s, k, None) for n, s, k in first]
+    for layer in range(shape.layers):
+        out += [(n, s, k, layer) for n, s, k in shape.layer_tensors]
+    out += [(n, s, k, None) for n, s, k in last]
+    return out
+
+
+class _Layer:
+    """One layer's activation tensors (bytes), by role."""
+
+    def __init__(self, saved: list[int], kept: list[int], casts: list[int], backward: list[int]):
+        self.saved, self.kept, self.casts, self.backward = saved, kept, casts, backward
+
+
+def layer_tensors(shape: ModelShape, plan, dt, acts) -> _Layer:
+    """Split a layer's totals from ``analytic.activations`` into tensors of the sizes the runtime makes."""
+    from .analytic import _attention_bytes, _ffn_bytes, sequence_length, stores_scores
+
+    seq = sequence_length(shape, plan)
+    b = plan.micro_batch
+    tokens = b * seq
+    c, h = dt.compute, shape.hidden
+    saved: list[int] = []
+    total = acts.layer_bytes
+    if stores_scores(shape, plan, dt):
+        # the softmax output and its dropout (mask and output) or 16-bit copy: a x s x s elements each
+        square = b * shape.heads * seq * seq
+        q_dim = shape.heads * shape.head_dim
+        score_total = (_attention_bytes(shape, plan, dt) - 4 * q_dim * c) * tokens
+        scores = _split(score_total, square * c)
+        saved += scores
+        total -= sum(scores)
+    ffn_total = min(_ffn_bytes(shape, dt) * tokens, total)
+    ffn = _split(ffn_total, tokens * shape.ffn * c)
+    saved += ffn
+    total -= sum(ffn)
+    saved += _split(total, tokens * h * c)
+    kept = [int(acts.kept_layer_bytes)] if plan.checkpointing else saved
+    casts = []
+    if dt.autocast:
+        casts = [2 * prod(s) for _, s, k in shape.layer_tensors if k == "linear"]
+    # the backward's transient: under checkpointing the recompute (the layer's saved tensors and its
+    # weights re-cast) first; then gradients of hidden and FFN width
+    back_total = acts.layer_backward_temp_bytes
+    backward: list[int] = []
+    if plan.checkpointing:
+        recompute = saved + casts
+        backward += recompute
+        back_total -= sum(recompute)
+    if dt.autocast:
+        wgrad = c * shape.ffn * h
+        if back_total >= wgrad:
+            backward.append(int(wgrad))
+            back_total -= wgrad
+    if back_total > 0:
+        ffn_part = min(back_total / 2, tokens * shape.ffn * c)
+        backward += _split(ffn_part, tokens * shape.ffn * c)
+        backward += _split(back_total - ffn_part, tokens * h * max(dt.param, c))
+    return _Layer(saved, kept, casts, backward)
+
+
+def _outside(shape: ModelShape, plan, dt, acts) -> tuple[list[int], int]:
+    """(tensors saved outside the layers except the log-probs, the log-probs' bytes)."""
+    from .analytic import sequence_length
+
+    tokens = plan.micro_batch * sequence_length(shape, plan)
+    logprobs = 4 * tokens * shape.vocab if shape.task == "causal-lm" else 0
+    rest = acts.outside_bytes - logprobs
+    return _split(rest, tokens * shape.hidden * dt.param), int(logprobs)
+
+
+def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | None = None,
+                runtime: Runtime = DEFAULT_RUNTIME, steps: int = 2, sharded: bool = False) -> list[Event]:
+    """The alloc/free stream of loading the model and running ``steps`` training steps on one rank.
+
+    ``states``: the strategy's ModelStates (per-rank bytes); ``acts``: ``analytic.activations``.
+    ``sharded``: the engine keeps its states in flat buffers (DeepSpeed, FSDP) rather than per tensor.
+    """
+    ids = _Ids()
+    ev: list[Event] = []
+    A = ev.append
+    opt = optimizers.get(plan.optimizer)
+    params = param_order(shape)
+    n_params = shape.n_params or 1
+    scale_p = states.params_bytes / (dt.param * n_params) if dt.param else 0.0
+    per_tensor = not sharded and abs(scale_p - 1.0) < 1e-6
+
+    def alloc(size) -> int:
+        i = ids()
+        A(("alloc", i, max(1, int(size))))
+        return i
+
+    def free(i: int) -> None:
+        A(("free", i))
+
+    # -- load -------------------------------------------------------------------------------------
+    if per_tensor:
+        for _, s, _, _ in params:
+            alloc(dt.param * prod(s))
+    else:
+        for piece in _split(states.params_bytes, _FLAT_CHUNK):
+            alloc(piece)
+    flat_states: list[int] = []
+    if sharded and states.optimizer_bytes > 0:  # DeepSpeed/FSDP: master copy and states made at start-up
+        flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK)]
+    persistent_grads: list[int] = []
+    if states.persistent_grads and states.grads_bytes > 0:
+        persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
+    if states.buffer_bytes > 0:
+        if per_tensor and plan.world_size > 1:
+            for bucket in ddp_bucket_sizes([dt.grad * prod(s) for _, s, _, _ in params]):
+                alloc(bucket)
+        else:
+            alloc(states.buffer_bytes)
+    if dt.gpu:  # cuBLAS (and in torch 2.0-2.4 cuBLASLt) workspaces: the first GEMM, kept for the process
+        if runtime.cublas_in_allocator:
+            alloc(cublas_workspace_bytes(gpu_model, runtime.cublas_workspace_config))
+        if runtime.cublaslt_separate:
+            alloc(CUBLASLT_WORKSPACE_OLD)
+
+    layer = layer_tensors(shape, plan, dt, acts)
+    outside, logprobs = _outside(shape, plan, dt, acts)
+    head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
+    by_layer: dict[int | None, list[int]] = {}
+    for _, s, _, li in params:
+        by_layer.setdefault(li, []).append(prod(s))
+    grads: dict[int, int] = {}  # param index -> id
+    states_made = bool(flat_states) or sharded
+    micro = 1 if plan.grad_accum == 1 else 2
+    keep_grads = states.persistent_grads or not runtime.frees_grads
+
+    def grad_bytes(numel: int) -> int:
+        return int(dt.grad * numel * (states.grads_bytes / (dt.grad * n_params) if dt.grad else 0))
+
+    for step in range(1, steps + 1):
+        A(("mark", f"step {step}"))
+        for mb in range(micro):
+            # forward
+            out_ids = [alloc(x) for x in outside]
+            cast_ids: list[int] = []
+            kept_ids: list[list[int]] = []
+            gathered = []
+            for li in range(shape.layers):
+                if states.gathered_bytes > 0 and sharded:
+                    gathered.append(alloc(states.gathered_bytes))
+                cast_ids += [alloc(x) for x in layer.casts]
+                if plan.checkpointing:
+                    tmp = [alloc(x) for x in layer.saved]
+                    kept_ids.append([alloc(x) for x in layer.kept])
+                    for i in tmp:
+                        free(i)
+                else:
+                    kept_ids.append([alloc(x) for x in layer.saved])
+                if gathered and len(gathered) > 1:
+                    free(gathered.pop(0))
+            cast_ids += [alloc(x) for x in head_casts]
+            lp = alloc(logprobs) if logprobs else None
+            loss_tmp = [alloc(x) for x in _loss_forward(acts, logprobs)]
+            for i in loss_tmp:
+                free(i)
+            for i in cast_ids:  # autocast's cache is cleared when the forward's context exits
+                free(i)
+            # backward
+            loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
+            if lp is not None:
+                free(lp)
+            head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
+            for i in loss_bwd:
+                free(i)
+            head_params = [k for k, (_, _, _, li) in enumerate(params) if li is None and k >= _first_layer_index(params)]
+            _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+            for i in head_tmp:
+                free(i)
+            for li in reversed(range(shape.layers)):
+                if gathered:
+                    free(gathered.pop())
+                if sharded and states.gathered_bytes > 0:
+                    gathered.append(alloc(states.gathered_bytes))
+                recast = [alloc(x) for x in layer.casts] if plan.checkpointing else []
+                tmp = [alloc(x) for x in layer.backward]
+                idx = [k for k, p in enumerate(params) if p[3] == li]
+                _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+                for i in tmp:
+                    free(i)
+                for i in recast:
+                    free(i)
+                for i in kept_ids[li]:
+                    free(i)
+            for i in gathered:
+                free(i)
+            # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
+            emb = [k for k, p in enumerate(params) if p[3] is None and k < _first_layer_index(params)]
+            vocab_grad = dt.grad * shape.vocab * shape.hidden
+            add = (grads or (shape.task == "causal-lm" and shape.tied)) and vocab_grad > 0
+            t = [alloc(vocab_grad), alloc(vocab_grad)] if add else []
+            _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+            for i in t:
+                free(i)
+            for i in out_ids:
+                free(i)
+        # optimizer step
+        A(("mark", f"step {step} optimizer"))
+        if sharded:
+            tmp = [alloc(x) for x in _split(states.step_temp_bytes, _FLAT_CHUNK)]
+            for i in tmp:
+                free(i)
+        else:
+            numels = [prod(s) for _, s, _, _ in params]
+            if not states_made:
+                if opt.temporaries == "foreach" and dt.gpu:  # _init_group makes every state first
+                    for s in (s for _, s, _, _ in params):
+                        for x in opt.state_tensor_bytes(s, dt.state):
+                            alloc(x)
+                    waves = opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
+                else:  # a per-parameter loop makes each parameter's states as it reaches it
+                    waves = []
+                    for (_, s, _, _), wave in zip(params, opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
+                                                  or [[] for _ in params]):
+                        for x in opt.state_tensor_bytes(s, dt.state):
+                            alloc(x)
+                        w = [alloc(x) for x in wave]
+                        for i in w:
+                            free(i)
+                states_made = True
+            else:
+                waves = opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
+            for wave in waves:
+                w = [alloc(x) for x in wave]
+                for i in w:
+                    free(i)
+        if not keep_grads:
+            for i in grads.values():
+                free(i)
+            grads.clear()
+    return ev
+
+
+_FLAT_CHUNK = 2 * 1024 ** 3
+"""Flat buffers (DeepSpeed's partitions, FSDP's shards) as tensors of at most 2 GiB (DeepSpeed's
+default sub_group_size is 1e9 elements; torch pads each FSDP shard): chunks only matter for the
+segments they make."""
+
+
+def _loss_forward(acts, logprobs: int) -> list[int]:
+    """The loss's forward transients: the logits (compute dtype) and their fp32 upcast."""
+    total = acts.loss_forward_temp_bytes
+    if total <= 0:
+        return []
+    return _split(total, logprobs) if logprobs else [int(total)]
+
+
+def _first_layer_index(params) -> int:
+    for k, p in enumerate(params):
+        if p[3] is not None:
+            return k
+    return len(params)
+
+
+def _grads_for(idx, params, grads, alloc, free, grad_bytes, keep, persistent) -> None:
+    """The gradients of ``idx``: made the first time (unless the engine keeps flat grads); later
+    micro-batches make a transient gradient that AccumulateGrad adds in place."""
+    for k in idx:
+        size = grad_bytes(prod(params[k][1]))
+        if size <= 0:
+            continue
+        if persistent:
+            i = alloc(size)  # DeepSpeed: the param's full grad, reduced into the flat buffer, then freed
+            free(i)
+        elif k in grads:
+            i = alloc(size)
+            free(i)
+        else:
+            grads[k] = alloc(size)
+
+
+def iter_sizes(events) -> Iterator[int]:
+    for e in events:
+        if e[0] == "alloc":
+            yield e[2]
