@@ -18,8 +18,10 @@ Prints one line per row and a summary per method: over all rows, over the rows w
 gap (see below) and per source (median |error|, max |error|, worst under-prediction, rows
 under by more than 5 %). ``--traced`` adds the
 traced method (a fake-tensor step per row: slower). Rows that use something the Plan
-vocabulary cannot say (an FSDP launcher, SGD without momentum, a per-parameter or fused
-AdamW, ...) are still scored with the nearest plan, and the gap is listed under the row.
+vocabulary cannot say are still scored with the nearest plan, and the gap is listed under the
+row: the script uses the richest vocabulary the current ``toolkit/plan.py`` has (an ``fsdp``
+launcher, ``adamw-fused``, ``adamw-perparam``, ``sgd-plain`` ... when they exist there; FSDP as
+DeepSpeed ZeRO and the coarse optimizer names when not).
 
 Exit status 0 (this is a report), or 2 with one line naming the file and the field when a
 data file is malformed.
@@ -43,7 +45,9 @@ if str(REPO) not in sys.path:
 
 from toolkit.errors import HpcmemError  # noqa: E402
 from toolkit.modelshape import TASKS, ModelShape  # noqa: E402
-from toolkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS, Plan  # noqa: E402
+from toolkit.plan import ATTENTIONS, OFFLOADS, PRECISIONS, Plan  # noqa: E402
+from toolkit.plan import LAUNCHERS as PLAN_LAUNCHERS  # noqa: E402
+from toolkit.plan import OPTIMIZERS as PLAN_OPTIMIZERS  # noqa: E402
 from toolkit.sites import Partition  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -55,10 +59,16 @@ EXACT = "EXACT (rows without a gap)"
 DEFAULT_CONTEXT_MIB = 500.0
 """CUDA context given to a partition when the source did not measure one (it only enters device_used)."""
 
-# What the estimator models for each Plan optimizer on a GPU (toolkit/estimate/analytic.py):
-# torch's foreach AdamW, SGD with a momentum buffer, factored Adafactor, bitsandbytes 8-bit.
-MODELLED_IMPL = {"adamw": ("torch-foreach",), "sgd": ("sgd-momentum",), "adafactor": ("adafactor-factored",),
-                 "adamw-8bit": ("bnb-8bit",)}
+# The Plan optimizer that names each implementation, when the Plan vocabulary has it (toolkit/optimizers.py);
+# otherwise the row's coarse ``optimizer`` is used and the difference is listed as a gap. Under the older
+# vocabulary (adamw, adamw-8bit, adafactor, sgd) the estimator modelled torch's foreach AdamW, SGD with a
+# momentum buffer, factored Adafactor and bitsandbytes 8-bit.
+IMPL_PLAN_NAME = {"torch-foreach": "adamw", "torch-fused": "adamw-fused", "per-parameter": "adamw-perparam",
+                  "bnb-8bit": "adamw-8bit", "bnb-8bit-paged": "adamw-8bit-paged", "adafactor-factored": "adafactor",
+                  "adafactor-momentum": "adafactor-momentum", "sgd-momentum": "sgd",
+                  "sgd-plain-foreach": "sgd-plain", "sgd-plain-per-parameter": "sgd-plain"}
+OLD_VOCAB_IMPL = {"adamw": "torch-foreach", "sgd": "sgd-momentum", "adafactor": "adafactor-factored",
+                  "adamw-8bit": "bnb-8bit"}
 
 TOP_FIELDS = {"source": str, "title": str, "retrieved": str, "quote": str, "setup": str, "measured": str,
               "task": str, "gpu": str, "rows": list}
@@ -66,7 +76,7 @@ ROW_FIELDS = {"micro_batch": int, "grad_accum": int, "seq_len": int, "precision"
               "optimizer_impl": str, "checkpointing": bool, "attention": str, "launcher": str, "gpus": int,
               "zero_stage": int, "offload_optimizer": str, "offload_params": str, "measured_mib": (int, float),
               "quote": str, "inferred": str}
-ROW_CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTIONS, "launcher": LAUNCHERS,
+ROW_CHOICES = {"precision": PRECISIONS, "optimizer": ("adamw", "adamw-8bit", "adafactor", "sgd"), "attention": ATTENTIONS, "launcher": LAUNCHERS,
                "offload_optimizer": OFFLOADS, "offload_params": OFFLOADS}
 
 
@@ -195,27 +205,30 @@ def build_case(source: Source, index: int) -> Case:
     doc, row = source.doc, source.doc["rows"][index]
     where = f"{source.path}.rows[{index}]"
     gaps: list[str] = []
-    launcher = row["launcher"]
-    if launcher == "fsdp":
-        gaps.append(f"FSDP scored as DeepSpeed ZeRO-{row['zero_stage']} (hpcmem has no FSDP launcher)")
-        launcher = "deepspeed"
-        if row["precision"] == "bf16-true":
-            gaps.append("FSDP bf16-true keeps no fp32 master copy; the DeepSpeed model adds one")
-    if launcher == "torchrun" and row["zero_stage"]:
+    if row["launcher"] == "torchrun" and row["zero_stage"]:
         raise DataError(f"{where}.zero_stage: {row['zero_stage']} needs launcher deepspeed or fsdp")
-    impl = row["optimizer_impl"]
-    modelled = MODELLED_IMPL.get(row["optimizer"], ())
-    if impl not in modelled:
-        gaps.append(f"optimizer {row['optimizer']} runs as {impl}; the estimator models {'/'.join(modelled)}")
-    try:
-        plan = Plan(launcher=launcher, nodes=1, gpus_per_node=row["gpus"],
-                    global_batch=row["micro_batch"] * row["grad_accum"] * row["gpus"],
-                    micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], seq_len=row["seq_len"],
-                    precision=row["precision"], optimizer=row["optimizer"], checkpointing=row["checkpointing"],
-                    attention=row["attention"], zero_stage=row["zero_stage"],
-                    offload_optimizer=row["offload_optimizer"], offload_params=row["offload_params"])
-    except HpcmemError as exc:
-        raise DataError(f"{where}: the row does not make a Plan: {exc}") from None
+    optimizer, gap = plan_optimizer(row)
+    if gap:
+        gaps.append(gap)
+    knobs = dict(nodes=1, gpus_per_node=row["gpus"], global_batch=row["micro_batch"] * row["grad_accum"] * row["gpus"],
+                 micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], seq_len=row["seq_len"],
+                 precision=row["precision"], optimizer=optimizer, checkpointing=row["checkpointing"],
+                 attention=row["attention"])
+    plan = None
+    if row["launcher"] == "fsdp" and "fsdp" in PLAN_LAUNCHERS:
+        plan, gap = fsdp_plan(row, knobs, where)
+        gaps.extend(gap)
+    if plan is None:
+        launcher = "deepspeed" if row["launcher"] == "fsdp" else row["launcher"]
+        if row["launcher"] == "fsdp":
+            gaps.append(f"FSDP scored as DeepSpeed ZeRO-{row['zero_stage']} (the Plan has no fsdp launcher)")
+            if row["precision"] == "bf16-true":
+                gaps.append("FSDP bf16-true keeps no fp32 master copy; the DeepSpeed model adds one")
+        try:
+            plan = Plan(launcher=launcher, zero_stage=row["zero_stage"], offload_optimizer=row["offload_optimizer"],
+                        offload_params=row["offload_params"], **knobs)
+        except HpcmemError as exc:
+            raise DataError(f"{where}: the row does not make a Plan: {exc}") from None
     try:
         shape = ModelShape.from_config(doc["model_config"], task=doc["task"], num_labels=doc.get("num_labels"))
     except HpcmemError as exc:
@@ -226,6 +239,35 @@ def build_case(source: Source, index: int) -> Case:
     except HpcmemError as exc:
         raise DataError(f"{where}: the row's plan cannot run on {doc['gpu']}: {exc}") from None
     return Case(source, index, row, plan, shape, partition, gaps)
+
+
+def plan_optimizer(row: dict) -> tuple[str, str | None]:
+    """The Plan optimizer for the row's implementation, and the gap when the vocabulary cannot name it."""
+    impl = row["optimizer_impl"]
+    named = IMPL_PLAN_NAME.get(impl)
+    if named in PLAN_OPTIMIZERS:
+        return named, None
+    modelled = OLD_VOCAB_IMPL.get(row["optimizer"], row["optimizer"])
+    if impl == modelled:
+        return row["optimizer"], None
+    return row["optimizer"], f"optimizer {row['optimizer']} runs as {impl}; the Plan's {row['optimizer']} is {modelled}"
+
+
+def fsdp_plan(row: dict, knobs: dict, where: str) -> tuple[Plan | None, list[str]]:
+    """A launcher=fsdp Plan (FULL_SHARD: reshard after forward; SHARD_GRAD_OP: keep), or None when the
+    Plan refuses the row (then it is scored as DeepSpeed ZeRO and the refusal is a gap)."""
+    names = {f.name for f in dataclasses.fields(Plan)}
+    extra = {}
+    if "reshard_after_forward" in names:
+        extra["reshard_after_forward"] = row["zero_stage"] == 3
+    elif row["zero_stage"] == 2:
+        return None, ["the Plan's fsdp launcher has no SHARD_GRAD_OP (reshard_after_forward) knob"]
+    offload = "cpu" if "cpu" in (row["offload_params"], row["offload_optimizer"]) else "none"
+    try:
+        plan = Plan(launcher="fsdp", offload_params=offload, **knobs, **extra)
+    except HpcmemError as exc:
+        return None, [f"the Plan refused launcher=fsdp for this row ({exc})"]
+    return plan, ["measured with FSDP1 (flat parameters, Lightning Fabric); hpcmem's fsdp launcher is FSDP2"]
 
 
 def gpu_partition(source: Source, gpus: int) -> Partition:

@@ -58,7 +58,12 @@ def test_every_row_builds_a_plan_and_a_model_shape(cases):
         assert isinstance(case.plan, Plan)
         assert case.plan.micro_batch == row["micro_batch"] and case.plan.grad_accum == row["grad_accum"]
         assert case.plan.world_size == row["gpus"] and case.plan.precision == row["precision"]
-        assert case.plan.zero_stage == row["zero_stage"] and case.plan.checkpointing == row["checkpointing"]
+        assert case.plan.checkpointing == row["checkpointing"] and case.plan.attention == row["attention"]
+        if case.plan.launcher == "fsdp":  # FULL_SHARD reshards after forward, SHARD_GRAD_OP keeps the weights
+            assert row["launcher"] == "fsdp" and case.plan.reshard_after_forward == (row["zero_stage"] == 3)
+        else:
+            assert case.plan.zero_stage == row["zero_stage"]
+            assert case.plan.launcher == ("deepspeed" if row["launcher"] == "fsdp" else row["launcher"])
         shape = ModelShape.from_config(doc["model_config"], task=doc["task"])
         assert shape.n_params == case.shape.n_params > 0
         case.partition.check_plan(case.plan)
