@@ -234,10 +234,15 @@ def rebuild_run(run_dir: Path, home: Path) -> tuple[Run, list[dict], str]:
 
 def _rebuild_attempt(attempt_dir: Path, n: int, record: dict, home: Path) -> dict | None:
     info = _read_json(attempt_dir / runs.ATTEMPT_RECORD) or {}
-    plan = _read_json(attempt_dir / "plan.json") or info.get("plan")
+    plan = info.get("plan")  # the ledger's plan as it was; plan.json (the rendered one) when there is no record
     if not isinstance(plan, dict):
-        return None  # never rendered: the controller plans it again from what came before
-    plan = {k: v for k, v in plan.items() if k != "world_size"}
+        plan = _read_json(attempt_dir / "plan.json")
+        if not isinstance(plan, dict):
+            return None  # never rendered: the controller plans it again from what came before
+        from .plan import Plan
+
+        known = set(Plan().to_dict())
+        plan = {k: v for k, v in plan.items() if k in known}
     job_id = _job_id_of(attempt_dir, home)
     has_script = (attempt_dir / "job.sbatch").is_file()
     return {

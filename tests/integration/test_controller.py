@@ -271,3 +271,46 @@ def test_detached_controller_requeues_itself_on_its_time_limit(slurm_cluster, tm
     lines = subprocess.run(["sacct", "-n", "-P", "-D", "-S", "now-1hour", f"--name={name}", "-X", "-o", "JobID,State"],
                            capture_output=True, text=True).stdout.splitlines()
     assert len(lines) >= 2, lines  # -D shows every start of the requeued job
+
+
+# ---------------------------------------------------------------- the record decides (issue 10)
+
+
+def recorded_spec(tmp_path, mem_mib, need_mib):
+    """A spec in its own directory, its script relative to it, an argument naming {spec_dir}."""
+    (tmp_path / "project").mkdir()
+    spec = mem_spec(tmp_path / "project", mem_mib=mem_mib, allow="[mem]", max_attempts=4, need_mib=need_mib)
+    text = spec.read_text().replace("command: {script: need_mem.py}",
+                                    'command: {script: need_mem.py, args: [--tag, original, "{spec_dir}/data"]}')
+    spec.write_text(text)
+    return spec
+
+
+@pytest.mark.parametrize("site", ["local", pytest.param("testcluster", marks=pytest.mark.slurm)])
+@pytest.mark.parametrize("change", ["edit", "delete"])
+def test_the_run_goes_on_as_recorded_when_the_users_spec_changes(request, tmp_path, site, change):
+    """Editing or deleting the user's spec after submit changes nothing: later attempts read runs/<id>/spec.yaml
+    (allow, max_attempts, arguments), and its relative script and {spec_dir} still mean the spec's directory."""
+    if site == "testcluster":
+        request.getfixturevalue("slurm_cluster")
+        args, mem, need = ["--partition", "cpu"], 1000, 1200
+    else:
+        args, mem, need = [], 1500, 3000
+    spec = recorded_spec(tmp_path, mem, need)
+    original = spec.read_text()
+    hpcmem("submit", str(spec), "--site", site, *args, home=tmp_path / "home", check=True)
+    (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path / "home", check=True).stdout)
+    if change == "edit":  # a run that may not retry at all, with other arguments
+        spec.write_text(original.replace("allow: [mem]", "allow: []").replace("max_attempts: 4", "max_attempts: 1")
+                        .replace("original", "edited"))
+    else:
+        spec.unlink()
+    hpcmem("watch", run["run_id"], "--interval", "0.5", "--quiet", home=tmp_path / "home")
+    view = json.loads(hpcmem("runs", run["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
+    assert view["state"] == "succeeded" and len(view["attempts"]) >= 2, json.dumps(view, indent=1)[-3000:]
+    assert all("mem" in " ".join(a["decision"]["moves"]) for a in view["attempts"][1:])
+    run_dir = Path(view["run_dir"])
+    assert (run_dir / "spec.yaml").read_text() == original
+    last_script = (Path(view["attempts"][-1]["attempt_dir"]) / "job.sbatch").read_text()
+    assert "original" in last_script and "edited" not in last_script
+    assert str(spec.parent / "need_mem.py") in last_script and f"{spec.parent}/data" in last_script
