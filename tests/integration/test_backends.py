@@ -24,7 +24,7 @@ import toolkit
 from toolkit import proc
 from toolkit.backends import LocalBackend, SlurmBackend, get_backend
 from toolkit.backends.base import JobStatus
-from toolkit.errors import HpcmemError, SchedulerError, UnknownNameError
+from toolkit.errors import HpcmemError, MaybeSubmittedError, SchedulerError, UnknownNameError
 
 
 def write_job(directory: Path, body: str, *directives: str, name: str = "job.sbatch") -> Path:
@@ -167,7 +167,42 @@ def test_local_runner_that_vanishes_is_a_failure(local, tmp_path):
     os.kill(record["runner_pid"], signal.SIGKILL)
     status = wait_for(local, job_id, timeout_s=30)
     assert status.state == "FAILED" and "without recording a result" in status.reason
-    os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # the orphaned job, no longer anybody's
+    assert "its job was killed with it" in status.reason  # nobody's now: it dies as with slurmstepd
+    assert wait_for(local, job_id).reason == status.reason  # recorded: every later look says the same
+
+
+def test_local_accounting_answers_from_its_records(local, tmp_path):
+    """The typed accounting queries triage makes, answered by the local backend from its own records."""
+    good = local.submit(write_job(tmp_path / "a", "echo fine", "--mem=1500M", "--job-name=good"), tmp_path / "a")
+    bad = local.submit(write_job(tmp_path / "b", "exit 3", "--time=5", "--partition=cpu"), tmp_path / "b")
+    wait_for(local, good)
+    wait_for(local, bad)
+    facts = local.job_facts([good, bad, "local-999"])
+    assert set(facts) == {good, bad}
+    assert (facts[good]["state"], facts[good]["name"], facts[good]["req_tres"]["mem"]) == ("COMPLETED", "good", "1500M")
+    assert (facts[bad]["state"], facts[bad]["exit_code"], facts[bad]["timelimit_s"]) == ("FAILED", 3, 300.0)
+    assert facts[bad]["partition"] == "cpu" and facts[bad]["end"] and facts[bad]["cluster"] == "local"
+    window = local.failed_jobs(time.time() - 600, time.time() + 1)
+    assert set(window) == {bad}
+    assert local.failed_jobs(time.time() - 600, time.time() + 1, partition="gpu") == {}
+    assert local.failed_jobs(time.time() - 900, time.time() - 600) == {}
+    scripts = local.batch_scripts([bad, "local-999"])
+    assert list(scripts) == [bad] and "exit 3" in scripts[bad]
+    remembered = local.controller_facts([bad])
+    assert remembered[bad]["stdout"] == str(LocalBackend.log_path((tmp_path / "b").resolve(), bad))
+    assert remembered[bad]["command"].endswith("job.sbatch") and remembered[bad]["steps"] == []
+
+
+def test_every_backend_offers_the_whole_contract():
+    import inspect
+
+    from toolkit.backends import BACKENDS
+    from toolkit.backends.base import Backend
+
+    abstract = {name for name, value in vars(Backend).items() if getattr(value, "__isabstractmethod__", False)}
+    assert {"job_facts", "failed_jobs", "batch_scripts", "controller_facts", "submit", "poll", "find"} <= abstract
+    for cls in BACKENDS.values():
+        assert not inspect.isabstract(cls), cls
 
 
 def test_local_ids_are_unique_and_known_to_a_later_process(tmp_path):
@@ -339,15 +374,24 @@ def test_fake_sbatch_retried_only_when_the_controller_was_never_reached(fake, sl
 def test_fake_sbatch_socket_timeout_is_not_retried(fake, slurm_fast, tmp_path):
     # the controller may have queued the job: submitting again could run it twice
     fake.command("sbatch", 'echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1')
-    with pytest.raises(SchedulerError, match="Socket timed out"):
+    with pytest.raises(MaybeSubmittedError, match="Socket timed out.*may have been queued"):
         slurm_fast.submit(write_job(tmp_path / "a", "true"), tmp_path / "a")
     assert len(fake.calls("sbatch")) == 1
+
+
+def test_fake_sbatch_never_reaching_the_controller_is_maybe_submitted_not_refused(fake, slurm_fast, tmp_path):
+    """After the tries the attempt is not failed: the controller keeps it 'submitting' and tries again later."""
+    fake.command("sbatch", 'echo "sbatch: error: Batch job submission failed: Unable to contact slurm controller '
+                           '(connect failure)" >&2; exit 1')
+    with pytest.raises(MaybeSubmittedError, match="Unable to contact slurm controller.*tried 3 times"):
+        slurm_fast.submit(write_job(tmp_path / "a", "true"), tmp_path / "a")
+    assert len(fake.calls("sbatch")) == 3
 
 
 def test_fake_sbatch_that_hangs(fake, tmp_path):
     fake.command("sbatch", "sleep 30")
     backend = SlurmBackend(timeout_s=1)
-    with pytest.raises(SchedulerError, match="may or may not have been submitted"):
+    with pytest.raises(MaybeSubmittedError, match="may or may not have been submitted"):
         backend.submit(write_job(tmp_path / "a", "true"), tmp_path / "a")
 
 

@@ -314,3 +314,68 @@ def test_the_run_goes_on_as_recorded_when_the_users_spec_changes(request, tmp_pa
     last_script = (Path(view["attempts"][-1]["attempt_dir"]) / "job.sbatch").read_text()
     assert "original" in last_script and "edited" not in last_script
     assert str(spec.parent / "need_mem.py") in last_script and f"{spec.parent}/data" in last_script
+
+
+# ---------------------------------------------------------------- "maybe submitted" is a type, not a message
+
+
+def _local_run(tmp_path, monkeypatch, backend):
+    from toolkit import controller, runs
+    from toolkit.jobspec import load_spec
+    from toolkit.sites import load_site
+
+    monkeypatch.setenv("HPCMEM_HOME", str(tmp_path))
+    monkeypatch.setattr(controller, "get_backend", lambda name, **kw: backend)
+    (tmp_path / "ok.py").write_text("print('ok')\n")
+    spec_file = tmp_path / "ok.yaml"
+    spec_file.write_text("name: ok\ncommand: {script: ok.py}\ngpus_per_node: 1\ntraining: {global_batch: 1}\n")
+    site = load_site("local")
+    part = site.partition(None)
+    spec = load_spec(spec_file)
+    ledger = runs.open_ledger(tmp_path)
+    return ledger, runs.create_run(ledger, spec, site, part, spec.first_plan(part), home=tmp_path)
+
+
+def test_a_maybe_submitted_attempt_stays_submitting_and_its_job_is_found_by_name(tmp_path, monkeypatch):
+    from toolkit import controller
+    from toolkit.backends import LocalBackend
+    from toolkit.errors import MaybeSubmittedError
+
+    class Unheard(LocalBackend):
+        """The job is submitted, but the answer never reaches hpcmem (as when sbatch times out)."""
+
+        def submit(self, script, attempt_dir):
+            super().submit(script, attempt_dir)
+            raise MaybeSubmittedError("sbatch did not answer within 60 s")
+
+    ledger, run = _local_run(tmp_path, monkeypatch, Unheard(state_dir=tmp_path / "local"))
+    with ledger:
+        with pytest.raises(MaybeSubmittedError):
+            controller.tick(ledger, run.run_id)
+        (attempt,) = ledger.attempts(run.run_id)
+        assert attempt.state == "submitting" and ledger.run(run.run_id).state == "running"
+        controller.tick(ledger, run.run_id)  # looks the job up instead of submitting again
+        (attempt,) = ledger.attempts(run.run_id)
+        assert attempt.job_id == "local-1" and attempt.state == "PENDING"
+        assert controller.follow(ledger, run.run_id, interval_s=0.2, timeout_s=120).state == "succeeded"
+    assert [p.name for p in (tmp_path / "local" / "jobs").glob("local-*.json")] == ["local-1.json"]
+
+
+def test_a_submission_uncertain_for_too_long_is_lost_not_retried_for_ever(tmp_path, monkeypatch):
+    from toolkit import controller
+    from toolkit.backends import LocalBackend
+    from toolkit.errors import MaybeSubmittedError
+
+    class Unreachable(LocalBackend):
+        def submit(self, script, attempt_dir):
+            raise MaybeSubmittedError("Unable to contact slurm controller (tried 3 times)")
+
+    ledger, run = _local_run(tmp_path, monkeypatch, Unreachable(state_dir=tmp_path / "local"))
+    monkeypatch.setattr(controller, "LOST_AFTER_S", 0.5)
+    with ledger:
+        with pytest.raises(MaybeSubmittedError):
+            controller.tick(ledger, run.run_id)
+        time.sleep(0.6)
+        after = controller.tick(ledger, run.run_id)
+        assert after.state == "failed" and "could not be submitted" in after.reason
+        assert ledger.attempts(run.run_id)[0].state == "LOST"

@@ -68,6 +68,8 @@ _INVALID_JOB = "invalid job id specified"
 _ALREADY_DONE = ("already completing or completed", "job has already finished")
 # The only sbatch failure that certainly did not create a job.
 _SBATCH_NOT_CONNECTED = "unable to contact slurm controller"
+# sbatch failures after which the job may exist all the same (the controller may have queued it).
+_SBATCH_MAYBE_QUEUED = ("socket timed out", "timed out on send/recv", "zero bytes were transmitted or received")
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 _ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
@@ -682,6 +684,8 @@ class SlurmBackend(Backend):
                     f"sbatch did not answer within {self.timeout_s:g} s; the job may or may not have been "
                     f"submitted (check squeue)") from exc
             message = _message(exc)
+            if any(m in message.lower() for m in _SBATCH_MAYBE_QUEUED):
+                raise MaybeSubmittedError(f"{message} (the job may have been queued all the same)") from exc
             if _SBATCH_NOT_CONNECTED not in message.lower():
                 raise SchedulerError(message) from exc
             if last:  # nothing was submitted, but the refusal is the controller's absence, not the job's
