@@ -498,3 +498,48 @@ def test_sacct_time_is_local_time(monkeypatch):
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+# ---------------------------------------------------------------- the one retry loop (backends.base.retrying)
+
+
+def test_retrying_is_bounded_and_lets_the_judge_decide():
+    from toolkit.backends.base import RETRY, retrying
+    from toolkit.errors import CommandError
+    from toolkit.proc import CommandNotFoundError
+
+    calls, pauses = [], []
+
+    def failing():
+        calls.append(1)
+        raise CommandError(["sacct"], 1, stderr="sacct: error: Socket timed out")
+
+    with pytest.raises(CommandError):
+        retrying(failing, lambda exc, last: RETRY, tries=3, pause=pauses.append)
+    assert len(calls) == 3 and pauses == [1, 2]  # no pause after the last try
+
+    calls.clear()
+    assert retrying(failing, lambda exc, last: "an answer", tries=3, pause=pauses.append) == "an answer"
+    assert len(calls) == 1
+
+    def judge(exc, last):
+        raise SchedulerError("refused") if not last else AssertionError("not reached")
+
+    with pytest.raises(SchedulerError, match="refused"):
+        retrying(failing, judge, tries=3, pause=pauses.append)
+
+    def missing():
+        raise CommandNotFoundError(["sacct"])
+
+    with pytest.raises(CommandNotFoundError):  # never retried, never judged
+        retrying(missing, lambda exc, last: pytest.fail("judged"), tries=3, pause=pauses.append)
+
+    flaky = iter([CommandError(["squeue"], 1), "ok"])
+
+    def once_then_ok():
+        item = next(flaky)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    assert retrying(once_then_ok, lambda exc, last: RETRY, tries=3, pause=pauses.append) == "ok"
