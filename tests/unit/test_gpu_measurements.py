@@ -75,6 +75,9 @@ def test_known_parameter_counts(cases):
     assert counts["hf-guide-bert-large-v100"] == 335_143_938  # BertForSequenceClassification, 2 labels
     assert 303_000_000 < counts["rasbt-pytorch-memory-optim-vit-l16"] < 304_500_000  # ViT-L/16, 10 classes
     assert 3_400_000_000 < counts["lightning-thunder-open-llama-3b-a100"] < 3_450_000_000  # open_llama_3b
+    assert counts["rasbt-vit-finetuning-precision-vit-l16"] == counts["rasbt-pytorch-memory-optim-vit-l16"]
+    assert 85_700_000 < counts["rasbt-vit-finetuning-precision-vit-b16"] < 85_900_000  # ViT-B/16, 10 classes
+    assert 124_000_000 < counts["rasbt-llms-from-scratch-gpt2-124m-a100"] - 50257 * 768 < 125_000_000  # untied head
 
 
 def test_the_shared_table_is_kept_whole():
