@@ -22,15 +22,23 @@ METHODS = ("analytic", "traced")
 
 @dataclass(frozen=True)
 class Estimate:
-    """A training step's memory (MiB) for one plan on one partition."""
+    """A training step's memory (MiB) for one plan on one partition.
+
+    The first fields keep their meaning for every caller (ladder, planner, triage, bench, cli).
+    The allocator model (estimate/allocator.py) adds what the GPU sees on top of the tensors:
+    the caching allocator's reserved peak, its fragmentation, and whether the plan fails only
+    because of it (then ``alloc_conf_fix`` names the ``PYTORCH_CUDA_ALLOC_CONF`` setting that
+    makes it fit). On a CPU partition there is no allocator: reserved = allocated.
+    """
 
     method: str
     components: Mapping[str, float]
-    """MiB per GPU by COMPONENTS name."""
+    """MiB per GPU by COMPONENTS name; ``allocator_overhead`` is peak reserved - peak allocated."""
     peak_allocated_mib: float
     """Peak of live tensors, as ``torch.cuda.max_memory_allocated`` reports it."""
     device_used_mib: float
-    """What nvidia-smi shows at peak: CUDA context + memory reserved by the caching allocator."""
+    """What nvidia-smi shows at peak: CUDA context + memory reserved by the caching allocator
+    (+ ``gpu_extras_mib``: device memory outside the allocator, e.g. NCCL's buffers)."""
     host_mib_per_node: float
     """Host memory per node the step needs beyond the processes themselves: offloaded states, pinned buffers."""
     capacity_mib: float
@@ -40,12 +48,38 @@ class Estimate:
     fits: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Assumptions and warnings worth telling a person (e.g. 'partition not calibrated')."""
+    peak_reserved_mib: float | None = None
+    """``torch.cuda.max_memory_reserved``: the caching allocator's segments at their peak, from
+    replaying the step's alloc/free stream (steps 1 to 3) through the allocator model under the
+    plan's ``alloc_conf`` (when it does not fit: what it would reserve with room). None: not modelled."""
+    fragmentation: float = 0.0
+    """Reserved-but-unallocated / reserved at the reserved peak (0..1)."""
+    segments: int = 0
+    """The allocator's segments (cudaMalloc calls) alive at the reserved peak."""
+    gpu_extras_mib: Mapping[str, float] = field(default_factory=dict)
+    """Device memory outside the caching allocator, by name (counted in device_used)."""
+    fits_allocated: bool | None = None
+    """The tensors alone fit (peak allocated within what the allocator may take); None: not modelled."""
+    fragmentation_only: bool = False
+    """The tensors fit but the allocator's reserved peak does not: the plan fails by fragmentation."""
+    alloc_conf_fix: str | None = None
+    """With ``fragmentation_only``: a PYTORCH_CUDA_ALLOC_CONF setting (added to the plan's ``alloc_conf``)
+    under which the replay fits, e.g. ``expandable_segments:True``."""
+    fix_device_used_mib: float | None = None
+    """device_used with ``alloc_conf_fix`` applied."""
+    oom: Mapping[str, Any] | None = None
+    """When the replay runs out of memory: PyTorch's figures (MiB): request, allocated, reserved, free."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "components": dict(self.components),
                 "peak_allocated_mib": self.peak_allocated_mib, "device_used_mib": self.device_used_mib,
                 "host_mib_per_node": self.host_mib_per_node, "capacity_mib": self.capacity_mib,
-                "fits": self.fits, "headroom_mib": self.headroom_mib, "notes": list(self.notes)}
+                "fits": self.fits, "headroom_mib": self.headroom_mib, "notes": list(self.notes),
+                "peak_reserved_mib": self.peak_reserved_mib, "fragmentation": self.fragmentation,
+                "segments": self.segments, "gpu_extras_mib": dict(self.gpu_extras_mib),
+                "fits_allocated": self.fits_allocated, "fragmentation_only": self.fragmentation_only,
+                "alloc_conf_fix": self.alloc_conf_fix, "fix_device_used_mib": self.fix_device_used_mib,
+                "oom": dict(self.oom) if self.oom else None}
 
 
 @dataclass(frozen=True)
@@ -78,8 +112,13 @@ def spec_model(spec) -> ModelRef:
     return model_ref(name, model.get("task", "causal-lm"), model.get("num_labels"))
 
 
-def estimate(model: ModelRef, plan, partition, method: str = "analytic") -> Estimate:
-    """The memory of one training step of ``model`` under ``plan`` on ``partition`` (MiB)."""
+def estimate(model: ModelRef, plan, partition, method: str = "analytic", *, runtime=None) -> Estimate:
+    """The memory of one training step of ``model`` under ``plan`` on ``partition`` (MiB).
+
+    ``runtime`` (``estimate.gpu.Runtime``) describes software that differs from hpcmem's own
+    runtime where it changes memory (an older torch that keeps gradients between steps, a loss
+    on 16-bit logits, ...): for estimating published runs. None: hpcmem's runtime.
+    """
     from ..errors import ConfigError
 
     overhead = partition.allocator_overhead_frac
@@ -88,11 +127,14 @@ def estimate(model: ModelRef, plan, partition, method: str = "analytic") -> Esti
         from .analytic import estimate_analytic
 
         shape = ModelShape.from_config(model.config, task=model.task, num_labels=model.num_labels)
-        return estimate_analytic(shape, plan, partition, allocator_overhead_frac=overhead)
+        extra = {} if runtime is None else {"runtime": runtime}
+        return estimate_analytic(shape, plan, partition, allocator_overhead_frac=overhead, **extra)
     if method == "traced":
         from .traced import estimate_traced  # imports torch: only when asked for
 
         kwargs = {} if overhead is None else {"allocator_overhead_frac": overhead}
+        if runtime is not None:
+            kwargs["runtime"] = runtime
         return estimate_traced(dict(model.config), model.task, plan, partition, **kwargs)
     raise ConfigError(f"unknown estimation method {method!r}; valid: {', '.join(METHODS)}")
 

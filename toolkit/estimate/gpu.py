@@ -110,6 +110,9 @@ class Runtime:
     1.x's ``Module.zero_grad`` kept them, zeroed)"""
     cublas_workspace_config: str | None = None
     """CUBLAS_WORKSPACE_CONFIG when the job sets it"""
+    logits_fp32: bool = True
+    """the causal-LM loss upcasts the logits to fp32 (transformers: ``logits.float()`` before the
+    cross-entropy); False: ``F.cross_entropy`` on 16-bit logits (litgpt, hand-written loops)"""
 
     @property
     def frees_grads(self) -> bool:

@@ -60,15 +60,47 @@ def _split(total: float, unit: float) -> list[int]:
     return [unit] * n + ([rest] if rest else [])
 
 
-def param_order(shape: ModelShape) -> list[tuple[str, tuple[int, ...], str, int | None]]:
-    """Parameters in ``model.parameters()`` order: (name, shape, kind, layer index or None)."""
+SMALL_NUMEL = 65536
+"""Parameters this small (<= 256 KiB in fp32: biases, norms) are bundled per layer (up to BUNDLE_NUMEL):
+they and their grads and states live in the allocator's small pool (requests <= 1 MiB), which never
+shares segments with the large pool where fragmentation happens, so one event stands for several."""
+BUNDLE_NUMEL = 262144
+
+
+def param_order(shape: ModelShape) -> list[tuple]:
+    """Parameters in ``model.parameters()`` order: (name, dims, kind, layer index or None, member dims);
+    small neighbours of one layer bundled (``SMALL_NUMEL``), a bundle's dims being (total elements,)."""
     first = [t for t in shape.other_tensors if t[2] == "embedding" or t[0].startswith("embeddings")]
     last = [t for t in shape.other_tensors if t not in first]
-    out = [(n, s, k, None) for n, s, k in first]
-    for layer in range(shape.layers):
-        out += [(n, s, k, layer) for n, s, k in shape.layer_tensors]
-    out += [(n, s, k, None) for n, s, k in last]
+    groups = [(first, None)] + [(shape.layer_tensors, li) for li in range(shape.layers)] + [(last, None)]
+    out: list[tuple] = []
+    for tensors, li in groups:
+        bundle: list[tuple[int, ...]] = []
+
+        def flush():
+            if bundle:
+                out.append(("bundle", (sum(prod(m) for m in bundle),), "bundle", li, tuple(bundle)))
+                bundle.clear()
+
+        for name, dims, kind in tensors:
+            n = prod(dims)
+            if n <= SMALL_NUMEL:
+                if sum(prod(m) for m in bundle) + n > BUNDLE_NUMEL:
+                    flush()
+                bundle.append(tuple(dims))
+            else:
+                out.append((name, tuple(dims), kind, li, (tuple(dims),)))
+        flush()
     return out
+
+
+def _state_sizes(opt, entry, state_bytes: int) -> list[int]:
+    """The optimizer states of one parameter (or one bundle: their sum, as one small-pool tensor)."""
+    members = entry[4]
+    if len(members) == 1:
+        return opt.state_tensor_bytes(members[0], state_bytes)
+    total = sum(sum(opt.state_tensor_bytes(m, state_bytes)) for m in members)
+    return [total] if total else []
 
 
 class _Layer:
@@ -161,8 +193,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
 
     # -- load -------------------------------------------------------------------------------------
     if per_tensor:
-        for _, s, _, _ in params:
-            alloc(dt.param * prod(s))
+        for entry in params:
+            alloc(dt.param * prod(entry[1]))
     else:
         for piece in _split(states.params_bytes, _FLAT_CHUNK):
             alloc(piece)
@@ -174,7 +206,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
     if states.buffer_bytes > 0:
         if per_tensor and plan.world_size > 1:
-            for bucket in ddp_bucket_sizes([dt.grad * prod(s) for _, s, _, _ in params]):
+            for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
                 alloc(bucket)
         else:
             alloc(states.buffer_bytes)
@@ -187,10 +219,14 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     layer = layer_tensors(shape, plan, dt, acts)
     outside, logprobs = _outside(shape, plan, dt, acts)
     head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
-    by_layer: dict[int | None, list[int]] = {}
-    for _, s, _, li in params:
-        by_layer.setdefault(li, []).append(prod(s))
     grads: dict[int, int] = {}  # param index -> id
+    first_layer = _first_layer_index(params)
+    layer_idx: dict[int, list[int]] = {}
+    for k, e in enumerate(params):
+        if e[3] is not None:
+            layer_idx.setdefault(e[3], []).append(k)
+    head_idx = [k for k, e in enumerate(params) if e[3] is None and k >= first_layer]
+    emb_idx = [k for k, e in enumerate(params) if e[3] is None and k < first_layer]
     states_made = bool(flat_states) or sharded
     micro = 1 if plan.grad_accum == 1 else 2
     keep_grads = states.persistent_grads or not runtime.frees_grads
@@ -233,7 +269,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
             for i in loss_bwd:
                 free(i)
-            head_params = [k for k, (_, _, _, li) in enumerate(params) if li is None and k >= _first_layer_index(params)]
+            head_params = head_idx
             _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
             for i in head_tmp:
                 free(i)
@@ -244,7 +280,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     gathered.append(alloc(states.gathered_bytes))
                 recast = [alloc(x) for x in layer.casts] if plan.checkpointing else []
                 tmp = [alloc(x) for x in layer.backward]
-                idx = [k for k, p in enumerate(params) if p[3] == li]
+                idx = layer_idx.get(li, [])
                 _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
                 for i in tmp:
                     free(i)
@@ -255,7 +291,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in gathered:
                 free(i)
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
-            emb = [k for k, p in enumerate(params) if p[3] is None and k < _first_layer_index(params)]
+            emb = emb_idx
             vocab_grad = dt.grad * shape.vocab * shape.hidden
             add = (grads or (shape.task == "causal-lm" and shape.tied)) and vocab_grad > 0
             t = [alloc(vocab_grad), alloc(vocab_grad)] if add else []
@@ -271,18 +307,18 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in tmp:
                 free(i)
         else:
-            numels = [prod(s) for _, s, _, _ in params]
+            numels = [prod(e[1]) for e in params]
             if not states_made:
                 if opt.temporaries == "foreach" and dt.gpu:  # _init_group makes every state first
-                    for s in (s for _, s, _, _ in params):
-                        for x in opt.state_tensor_bytes(s, dt.state):
+                    for e in params:
+                        for x in _state_sizes(opt, e, dt.state):
                             alloc(x)
                     waves = opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
                 else:  # a per-parameter loop makes each parameter's states as it reaches it
                     waves = []
-                    for (_, s, _, _), wave in zip(params, opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
-                                                  or [[] for _ in params]):
-                        for x in opt.state_tensor_bytes(s, dt.state):
+                    for e, wave in zip(params, opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
+                                       or [[] for _ in params]):
+                        for x in _state_sizes(opt, e, dt.state):
                             alloc(x)
                         w = [alloc(x) for x in wave]
                         for i in w:
