@@ -76,7 +76,9 @@ ROW_FIELDS = {"micro_batch": int, "grad_accum": int, "seq_len": int, "precision"
               "optimizer_impl": str, "checkpointing": bool, "attention": str, "launcher": str, "gpus": int,
               "zero_stage": int, "offload_optimizer": str, "offload_params": str, "measured_mib": (int, float),
               "quote": str, "inferred": str}
-ROW_CHOICES = {"precision": PRECISIONS, "optimizer": ("adamw", "adamw-8bit", "adafactor", "sgd"), "attention": ATTENTIONS, "launcher": LAUNCHERS,
+COARSE_OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+"""The data's ``optimizer`` field: the family; ``optimizer_impl`` says which implementation ran."""
+ROW_CHOICES = {"precision": PRECISIONS, "optimizer": COARSE_OPTIMIZERS, "attention": ATTENTIONS, "launcher": LAUNCHERS,
                "offload_optimizer": OFFLOADS, "offload_params": OFFLOADS}
 
 
