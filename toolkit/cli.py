@@ -16,6 +16,7 @@ from . import __version__, controller, render, runs
 from .detach import detach as detach_run
 from .errors import HpcmemError, PlanError
 from .jobspec import load_spec
+from .plan import CHOICES as PLAN_CHOICES
 from .plan import parse_sets
 from .sites import all_sites, load_site
 
@@ -34,11 +35,15 @@ def main(ctx: click.Context, sites_dirs) -> None:
     ctx.obj = {"sites_dirs": tuple(sites_dirs)}
 
 
-def _target(ctx, job, site, partition, sets):
+def _target(ctx, job, site, partition, sets, launcher=None, gpus_per_node=None):
+    """The spec, site, partition and first plan of a command on a JOB (``--launcher``/``--gpus-per-node``
+    override the spec's, as ``--set`` would)."""
     spec = load_spec(job)
     site_obj = load_site(site, ctx.obj["sites_dirs"])
     part = site_obj.partition(partition)
-    plan = spec.first_plan(part, parse_sets(sets))
+    overrides = {**({"launcher": launcher} if launcher else {}),
+                 **({"gpus_per_node": gpus_per_node} if gpus_per_node else {}), **parse_sets(sets)}
+    plan = spec.first_plan(part, overrides)
     return spec, site_obj, part, plan
 
 
@@ -46,6 +51,10 @@ _site_opt = click.option("--site", default="local", show_default=True, help="Sit
 _partition_opt = click.option("--partition", "-p", default=None, help="Partition of the site (optional if it has one).")
 _set_opt = click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", help="Override a plan knob (repeatable).")
 _json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+_launcher_opt = click.option("--launcher", type=click.Choice(PLAN_CHOICES["launcher"]), default=None,
+                             help="Training engine: torchrun (DDP), deepspeed, fsdp (default: the spec's).")
+_gpus_opt = click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+                         help="Ranks per node (default: the spec's; 1 with --model).")
 
 
 def _interval(ctx, param, value: float) -> float:
@@ -89,7 +98,7 @@ def render_cmd(ctx, job, site, partition, sets, out_dir, as_json) -> None:
     """Write job.sbatch, plan.json (and ds_config.json) for JOB without submitting."""
     spec, _, part, plan = _target(ctx, job, site, partition, sets)
     attempt = render.render_attempt(spec, part, plan, Path(out_dir))
-    files = [str(p) for p in (attempt.script, attempt.plan_json, attempt.ds_config) if p]
+    files = [str(p) for p in (attempt.script, attempt.plan_json, attempt.config) if p]
     if as_json:
         _emit_json({"dir": str(attempt.dir), "files": files, "plan": plan.to_dict()})
     else:
@@ -347,33 +356,37 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--micro-batch", type=int, default=1, show_default=True)
 @click.option("--grad-accum", type=int, default=1, show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "fp16-mixed", "bf16-mixed", "bf16-true"]), default="fp32", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "adamw-8bit", "adafactor", "sgd"]), default="adamw", show_default=True)
+@click.option("--precision", type=click.Choice(PLAN_CHOICES["precision"]), default="fp32", show_default=True)
+@click.option("--optimizer", type=click.Choice(PLAN_CHOICES["optimizer"]), default="adamw", show_default=True)
 @click.option("--checkpointing", is_flag=True)
-@click.option("--attention", type=click.Choice(["eager", "sdpa", "flash"]), default="sdpa", show_default=True)
+@click.option("--attention", type=click.Choice(PLAN_CHOICES["attention"]), default="sdpa", show_default=True)
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
-@click.option("--offload-optimizer", type=click.Choice(["none", "cpu", "nvme"]), default="none", show_default=True)
-@click.option("--offload-params", type=click.Choice(["none", "cpu", "nvme"]), default="none", show_default=True)
+@click.option("--offload-optimizer", type=click.Choice(PLAN_CHOICES["offload_optimizer"]), default="none", show_default=True)
+@click.option("--offload-params", type=click.Choice(PLAN_CHOICES["offload_params"]), default="none", show_default=True)
 @click.option("--nodes", type=int, default=1, show_default=True)
-@click.option("--gpus-per-node", type=int, default=1, show_default=True)
+@_launcher_opt
+@_gpus_opt
 @_json_opt
 @click.pass_context
 def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, micro_batch, grad_accum, precision,
                  optimizer, checkpointing, attention, zero_stage, offload_optimizer, offload_params, nodes,
-                 gpus_per_node, as_json) -> None:
+                 launcher, gpus_per_node, as_json) -> None:
     """Predict a training step's peak memory per GPU (and host memory under offload) before submitting."""
     from .estimate import estimate, model_ref, spec_model
     from .plan import Plan
+    from .strategies import infer_launcher
 
     if job:
-        spec, _, part, plan = _target(ctx, job, site, partition, sets)
+        spec, _, part, plan = _target(ctx, job, site, partition, sets, launcher, gpus_per_node)
         ref = spec_model(spec)
     else:
         if not model:
             raise click.UsageError("give a JOB spec or --model")
         part = load_site(site, ctx.obj["sites_dirs"]).partition(partition)
-        launcher = "deepspeed" if zero_stage or offload_optimizer != "none" or offload_params != "none" else "torchrun"
-        plan = Plan(launcher=launcher, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len,
+        knobs = {"zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
+                 "launcher": launcher}
+        gpus_per_node = gpus_per_node or 1
+        plan = Plan(launcher=infer_launcher(knobs), nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len,
                     micro_batch=micro_batch, grad_accum=grad_accum,
                     global_batch=micro_batch * grad_accum * nodes * gpus_per_node, precision=precision,
                     optimizer=optimizer, checkpointing=checkpointing, attention=attention, zero_stage=zero_stage,
@@ -404,14 +417,16 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
 @_set_opt
 @_METHOD_OPT
 @click.option("--top", default=12, show_default=True, help="How many candidates to list (fastest first).")
+@_launcher_opt
+@_gpus_opt
 @_json_opt
 @click.pass_context
-def plan_cmd(ctx, job, site, partition, sets, method, top, as_json) -> None:
+def plan_cmd(ctx, job, site, partition, sets, method, top, launcher, gpus_per_node, as_json) -> None:
     """List candidate plans with predicted memory and throughput; mark the fastest that fits."""
     from . import planner
     from .estimate import spec_model
 
-    spec, _, part, plan = _target(ctx, job, site, partition, sets)
+    spec, _, part, plan = _target(ctx, job, site, partition, sets, launcher, gpus_per_node)
     cands = planner.plan_candidates(spec_model(spec), plan, part, spec.allow, method)
     chosen = planner.choose(cands)
     if as_json:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import optimizers
 from .errors import ConfigError, PlanError, UnknownNameError
 from .plan import Plan, with_changes
 from .resources import data_dir
@@ -26,7 +27,8 @@ DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpo
 DEFAULT_MAX_ATTEMPTS = 6
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-PATH_PLACEHOLDERS = ("plan_json", "ds_config", "attempt_dir", "spec_dir")
+PATH_PLACEHOLDERS = ("plan_json", "config", "ds_config", "attempt_dir", "spec_dir")
+"""{config} is the engine's config file (ds_config.json, fsdp_config.json); {ds_config} its older name."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,12 @@ class JobSpec:
     def argv(self, plan: Plan, paths: Mapping[str, str]) -> list[str]:
         """The user's program and arguments for one attempt, placeholders filled in.
 
-        ``paths`` gives ``plan_json``, ``ds_config``, ``attempt_dir`` (absolute paths).
+        ``paths`` gives ``plan_json``, ``config`` (and ``ds_config``), ``attempt_dir`` (absolute paths).
         """
         values = {**{k: _text(v) for k, v in plan.to_dict().items()}, **paths, "spec_dir": str(self.spec_dir)}
         args = [fill_placeholders(a, values, self.path) for a in self.args]
         if self.plan_args == "hf-trainer":
-            args += hf_trainer_args(plan, paths.get("ds_config"))
+            args += hf_trainer_args(plan, paths.get("config") or None)
         head = ["-m", self.module] if self.module else [str(self.script)]
         return head + args
 
@@ -101,23 +103,18 @@ def fill_placeholders(text: str, values: Mapping[str, str], where: Path | str) -
     return _PLACEHOLDER.sub(sub, text)
 
 
-_HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
-
-
-def hf_trainer_args(plan: Plan, ds_config: str | None) -> list[str]:
-    """Hugging Face Trainer command-line flags that carry the plan."""
+def hf_trainer_args(plan: Plan, config: str | None) -> list[str]:
+    """Hugging Face Trainer command-line flags that carry the plan (``config``: the engine's config file)."""
     args = ["--per_device_train_batch_size", str(plan.micro_batch),
             "--gradient_accumulation_steps", str(plan.grad_accum),
-            "--optim", _HF_OPTIM[plan.optimizer]]
-    if plan.checkpointing:
+            "--optim", optimizers.hf_optim(plan.optimizer)]
+    if plan.checkpointing and not plan.strategy.checkpointing_by_config:
         args.append("--gradient_checkpointing")
     if plan.precision == "fp16-mixed":
         args.append("--fp16")
     elif plan.precision.startswith("bf16"):
         args.append("--bf16")
-    if plan.uses_deepspeed and ds_config:
-        args += ["--deepspeed", ds_config]
-    return args
+    return args + plan.strategy.trainer_flags(plan, config)
 
 
 def _text(value: Any) -> str:

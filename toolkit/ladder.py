@@ -30,9 +30,13 @@ partition can do it; options within a rung go from mild to strong)
     micro_batch    down to a divisor of ``global_batch / world_size``, ``grad_accum`` up (``with_changes``)
     checkpointing  activation checkpointing on
     optimizer      adamw -> adamw-8bit -> adafactor (not while the optimizer is offloaded)
-    zero           ZeRO stage up, 0 -> 1 -> 2 -> 3 (launcher torchrun -> deepspeed)
+    zero, fsdp     sharding, in two families (toolkit/strategies/): DeepSpeed ZeRO stage up, 0 -> 1 -> 2 -> 3
+                   (``zero``), and FSDP2, first keeping each block's weights from forward to backward, then
+                   resharding after the forward (``fsdp``); from plain DDP both, cheapest first; once sharded
+                   a plan stays in its family (its checkpoints' layout follows the engine)
     offload        optimizer state to CPU (ZeRO >= 1; from ZeRO 0 to 2 when ``zero`` is allowed),
-                   then parameters to CPU (ZeRO 3, raised to it when ``zero`` is allowed)
+                   then parameters to CPU (ZeRO 3, raised to it when ``zero`` is allowed); under FSDP its CPU
+                   offload (parameters, gradients and optimizer state together)
     nvme           what is still on the GPU to ``partition.nvme_path`` (ZeRO-Infinity, ZeRO 3)
     gpus           more GPUs per node, up to the partition's, global batch kept (``grad_accum`` follows)
     partition      the first of ``bigger`` with more GPU memory (plan adapted: fp16 where no bf16, sdpa
@@ -76,10 +80,11 @@ The memory model (``footprint``, ``predicted_peak_mib``, ``predicted_saving_mib`
               size ``h/a = HEAD_DIM``) x checkpointing (keeps ``CHECKPOINT_KEEPS`` of them: layer inputs, one
               layer being recomputed, the logits).
     model states scale with bytes per parameter on the GPU: weights (4 fp32 / 2 mixed) + gradients (4 / 2)
-              + fp32 master weights (4 in mixed precision) + optimizer state (``OPTIMIZER_STATE_BYTES``: AdamW
-              8, 8-bit AdamW 2, Adafactor 0.5, SGD 4); ZeRO 1 divides master and optimizer by the world size,
-              ZeRO 2 also gradients, ZeRO 3 also weights; optimizer offload takes master and optimizer state
-              off the GPU (12 of 16 bytes), parameter offload the weights. More GPUs change only the ZeRO
+              + fp32 master weights (4 in mixed precision) + optimizer state (the optimizer table's: AdamW
+              8, 8-bit AdamW 2, Adafactor 0.5, SGD 4); each times the share the engine keeps on the GPU
+              (``Strategy.placement``): ZeRO 1 divides master and optimizer by the world size,
+              ZeRO 2 also gradients, ZeRO 3 also weights; FSDP divides all three (its weights whole while
+              they are kept from forward to backward); offload takes what it moves off the GPU. More GPUs change only the ZeRO
               shares (plain data parallelism replicates the model states, and the micro-batch is per GPU).
 
 Host ladder (reverse pressure; host memory per node, ``mem_mib`` being Slurm's ``--mem``)
@@ -98,8 +103,8 @@ Host ladder (reverse pressure; host memory per node, ``mem_mib`` being Slurm's `
 Time
     Every retry scales ``time_min`` by the slowdown of its moves (``slowdown``): accumulation
     ``ACCUM_PER_HALVING`` per halving of the micro-batch, checkpointing ``CHECKPOINTING_SLOWDOWN``, the
-    optimizer, ZeRO stage and offload costs in ``OPTIMIZER_COST``, ``ZERO_COST``, ``OFFLOAD_COST`` (taken
-    as ratios, optimizer and parameter offload each), ``WORKERS_PER_HALVING``; precision, attention,
+    optimizer's ``cost`` in the optimizer table and the engine's ``Strategy.cost`` (ZeRO stage, FSDP
+    resharding, offload; taken as ratios), ``WORKERS_PER_HALVING``; precision, attention,
     the allocator, ``--mem``, more GPUs and a partition change cost nothing. The time never shrinks and
     is capped at the partition's ``max_time_min``.
 """
@@ -110,13 +115,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
+from . import optimizers, strategies
 from .classify import Verdict
 from .errors import PlanError, UnknownNameError
 from .plan import Plan, with_changes
 from .sites import Partition
 
 ALLOW_NAMES = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "optimizer", "zero",
-               "offload", "nvme", "gpus", "partition", "mem", "workers")
+               "fsdp", "offload", "nvme", "gpus", "partition", "mem", "workers")
 """The moves a job spec may allow (``retry.allow``)."""
 
 GPU_KINDS = ("gpu_oom", "gpu_oom_fragmentation", "gpu_driver_oom", "nccl_oom")
@@ -133,7 +139,6 @@ HEAD_DIM = 64
 """Attention head size h/a assumed when weighing the eager attention matrix (5·a·s/h = 5·s/HEAD_DIM)."""
 CHECKPOINT_KEEPS = 0.25
 """Share of the activations activation checkpointing keeps (layer inputs, one recomputed layer, logits)."""
-OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw-8bit": 2.0, "adafactor": 0.5, "sgd": 4.0}
 """Optimizer state in bytes per parameter (fp32 AdamW moments; 8-bit AdamW; factored Adafactor; SGD momentum)."""
 HOST_RESERVE_SHARE = 0.05
 """Share of a node's memory never asked for with --mem (the OS, Slurm, page cache)."""
@@ -141,9 +146,6 @@ HOST_RESERVE_SHARE = 0.05
 # --- slowdown factors (see slowdown())
 ACCUM_PER_HALVING = 1.05
 CHECKPOINTING_SLOWDOWN = 1.33
-OPTIMIZER_COST = {"adamw": 1.0, "sgd": 1.0, "adamw-8bit": 1.05, "adafactor": 1.10}
-ZERO_COST = {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.15}
-OFFLOAD_COST = {"none": 1.0, "cpu": 1.5, "nvme": 2.0}
 WORKERS_PER_HALVING = 1.10
 
 TriedItem = Union[Plan, "tuple[Plan, Partition | str]"]
@@ -217,30 +219,22 @@ def activation_units(plan: Plan) -> float:
 
 
 def state_bytes_per_param(plan: Plan) -> float:
-    """Model-state bytes per parameter held on one GPU (REFERENCE "Memory arithmetic")."""
+    """Model-state bytes per parameter held on one GPU (REFERENCE "Memory arithmetic"): 16-bit weights and
+    grads plus an fp32 master under mixed precision, the optimizer table's state bytes, each times the share
+    the plan's engine keeps on the device (``Strategy.placement``: ZeRO stages, FSDP shards, offload)."""
     fp32 = plan.precision == "fp32"
     weights, grads = (4.0, 4.0) if fp32 else (2.0, 2.0)
     master = 4.0 if plan.precision in ("fp16-mixed", "bf16-mixed") else 0.0
-    optimizer = OPTIMIZER_STATE_BYTES[plan.optimizer] / (2.0 if plan.precision == "bf16-true" else 1.0)
-    n = plan.world_size
-    if plan.zero_stage >= 1:
-        master, optimizer = master / n, optimizer / n
-    if plan.zero_stage >= 2:
-        grads /= n
-    if plan.zero_stage >= 3:
-        weights /= n
-    if plan.offload_optimizer != "none":
-        master = optimizer = 0.0
-    if plan.offload_params != "none":
-        weights = 0.0
-    return weights + grads + master + optimizer
+    optimizer = optimizers.get(plan.optimizer).state_bytes_per_param(plan.precision)
+    place = plan.strategy.placement(plan)
+    return weights * place.params + grads * place.grads + (master + optimizer) * place.optimizer
 
 
 def _activation_share(plan: Plan, anchor: Plan | None = None, share: float = 0.5) -> float:
     """The share of tensor memory that is activations for ``plan`` when it is ``share`` for ``anchor``
     (default: ``plan``) without checkpointing, ZeRO, offload, with AdamW (scaled to ``plan`` by the model)."""
-    ref = (anchor or plan).replace(launcher="torchrun", zero_stage=0, offload_optimizer="none",
-                                   offload_params="none", checkpointing=False, optimizer="adamw")
+    ref = with_changes(anchor or plan, {**strategies.switch_to("torchrun"), "offload_optimizer": "none",
+                                        "offload_params": "none", "checkpointing": False, "optimizer": "adamw"})
     act = share * activation_units(plan) / activation_units(ref)
     states = (1.0 - share) * state_bytes_per_param(plan) / state_bytes_per_param(ref)
     return act / (act + states)
@@ -331,10 +325,8 @@ def slowdown(before: Plan, after: Plan) -> float:
         factor *= ACCUM_PER_HALVING ** math.log2(after.grad_accum / before.grad_accum)
     if after.checkpointing and not before.checkpointing:
         factor *= CHECKPOINTING_SLOWDOWN
-    factor *= OPTIMIZER_COST[after.optimizer] / OPTIMIZER_COST[before.optimizer]
-    factor *= ZERO_COST[after.zero_stage] / ZERO_COST[before.zero_stage]
-    factor *= OFFLOAD_COST[after.offload_optimizer] / OFFLOAD_COST[before.offload_optimizer]
-    factor *= OFFLOAD_COST[after.offload_params] / OFFLOAD_COST[before.offload_params]
+    factor *= optimizers.get(after.optimizer).cost / optimizers.get(before.optimizer).cost
+    factor *= after.strategy.cost(after) / before.strategy.cost(before)
     if after.workers < before.workers:
         factor *= WORKERS_PER_HALVING ** math.log2(before.workers / (after.workers or 0.5))  # 1 -> 0: one halving
     return max(factor, 1.0)
@@ -462,20 +454,33 @@ def _checkpointing(plan: Plan, ctx: _Ctx) -> list[Plan]:
 def _optimizer(plan: Plan, ctx: _Ctx) -> list[Plan]:
     if not ctx.allows("optimizer") or plan.offload_optimizer != "none":
         return []
-    leaner = {"adamw": ("adamw-8bit", "adafactor"), "adamw-8bit": ("adafactor",)}.get(plan.optimizer, ())
+    family = optimizers.get(plan.optimizer).family
+    leaner = {"adamw": ("adamw-8bit", "adafactor"), "adamw-8bit": ("adafactor",)}.get(family, ())
     return _valid([ctx.make(plan, optimizer=o) for o in leaner])
 
 
-def _zero(plan: Plan, ctx: _Ctx) -> list[Plan]:
-    if not ctx.allows("zero"):
-        return []
-    return _valid([ctx.make(plan, launcher="deepspeed", zero_stage=s) for s in range(plan.zero_stage + 1, 4)])
+def _shard(plan: Plan, ctx: _Ctx) -> list[Plan]:
+    """Sharding, in two families: DeepSpeed ZeRO stages above the current one (``zero``) and FSDP, kept after
+    the forward then resharded (``fsdp``); a plan stays in its family once sharded (a checkpoint's layout
+    follows the engine), and from plain DDP both are offered, cheapest (``Strategy.cost``) first."""
+    out = []
+    if ctx.allows("zero") and plan.launcher in ("torchrun", "deepspeed"):
+        out += [ctx.make(plan, **strategies.switch_to("deepspeed"), zero_stage=s) for s in range(plan.zero_stage + 1, 4)]
+    if ctx.allows("fsdp") and plan.launcher in ("torchrun", "fsdp"):
+        options = (False, True) if plan.launcher == "torchrun" else (True,) if not plan.reshard_after_forward else ()
+        out += [ctx.make(plan, **strategies.switch_to("fsdp"), reshard_after_forward=r) for r in options]
+    return sorted(_valid(out), key=lambda p: p.strategy.cost(p))
 
 
 def _offload(plan: Plan, ctx: _Ctx) -> list[Plan]:
-    """Optimizer state to the CPU (ZeRO-Offload, ZeRO 2 from 0), then parameters (ZeRO 3)."""
+    """Optimizer state to the CPU (ZeRO-Offload, ZeRO 2 from 0), then parameters (ZeRO 3); under FSDP its
+    CPU offload (parameters, gradients and optimizer state together)."""
     if not ctx.allows("offload"):
         return []
+    if plan.launcher == "fsdp" or (plan.launcher == "torchrun" and ctx.allows("fsdp") and not ctx.allows("zero")):
+        if plan.offload_params != "none":
+            return []
+        return _valid([ctx.make(plan, **strategies.switch_to("fsdp"), offload_params="cpu")])
     return _offload_to(plan, ctx, "cpu", optimizer_stage=2 if plan.zero_stage == 0 else plan.zero_stage)
 
 
@@ -505,7 +510,7 @@ def _more_gpus(plan: Plan, ctx: _Ctx) -> list[Plan]:
     return _valid([ctx.make(plan, **s) for s in shapes if s is not None])
 
 
-GPU_RUNGS = (_precision, _attention, _micro_batch, _checkpointing, _optimizer, _zero, _offload, _nvme, _more_gpus)
+GPU_RUNGS = (_precision, _attention, _micro_batch, _checkpointing, _optimizer, _shard, _offload, _nvme, _more_gpus)
 """The GPU ladder, cheapest in lost throughput first (the partition rung comes after them)."""
 
 
@@ -516,7 +521,7 @@ def _with_zero(plan: Plan | None, ctx: _Ctx, stage: int, **changes) -> Plan | No
     if plan.zero_stage < stage:
         if not ctx.allows("zero"):
             return None
-        changes.update(zero_stage=stage, launcher="deepspeed")
+        changes.update(zero_stage=stage, **strategies.switch_to("deepspeed"))
     return ctx.make(plan, **changes)
 
 
@@ -530,9 +535,48 @@ def _shape(plan: Plan, gpus: int) -> dict | None:
     return None if micro is None else {"gpus_per_node": gpus, "micro_batch": micro}
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` >= 1, ascending, from its prime factorisation (trial division up to sqrt(n), so a
+    global batch of 10**11 read from an untrusted plan.json takes microseconds, not minutes)."""
+    factors: dict[int, int] = {}
+    m, p = int(n), 2
+    while p * p <= m:
+        while m % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            m //= p
+        p += 1 if p == 2 else 2
+    if m > 1:
+        factors[m] = factors.get(m, 0) + 1
+    out = [1]
+    for prime, power in factors.items():
+        out = [d * prime ** k for d in out for k in range(power + 1)]
+    return sorted(out)
+
+
 def _divisors(n: int, below: int) -> list[int]:
     """Divisors of ``n`` smaller than ``below``, largest first."""
-    return [d for d in range(min(n, below - 1), 0, -1) if n % d == 0]
+    return [d for d in reversed(divisors(n)) if d < below]
+
+
+def engine_options(plan: Plan, allow: Iterable[str], nvme: bool) -> list[dict]:
+    """Every engine set-up the moves ``allow`` can reach from ``plan`` (``plan``'s own first), as knob changes:
+    ZeRO stages and their CPU/NVMe offloads (``zero``, ``offload``, ``nvme``; NVMe only where the partition has
+    ``nvme``), FSDP with and without resharding and its CPU offload (``fsdp``, ``offload``). The same families,
+    in the same words, as the ladder's shard, offload and nvme rungs; the planner enumerates these."""
+    allow = set(allow)
+    own = {k: getattr(plan, k) for k in ("launcher", "zero_stage", "offload_optimizer", "offload_params",
+                                         "reshard_after_forward", "reduce_dtype")}
+    out = [own]
+    offloads = [("none", "none")] + ([("cpu", "none"), ("cpu", "cpu")] if "offload" in allow else []) + (
+        [("nvme", "none"), ("nvme", "nvme"), ("cpu", "nvme")] if "nvme" in allow and nvme else [])
+    if "zero" in allow and plan.launcher in ("torchrun", "deepspeed"):
+        out += [{**strategies.switch_to("deepspeed"), "zero_stage": z, "offload_optimizer": o, "offload_params": p}
+                for z in range(1, 4) for o, p in offloads]
+    if "fsdp" in allow and plan.launcher in ("torchrun", "fsdp"):
+        cpu = ("none", "cpu") if "offload" in allow else ("none",)
+        out += [{**strategies.switch_to("fsdp"), "reshard_after_forward": r, "offload_params": p,
+                 "offload_optimizer": "none"} for r in (False, True) for p in cpu]
+    return out
 
 
 def _valid(plans: Iterable[Plan | None]) -> list[Plan]:
@@ -591,7 +635,7 @@ def _less_cpu_offload(plan: Plan, ctx: _Ctx) -> list[Plan]:
 
 
 HOST_RUNGS = (_host_nvme, _more_mem, _fewer_workers, _on_cpu_partition(_micro_batch),
-              _on_cpu_partition(_checkpointing), _on_cpu_partition(_zero), _less_cpu_offload)
+              _on_cpu_partition(_checkpointing), _on_cpu_partition(_shard), _less_cpu_offload)
 """The host ladder (reverse pressure), in order (the partition rung comes after them)."""
 
 
@@ -860,8 +904,12 @@ def move_names(before: Plan, after: Plan) -> tuple[str, ...]:
         out.append("checkpointing" if a.checkpointing else "no-checkpointing")
     if a.optimizer != b.optimizer:
         out.append(f"optimizer:{a.optimizer}")
+    if a.launcher != b.launcher and "fsdp" in (a.launcher, b.launcher):
+        out.append(f"launcher:{b.launcher}->{a.launcher}")
     if a.zero_stage != b.zero_stage:
         out.append(f"zero:{b.zero_stage}->{a.zero_stage}")
+    if a.reshard_after_forward != b.reshard_after_forward:
+        out.append("reshard_after_forward" if a.reshard_after_forward else "no-reshard_after_forward")
     out += [f"{k}:{getattr(a, k)}" for k in ("offload_optimizer", "offload_params") if getattr(a, k) != getattr(b, k)]
     out += [f"{k}:{getattr(b, k)}->{getattr(a, k)}" for k in ("nodes", "gpus_per_node", "workers")
             if getattr(a, k) != getattr(b, k)]
@@ -876,10 +924,10 @@ def describe(plan: Plan) -> str:
              plan.optimizer]
     if plan.checkpointing:
         parts.append("checkpointing")
-    if plan.zero_stage:
+    if plan.strategy.sharded:
+        parts.append(plan.strategy.describe(plan))
+    elif plan.zero_stage:
         parts.append(f"ZeRO {plan.zero_stage}")
-    parts += [f"{what} on {where}" for what, where in (("optimizer", plan.offload_optimizer),
-                                                       ("params", plan.offload_params)) if where != "none"]
     if plan.mem_mib:
         parts.append(f"--mem {plan.mem_mib}M")
     if plan.workers:

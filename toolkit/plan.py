@@ -13,11 +13,14 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from . import optimizers, strategies
 from .errors import PlanError, UnknownNameError
 
-LAUNCHERS = ("torchrun", "deepspeed")
+LAUNCHERS = strategies.names()
+"""torchrun (DDP), deepspeed, fsdp: one registered strategy each (toolkit/strategies/)."""
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+OPTIMIZERS = optimizers.names()
+"""The rows of the optimizer table (toolkit/optimizers.py)."""
 ATTENTIONS = ("eager", "sdpa", "flash")
 OFFLOADS = ("none", "cpu", "nvme")
 
@@ -27,7 +30,7 @@ class Plan:
     """The knobs of one attempt (sizes in samples, memory in MiB, time in minutes)."""
 
     launcher: str = "torchrun"
-    """Process launcher: ``torchrun`` or ``deepspeed`` (DeepSpeed engine, ZeRO)."""
+    """Training engine: ``torchrun`` (DDP), ``deepspeed`` (DeepSpeed engine, ZeRO) or ``fsdp`` (PyTorch FSDP2)."""
     nodes: int = 1
     """Nodes of the allocation."""
     gpus_per_node: int = 1
@@ -43,17 +46,23 @@ class Plan:
     precision: str = "fp32"
     """fp32, fp16-mixed (loss scaling), bf16-mixed or bf16-true (bf16 weights, no fp32 master copy)."""
     optimizer: str = "adamw"
-    """adamw, adamw-8bit, adafactor or sgd."""
+    """A row of toolkit/optimizers.py: adamw (torch foreach), adamw-fused, adamw-perparam, adamw-8bit, adafactor, sgd..."""
     checkpointing: bool = False
     """Activation (gradient) checkpointing."""
     attention: str = "sdpa"
     """eager (stores the attention matrix), sdpa or flash."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3 (needs the deepspeed launcher when > 0)."""
+    """DeepSpeed ZeRO stage 0-3 (launcher=deepspeed)."""
     offload_optimizer: str = "none"
-    """Optimizer state offload: none, cpu or nvme (needs ZeRO >= 1; nvme needs ZeRO 3)."""
+    """Optimizer state offload: none, cpu or nvme (launcher=deepspeed, ZeRO >= 1; nvme needs ZeRO 3)."""
     offload_params: str = "none"
-    """Parameter offload: none, cpu or nvme (needs ZeRO 3)."""
+    """Parameter offload: none, cpu or nvme (deepspeed: ZeRO 3); fsdp: cpu offloads parameters, gradients and
+    optimizer state together (CPUOffloadPolicy)."""
+    reshard_after_forward: bool = True
+    """launcher=fsdp: free each block's gathered weights after its forward (ZeRO-3-like) or keep them for the
+    backward (false: ZeRO-2-like, faster, more memory)."""
+    reduce_dtype: str = "fp32"
+    """launcher=fsdp under mixed precision: gradients are reduced in fp32, or in the 16-bit param dtype (param)."""
     mem_mib: int | None = None
     """Host memory requested per node (Slurm --mem) in MiB; None: the partition's default."""
     time_min: int = 30
@@ -64,12 +73,8 @@ class Plan:
     """Data-loader worker processes per rank."""
 
     def __post_init__(self):
-        _check_choice("launcher", self.launcher, LAUNCHERS)
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("attention", self.attention, ATTENTIONS)
-        _check_choice("offload_optimizer", self.offload_optimizer, OFFLOADS)
-        _check_choice("offload_params", self.offload_params, OFFLOADS)
+        for name, choices in CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
         for name in ("nodes", "gpus_per_node", "global_batch", "micro_batch", "grad_accum", "seq_len", "time_min"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -84,14 +89,13 @@ class Plan:
                 f"micro_batch {self.micro_batch} x grad_accum {self.grad_accum} x world_size {self.world_size} "
                 f"= {self.micro_batch * self.grad_accum * self.world_size}, not global_batch {self.global_batch}"
             )
-        if self.launcher == "torchrun" and (self.zero_stage or self.offload_optimizer != "none" or self.offload_params != "none"):
-            raise PlanError("zero_stage and offload need launcher=deepspeed (torchrun runs plain DDP)")
-        if self.offload_optimizer != "none" and self.zero_stage == 0:
-            raise PlanError("offload_optimizer needs zero_stage >= 1")
-        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
-            raise PlanError("offload_optimizer=nvme needs zero_stage=3 (ZeRO-Infinity)")
-        if self.offload_params != "none" and self.zero_stage != 3:
-            raise PlanError("offload_params needs zero_stage=3")
+        engine = strategies.get(self.launcher)
+        for other in strategies.all_strategies():
+            for knob in other.own_knobs:
+                if other is not engine and getattr(self, knob) != _DEFAULTS[knob]:
+                    raise PlanError(f"{knob}={getattr(self, knob)} needs launcher={other.name} "
+                                    f"(launcher={self.launcher} runs {engine.title})")
+        engine.validate(self)
 
     @property
     def world_size(self) -> int:
@@ -99,8 +103,9 @@ class Plan:
         return self.nodes * self.gpus_per_node
 
     @property
-    def uses_deepspeed(self) -> bool:
-        return self.launcher == "deepspeed"
+    def strategy(self) -> strategies.Strategy:
+        """The training engine that runs this plan (toolkit/strategies/)."""
+        return strategies.get(self.launcher)
 
     def to_dict(self) -> dict[str, Any]:
         """The knobs as plan.json holds them, with the derived ``world_size``."""
@@ -131,6 +136,10 @@ class Plan:
 
 KNOBS = tuple(f.name for f in fields(Plan))
 _TYPES = {f.name: f.type for f in fields(Plan)}
+_DEFAULTS = {f.name: f.default for f in fields(Plan)}
+CHOICES = {"launcher": LAUNCHERS, "precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTIONS,
+           "offload_optimizer": OFFLOADS, "offload_params": OFFLOADS, "reduce_dtype": strategies.fsdp.REDUCE_DTYPES}
+"""Every knob with a fixed set of values -> its values (CLI choices, triage's checks)."""
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -5,13 +5,14 @@ job spec allows: precision the GPU has, attention, micro-batch (accumulation fol
 optimizer (only if allowed), ZeRO stage and offload. Each is estimated (analytic: instant) and given a
 relative throughput from a simple cost model:
 
-    throughput = precision speed-up / (accumulation x checkpointing x optimizer x ZeRO x offload costs)
+    throughput = precision speed-up / (accumulation x checkpointing x optimizer x engine costs)
 
-with the cost factors of ``toolkit.ladder`` (the same numbers that scale ``--time`` on a retry) and a
+with the cost factors the ladder uses to scale ``--time`` on a retry (the optimizer table's ``cost``,
+``Strategy.cost`` for ZeRO, FSDP and offload) and a
 precision speed-up of 2.0 for fp16/bf16 over fp32 on GPUs without TF32 (V100), 1.6 over TF32 on GPUs
 with it (A100 and later), 1.0 on a CPU. Flash attention counts 1.1 over SDPA, eager 0.9. These are
 starting values for the nightly benchmarks to calibrate. The chosen plan is the fastest one that fits
-with ``MARGIN`` of the capacity to spare.
+with the ladder's ``MARGIN`` of the capacity to spare: one margin for both.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from . import ladder
+from . import ladder, optimizers
 from .errors import PlanError
 from .estimate import Estimate, ModelRef, estimate
 from .plan import Plan, with_changes
 from .sites import Partition
 
-MARGIN = 0.05
-"""Share of the capacity a chosen plan must leave free."""
+MARGIN = ladder.MARGIN
+"""Share of the capacity a chosen plan must leave free (the ladder's)."""
 MIXED_SPEEDUP = {"no-tf32": 2.0, "tf32": 1.6, "cpu": 1.0}
 ATTENTION_SPEED = {"eager": 0.9, "sdpa": 1.0, "flash": 1.1}
 
@@ -60,8 +61,7 @@ def speed(plan: Plan, partition: Partition) -> float:
         gain = MIXED_SPEEDUP["tf32" if partition.tf32 else "no-tf32"]
     cost = ladder.ACCUM_PER_HALVING ** max(0.0, _log2(plan.grad_accum))
     cost *= ladder.CHECKPOINTING_SLOWDOWN if plan.checkpointing else 1.0
-    cost *= ladder.OPTIMIZER_COST[plan.optimizer] * ladder.ZERO_COST[plan.zero_stage]
-    cost *= ladder.OFFLOAD_COST[plan.offload_optimizer] * ladder.OFFLOAD_COST[plan.offload_params]
+    cost *= optimizers.get(plan.optimizer).cost * plan.strategy.cost(plan)
     return gain * ATTENTION_SPEED[plan.attention] / cost
 
 
@@ -74,21 +74,15 @@ def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> l
     attentions = {base.attention} | ({"sdpa"} | ({"flash"} if partition.flash_attention else set())
                                      if "attention" in allow else set())
     per_rank = base.global_batch // base.world_size
-    micros = [m for m in range(1, per_rank + 1) if per_rank % m == 0] if "micro_batch" in allow else [base.micro_batch]
+    micros = ladder.divisors(per_rank) if "micro_batch" in allow else [base.micro_batch]
     ckpts = {base.checkpointing, True} if "checkpointing" in allow else {base.checkpointing}
-    optimizers = {base.optimizer} | ({"adamw-8bit", "adafactor"} if "optimizer" in allow else set())
-    zeros = range(4) if "zero" in allow else [base.zero_stage]
-    offloads = [("none", "none")]
-    if "offload" in allow:
-        offloads += [("cpu", "none"), ("cpu", "cpu")]
-    if "nvme" in allow:
-        offloads += [("nvme", "none"), ("nvme", "nvme"), ("cpu", "nvme")]
+    opts = {base.optimizer} | ({"adamw-8bit", "adafactor"} if "optimizer" in allow else set())
+    engines = ladder.engine_options(base, allow, nvme=bool(partition.nvme_path))
     out = [base]
-    for prec, att, micro, ckpt, opt, zero, (o_opt, o_par) in itertools.product(
-            sorted(precisions), sorted(attentions), micros, sorted(ckpts), sorted(optimizers), zeros, offloads):
+    for prec, att, micro, ckpt, opt, engine in itertools.product(
+            sorted(precisions), sorted(attentions), micros, sorted(ckpts), sorted(opts), engines):
         changes = {"precision": prec, "attention": att, "micro_batch": micro, "checkpointing": ckpt, "optimizer": opt,
-                   "zero_stage": zero, "offload_optimizer": o_opt, "offload_params": o_par,
-                   "launcher": "deepspeed" if zero or base.launcher == "deepspeed" else "torchrun"}
+                   **engine}
         try:
             plan = with_changes(base, changes)
             partition.check_plan(plan)

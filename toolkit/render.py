@@ -1,4 +1,5 @@
-"""Render one attempt: plan + spec + partition -> job.sbatch, plan.json, ds_config.json.
+"""Render one attempt: plan + spec + partition -> job.sbatch, plan.json and the engine's config file
+(ds_config.json for DeepSpeed, fsdp_config.json for FSDP).
 
 Python decides everything here (``job_context`` is pure); the templates only lay
 the values out. Every value that reaches a shell line goes through the ``q``
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .dsconfig import deepspeed_config
 from .errors import ConfigError, HpcmemError, RenderError
 from .modelshape import largest_param_numel
 from .models import load_model_config
@@ -26,7 +26,6 @@ from .sites import Partition, format_minutes
 from .files import write_atomic
 from .templating import render_template
 
-TEMPLATES = {"torchrun": "torchrun.sbatch.j2", "deepspeed": "deepspeed.sbatch.j2"}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._+-]")
 
 
@@ -37,7 +36,8 @@ class Attempt:
     dir: Path
     script: Path
     plan_json: Path
-    ds_config: Path | None
+    config: Path | None
+    """the engine's config file (ds_config.json, fsdp_config.json), None when it has none"""
 
 
 def sbatch_value(value: Any) -> str:
@@ -88,8 +88,8 @@ def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, st
     """Environment variables exported by the script, in order (later wins)."""
     env = [("HPCMEM_PLAN", paths["plan_json"]), ("HPCMEM_ATTEMPT_DIR", paths["attempt_dir"]),
            ("PYTHONUNBUFFERED", "1")]
-    if plan.uses_deepspeed:
-        env.append(("HPCMEM_DS_CONFIG", paths["ds_config"]))
+    if plan.strategy.env_var:
+        env.append((plan.strategy.env_var, paths["config"]))
     if partition.has_gpu:
         env.append(("HPCMEM_GPU_MEM_GIB", f"{partition.gpu_mem_gib:g}"))
     if plan.alloc_conf:
@@ -105,11 +105,9 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
                 attempt: int = 1, workdir: Path | None = None, python: str | None = None) -> dict[str, Any]:
     """Everything the templates need, computed (pure)."""
     attempt_dir = Path(attempt_dir).resolve()
-    paths = {"plan_json": str(attempt_dir / "plan.json"), "attempt_dir": str(attempt_dir),
-             "ds_config": str(attempt_dir / "ds_config.json")}
+    paths = attempt_paths(plan, attempt_dir)
     program = spec.argv(plan, paths)
-    offload = ", ".join(f"{what} to {where}" for what, where in (("optimizer", plan.offload_optimizer),
-                                                                  ("params", plan.offload_params)) if where != "none")
+    engine = plan.strategy
     return {
         "version": __version__, "site": partition.site, "partition": partition.name, "run_id": run_id,
         "attempt": attempt, "plan_summary": plan_summary(plan),
@@ -117,9 +115,17 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
         "setup": list(partition.setup), "env": job_env(spec, partition, plan, paths),
         "workdir": str(workdir or Path.cwd()), "python": python or spec.python or sys.executable,
         "nodes": plan.nodes, "nproc_per_node": plan.gpus_per_node, "program": program,
-        "zero_stage": plan.zero_stage, "offload": offload, "ds_config": paths["ds_config"] if plan.uses_deepspeed else "",
-        "nvme_path": partition.nvme_path if "nvme" in (plan.offload_optimizer, plan.offload_params) else "",
+        "engine": engine.describe(plan), "config": paths["config"] if engine.config_file else "",
+        **engine.context(plan, partition),
     }
+
+
+def attempt_paths(plan: Plan, attempt_dir: Path) -> dict[str, str]:
+    """The files of an attempt a job and its arguments name (absolute): ``plan_json``, ``attempt_dir``,
+    ``config`` (the engine's config file, "" when it has none) and its old name ``ds_config``."""
+    config = str(attempt_dir / plan.strategy.config_file) if plan.strategy.config_file else ""
+    return {"plan_json": str(attempt_dir / "plan.json"), "attempt_dir": str(attempt_dir), "config": config,
+            "ds_config": str(attempt_dir / "ds_config.json")}
 
 
 def plan_summary(plan: Plan) -> str:
@@ -128,12 +134,7 @@ def plan_summary(plan: Plan) -> str:
              f"gb={plan.global_batch}", plan.precision, plan.optimizer, plan.attention]
     if plan.checkpointing:
         parts.append("ckpt")
-    if plan.zero_stage:
-        parts.append(f"zero{plan.zero_stage}")
-    if plan.offload_optimizer != "none":
-        parts.append(f"opt->{plan.offload_optimizer}")
-    if plan.offload_params != "none":
-        parts.append(f"params->{plan.offload_params}")
+    parts += plan.strategy.summary(plan)
     if plan.alloc_conf:
         parts.append(f"alloc={plan.alloc_conf}")
     if plan.mem_mib:
@@ -142,27 +143,30 @@ def plan_summary(plan: Plan) -> str:
 
 
 def render_script(launcher: str, context: dict[str, Any]) -> str:
-    """The job script text for a launcher."""
-    return render_template(TEMPLATES[launcher], **context).rstrip("\n") + "\n"
+    """The job script text for a launcher (its strategy's template)."""
+    from .strategies import get
+
+    return render_template(get(launcher).template, **context).rstrip("\n") + "\n"
 
 
 def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, **context_args) -> Attempt:
-    """Write job.sbatch, plan.json and (deepspeed) ds_config.json into ``attempt_dir``."""
+    """Write job.sbatch, plan.json and the engine's config file into ``attempt_dir``."""
     attempt_dir = Path(attempt_dir).resolve()
     partition.check_plan(plan)
     check_program(spec)
     attempt_dir.mkdir(parents=True, exist_ok=True)
     context = job_context(spec, partition, plan, attempt_dir, **context_args)
-    ds_path = None
-    if plan.uses_deepspeed:
-        ds_path = attempt_dir / "ds_config.json"
-        cfg = deepspeed_config(plan, partition.nvme_path, gpu=partition.has_gpu, largest_param=largest_param(spec))
-        write_atomic(ds_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    config_path = None
+    cfg = plan.strategy.config(plan, nvme_path=partition.nvme_path, gpu=partition.has_gpu,
+                               largest_param=largest_param(spec))
+    if cfg is not None:
+        config_path = attempt_dir / plan.strategy.config_file
+        write_atomic(config_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_atomic(attempt_dir / "plan.json", plan.to_json())
     script = attempt_dir / "job.sbatch"
     write_atomic(script, render_script(plan.launcher, context))
     script.chmod(0o755)
-    return Attempt(attempt_dir, script, attempt_dir / "plan.json", ds_path)
+    return Attempt(attempt_dir, script, attempt_dir / "plan.json", config_path)
 
 
 def largest_param(spec: JobSpec) -> int | None:

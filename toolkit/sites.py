@@ -71,9 +71,6 @@ class Partition:
     max_time_min: int
     cuda_context_mib: float
     """CUDA context + cuBLAS workspace per process, as measured on the partition."""
-    fp16: bool
-    """fp16 kernels: every CUDA GPU; a CPU only with oneDNN fp16 (AVX512-FP16 or AMX-FP16), which DeepSpeed's
-    CPU accelerator requires (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``). Measured by calibrate."""
     bf16: bool
     tf32: bool
     flash_attention: bool
@@ -89,6 +86,9 @@ class Partition:
     """Caching-allocator memory reserved beyond peak allocated, as a fraction (measured; None: the estimator's default)."""
     calibrated: bool = False
     """Values were measured on the partition (``hpcmem calibrate``) and applied over the profile."""
+    fp16: bool = True
+    """fp16 kernels: every CUDA GPU; a CPU only with oneDNN fp16 (AVX512-FP16 or AMX-FP16), which DeepSpeed's
+    CPU accelerator requires (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``). Measured by calibrate."""
 
     @property
     def has_gpu(self) -> bool:

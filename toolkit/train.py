@@ -11,7 +11,8 @@ with. Hugging Face style flags (``--per_device_train_batch_size``,
 same command runs inside and outside hpcmem.
 
 Launch: plain ``python -m toolkit.train`` (one process), ``torchrun`` (DDP over nccl on
-CUDA, gloo on CPU), or for ``launcher=deepspeed`` either torchrun or the deepspeed
+CUDA, gloo on CPU; ``launcher=fsdp``: FSDP2, each transformer block then the root
+``fully_shard``-ed), or for ``launcher=deepspeed`` either torchrun or the deepspeed
 launcher (``deepspeed --num_gpus N --module toolkit.train ...``; it passes
 ``--local_rank``): ``deepspeed.initialize`` with the plan's ds_config, gloo on CPU
 with DS_ACCELERATOR=cpu.
@@ -31,6 +32,11 @@ How each knob is applied:
   checkpointing            ``model.gradient_checkpointing_enable`` (non-reentrant)
   attention                attn_implementation eager / sdpa / flash_attention_2
   zero_stage, offload_*    the ds_config; ZeRO-3 builds the model partitioned (zero.Init)
+  launcher=fsdp            ``fully_shard`` per transformer block (HF _no_split_modules), then the
+                           root; reshard_after_forward as planned; mixed precision by FSDP's
+                           MixedPrecisionPolicy (param dtype from the precision, reduce_dtype), no
+                           autocast; offload_params=cpu is CPUOffloadPolicy on a GPU (on a CPU the
+                           parameters are already in host memory: recorded in "applied")
   seq_len                  tokens per sample (refused when longer than the model's positions);
                            not used by image-cls, whose sequence (a ViT's patches + CLS) comes
                            from the model's config: metrics.json "applied" records it
@@ -45,8 +51,10 @@ Where this machine cannot do what the plan says (decided per case):
   bf16-true on DeepSpeed   DeepSpeed's bf16 mode keeps fp32 master weights unless the
                            config sets bf16_master_weights_and_grads; recorded in "applied".
   bf16 on a GPU without it fails clearly (the plan should never ask for it).
-  fp16-mixed on CPU        really runs (CPU fp16 autocast and GradScaler exist in torch 2.13;
-                           DeepSpeed's CPU accelerator runs its fp16 engine).
+  fp16-mixed on CPU        really runs under torch (CPU fp16 autocast and GradScaler exist in
+                           torch 2.13). DeepSpeed's CPU accelerator runs fp16 only where oneDNN
+                           has fp16 kernels (AVX512-FP16, AMX-FP16); elsewhere the nearest
+                           precision it runs (bf16-mixed, else fp32), recorded in "applied".
 Failures exit non-zero with the real exception (an OOM keeps PyTorch's own message);
 configuration problems print one ``hpcmem: error:`` line and exit 2.
 """
@@ -63,19 +71,15 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from . import models
+from . import models, optimizers
 from .errors import ConfigError, HpcmemError, PlanError
 from .plan import Plan, parse_sets, with_changes
 from .runtime import jobenv
 from .runtime.adapters import HF_ATTENTION
 from .runtime.monitor import MemoryMonitor
 
-# --optim values of HF TrainingArguments (and the plan's own names) -> plan optimizer.
-OPTIM_NAMES = {
-    "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-    "adamw-8bit": "adamw-8bit", "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
-    "adafactor": "adafactor", "sgd": "sgd",
-}
+# --optim values of HF TrainingArguments (and the plan's own names and aliases) -> plan optimizer.
+OPTIM_NAMES = optimizers.script_names()
 
 
 DEFAULT_LR = 1e-4
@@ -207,14 +211,14 @@ def resolve_plan(args: argparse.Namespace, ranks: jobenv.Ranks) -> tuple[Plan, d
     if plan.world_size != ranks.world_size:
         raise PlanError(f"the plan has world_size {plan.world_size} (nodes {plan.nodes} x gpus_per_node "
                         f"{plan.gpus_per_node}) but this job was started with {ranks.world_size} rank(s)")
-    if not plan.uses_deepspeed:
+    if plan.strategy.config_file != "ds_config.json":  # only DeepSpeed's engine reads a config here
         return plan, None
     if user_ds is not None:
         cfg = user_ds
     elif jobenv.in_hpcmem_job() or os.environ.get(jobenv.ENV_DS_CONFIG):
         cfg = jobenv.ds_config()
     else:
-        from .dsconfig import deepspeed_config
+        from .strategies.deepspeed import deepspeed_config
 
         import torch
 
@@ -372,11 +376,11 @@ class Trainer:
                  f"task {args.task}, {plan.launcher} x{self.ranks.world_size} on {device.type}, "
                  f"micro_batch {plan.micro_batch} x grad_accum {plan.grad_accum} (global {plan.global_batch}), "
                  f"{inputs}, {plan.precision}, {plan.optimizer}, attention {attn}"
-                 + (f", ZeRO-{plan.zero_stage}" if plan.uses_deepspeed else "")
+                 + (f", {plan.strategy.describe(plan)}" if plan.strategy.sharded else "")
                  + (", checkpointing" if plan.checkpointing else ""))
         batches = SyntheticBatches(config, args.task, plan.micro_batch, plan.seq_len, device,
                                    seed=args.seed + 1000 * self.ranks.rank)
-        if plan.uses_deepspeed:
+        if self.ds_cfg is not None:
             self.train_deepspeed(model, batches)
         else:
             self.train_torch(model, batches, device)
@@ -391,7 +395,7 @@ class Trainer:
         if cuda:
             torch.cuda.set_device(self.ranks.local_rank)
         device = torch.device("cuda", self.ranks.local_rank) if cuda else torch.device("cpu")
-        if self.plan.uses_deepspeed:
+        if self.ds_cfg is not None:
             _single_process_rendezvous()
             import deepspeed
 
@@ -427,8 +431,8 @@ class Trainer:
         import torch
 
 
-        dtype = torch.bfloat16 if self.plan.precision == "bf16-true" and not self.plan.uses_deepspeed else None
-        if self.plan.uses_deepspeed and self.plan.zero_stage == 3:
+        dtype = torch.bfloat16 if self.plan.precision == "bf16-true" and self.ds_cfg is None else None
+        if self.ds_cfg is not None and self.plan.zero_stage == 3:
             # Build partitioned (and offloaded) from the start: transformers wraps
             # from_config in deepspeed.zero.Init while an HfDeepSpeedConfig is alive.
             from transformers.integrations import HfDeepSpeedConfig
@@ -448,13 +452,18 @@ class Trainer:
 
         plan = self.plan
         model.to(device)
+        fsdp = plan.strategy.name == "fsdp"
+        if fsdp:  # shard before the optimizer is built: it steps the sharded parameters
+            for knob, (value, why) in plan.strategy.shard(model, plan, device).items():
+                self.monitor.note(knob, value, why)
         optimizer = self.make_optimizer([p for p in model.parameters() if p.requires_grad])
-        ddp = self.ranks.world_size > 1
+        ddp = self.ranks.world_size > 1 and not fsdp
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
 
             model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        autocast = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(plan.precision)
+        # FSDP's mixed-precision policy casts weights and inputs itself: no autocast around it.
+        autocast = None if fsdp else {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(plan.precision)
         scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16-mixed" else None
         model.train()
         self.monitor.begin_steps()

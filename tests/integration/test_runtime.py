@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.dsconfig import deepspeed_config
+from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.plan import Plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def write_attempt(tmp_path: Path, **knobs) -> tuple[Path, Plan]:
     attempt = tmp_path / "attempt-1"
     attempt.mkdir()
     (attempt / "plan.json").write_text(plan.to_json())
-    if plan.uses_deepspeed:
+    if plan.launcher == "deepspeed":
         cfg = deepspeed_config(plan, nvme_path=str(tmp_path / "nvme"), gpu=False)
         (attempt / "ds_config.json").write_text(json.dumps(cfg, indent=2))
     return attempt, plan

@@ -100,13 +100,19 @@ def test_bf16_on_v100_is_refused():
 def test_hf_trainer_args_follow_the_plan():
     spec = jobspec.load_spec("bert-large-cls")
     plan = spec.first_plan(V100, {"micro_batch": 4, "checkpointing": True})
-    argv = spec.argv(plan, {"plan_json": "/p", "ds_config": "/d.json", "attempt_dir": "/a"})
+    paths = {"plan_json": "/p", "config": "/d.json", "attempt_dir": "/a"}
+    argv = spec.argv(plan, {**paths, "config": ""})
     joined = " ".join(argv)
     assert "--per_device_train_batch_size 4 --gradient_accumulation_steps 4" in joined
     assert "--gradient_checkpointing" in argv and "--fp16" in argv and "--deepspeed" not in argv
+    assert argv[argv.index("--optim") + 1] == "adamw_torch"
     ds = spec.first_plan(V100, {"launcher": "deepspeed", "zero_stage": 2})
-    assert argv[-1] != "/d.json"
-    assert spec.argv(ds, {"plan_json": "/p", "ds_config": "/d.json", "attempt_dir": "/a"})[-2:] == ["--deepspeed", "/d.json"]
+    assert spec.argv(ds, paths)[-2:] == ["--deepspeed", "/d.json"]
+    # FSDP: the engine's own flags, and checkpointing through its config instead of the Trainer's flag
+    fsdp = spec.argv(spec.first_plan(V100, {"launcher": "fsdp", "checkpointing": True, "offload_params": "cpu",
+                                            "reshard_after_forward": False}), paths)
+    assert fsdp[-4:] == ["--fsdp", "shard_grad_op auto_wrap offload", "--fsdp_config", "/d.json"]
+    assert "--gradient_checkpointing" not in fsdp
 
 
 SPEC = textwrap.dedent("""\

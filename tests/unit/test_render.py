@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from toolkit import jobspec, render, sites
-from toolkit.dsconfig import deepspeed_config
+from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.errors import RenderError
 from toolkit.plan import Plan
 
@@ -39,7 +39,7 @@ def test_every_combination_renders_valid_bash(tmp_path, launcher, zero, opt, par
     subprocess.run(["bash", "-n", str(attempt.script)], check=True)
     assert json.loads(attempt.plan_json.read_text()) == plan.to_dict()
     assert "#SBATCH --gpus-per-node=a100:2" in text and f"#SBATCH --nodes={nodes}" in text
-    assert (attempt.ds_config is not None) == (launcher == "deepspeed")
+    assert (attempt.config is not None) == (launcher != "torchrun")
     if nodes > 1:
         assert "srun" in text and "--rdzv-backend=c10d" in text
     else:

@@ -89,7 +89,7 @@ def test_accelerate_accepts_the_kwargs(precision):
 def test_accelerate_kwargs_deepspeed_plugin(tmp_path):
     import json
 
-    from toolkit.dsconfig import deepspeed_config
+    from toolkit.strategies.deepspeed import deepspeed_config
 
     plan = Plan(launcher="deepspeed", zero_stage=3, precision="bf16-mixed", grad_accum=2, global_batch=16)
     path = tmp_path / "ds_config.json"

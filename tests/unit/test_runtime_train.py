@@ -5,7 +5,7 @@ import json
 import pytest
 
 from toolkit import models, train
-from toolkit.dsconfig import deepspeed_config
+from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.errors import ConfigError, HpcmemError, UnknownNameError
 from toolkit.plan import Plan
 from toolkit.runtime.jobenv import Ranks
@@ -53,7 +53,7 @@ def test_hf_trainer_flags_rendered_by_hpcmem_give_back_the_plan(knobs):
 
     knobs.setdefault("global_batch", knobs.get("micro_batch", 8) * knobs.get("grad_accum", 1))
     plan = Plan(**knobs)
-    ds = deepspeed_config(plan, gpu=False) if plan.uses_deepspeed else None
+    ds = deepspeed_config(plan, gpu=False) if plan.launcher == "deepspeed" else None
     args = train.parse_args(BASE + hf_trainer_args(plan, "ds_config.json" if ds else None))
     assert train.plan_for_args(plan, args, ds) == plan
 

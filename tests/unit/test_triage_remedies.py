@@ -118,6 +118,10 @@ def test_a100_proposes_bf16_and_the_script_and_trainer_lines_follow():
             assert f"--per_device_train_batch_size {r.plan.micro_batch}" in r.trainer_args
         if r.plan.launcher == "deepspeed":
             assert any(line.startswith("zero_optimization.stage:") for line in r.ds_config_changes)
+        elif r.plan.launcher == "fsdp":  # FSDP remedies: its config file and its Trainer flags
+            assert r.ds_config_changes[0] == "fsdp_config.json: (not used) -> written by hpcmem for launcher=fsdp"
+            assert any(line.startswith("reshard_after_forward:") for line in r.ds_config_changes)
+            assert any(arg.startswith("--fsdp ") for arg in r.trainer_args)
         else:
             assert r.ds_config_changes == ()
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from toolkit.dsconfig import deepspeed_config
+from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.plan import KNOBS, Plan
 from toolkit.triage.scriptread import logical_lines, read_ds_config, read_script
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.backends.slurm import SlurmBackend
-from toolkit.dsconfig import deepspeed_config
+from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.errors import HpcmemError
 from toolkit.ledger import Ledger, Run
 from toolkit.plan import Plan

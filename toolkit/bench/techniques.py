@@ -18,6 +18,7 @@ from typing import Callable
 from ..errors import PlanError, UnknownNameError
 from ..plan import Plan, with_changes
 from ..sites import Partition
+from ..strategies import switch_to
 
 ACCUM_FACTOR = 4
 """``accum`` divides the micro-batch by this (at least 1 sample) and accumulates to the same global batch."""
@@ -77,7 +78,14 @@ def _zero(stage: int, offload: str = "none") -> Callable[[Plan, Partition], Plan
     def change(base: Plan, part: Partition) -> Plan | Skip:
         if offload == "nvme" and not part.nvme_path:
             return Skip(f"zero3-offload-nvme: partition {part.name} has no nvme_path (node-local scratch)")
-        return base.replace(launcher="deepspeed", zero_stage=stage, offload_optimizer=offload, offload_params=offload)
+        return with_changes(base, {**switch_to("deepspeed"), "zero_stage": stage, "offload_optimizer": offload,
+                                   "offload_params": offload})
+    return change
+
+
+def _fsdp(reshard: bool = True, offload: str = "none") -> Callable[[Plan, Partition], Plan | Skip]:
+    def change(base: Plan, part: Partition) -> Plan | Skip:
+        return with_changes(base, {**switch_to("fsdp"), "reshard_after_forward": reshard, "offload_params": offload})
     return change
 
 
@@ -95,6 +103,9 @@ TECHNIQUES: dict[str, Callable[[Plan, Partition], Plan | Skip]] = {
     "zero3": _zero(3),
     "zero3-offload-cpu": _zero(3, "cpu"),
     "zero3-offload-nvme": _zero(3, "nvme"),
+    "fsdp-noreshard": _fsdp(reshard=False),
+    "fsdp": _fsdp(),
+    "fsdp-offload-cpu": _fsdp(offload="cpu"),
 }
 """The table, in the order a report lists it (vanilla first: the baseline)."""
 

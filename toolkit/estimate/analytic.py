@@ -62,10 +62,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from ..dsconfig import NVME_PARAM_BUFFERS, nvme_buffer_elements
 from ..modelshape import ModelShape
 from ..plan import Plan
 from ..sites import Partition
+from ..strategies import Dtypes, ModelStates
+from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
 
 MIB = 1024 * 1024
@@ -77,158 +78,22 @@ SAFETY_MARGIN_FRAC = 0.03
 """Kept free when deciding "fits": a card's usable memory is ~1.5 % under its nominal size
 (ECC, driver), and NCCL/cuDNN allocate outside the caching allocator."""
 SAFETY_MARGIN_MIN_MIB = 256.0
-OFFLOAD_BUFFER_FACTOR = 1.5
-"""DeepSpeed's own estimators multiply offloaded host memory by 1.5 for buffers."""
-DS_BUCKET_ELEMENTS = 50_000_000
-"""reduce_bucket_size / allgather_bucket_size as toolkit/dsconfig.py writes them."""
-DS_SUB_GROUP_ELEMENTS = 1_000_000_000
-"""ZeRO-3 sub_group_size default: the unit the optimizer steps (and swaps to NVMe)."""
-NVME_OPTIMIZER_BUFFERS = 4
-"""offload_optimizer buffer_count as toolkit/dsconfig.py writes it: AdamW swaps the fp32
-weights, two states and the grads of one sub-group through 4 pinned buffers."""
-ADAM8_MIN_NUMEL = 4096
-ADAM8_BLOCK = 256
 LN_STATS_BYTES = 8
 """LayerNorm saves fp32 mean and rstd per token."""
 ID_BYTES = 8
 
 
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes per element of what a rank holds under a plan's precision and launcher."""
-
-    param: int
-    """weights on the device and the residual stream between layers"""
-    compute: int
-    """matmul inputs and outputs, activation-function tensors"""
-    grad: int
-    master: int
-    """extra fp32 master copy per parameter (DeepSpeed mixed precision), 0 when the weights are the master"""
-    state: int
-    """optimizer state element (torch: the param's dtype; DeepSpeed: fp32)"""
-    autocast: bool
-    gpu: bool
-    mask: int
-    """a dropout mask element: a bool on CUDA, a noise tensor of the input's dtype on the CPU"""
-
-
-def dtypes_for(plan: Plan, gpu: bool) -> Dtypes:
-    """How the runtime (toolkit/train.py) stores things for ``plan`` on a GPU (or CPU) rank."""
-    mixed = plan.precision in ("fp16-mixed", "bf16-mixed", "bf16-true")
-    if plan.uses_deepspeed and mixed:  # the engine casts the model to 16-bit, keeps fp32 master + states
-        return Dtypes(param=2, compute=2, grad=2, master=4, state=4, autocast=False, gpu=gpu, mask=1 if gpu else 2)
-    if plan.precision == "bf16-true":
-        return Dtypes(param=2, compute=2, grad=2, master=0, state=2, autocast=False, gpu=gpu, mask=1 if gpu else 2)
-    compute = 2 if mixed else 4
-    return Dtypes(param=4, compute=compute, grad=4, master=0, state=4, autocast=mixed, gpu=gpu,
-                  mask=1 if gpu else compute)
-
-
 # -- model states ----------------------------------------------------------------------------
 
 
-def optimizer_state_bytes(shape: ModelShape, optimizer: str, state_bytes: int) -> float:
-    """Bytes of optimizer state for the whole model (unsharded), states of ``state_bytes`` each."""
-    if optimizer == "adamw":
-        return 2.0 * state_bytes * shape.n_params
-    if optimizer == "sgd":
-        return 1.0 * state_bytes * shape.n_params
-    total = 0.0
-    for dims, count in shape.shape_counts:
-        numel = prod(dims)
-        if optimizer == "adamw-8bit":
-            if numel >= ADAM8_MIN_NUMEL:
-                total += count * (2 * numel + 2 * 4 * -(-numel // ADAM8_BLOCK))
-            else:
-                total += count * 2 * 4 * numel
-        elif optimizer == "adafactor":  # row and column second moments per matrix, full for 1-D
-            total += count * state_bytes * (numel // dims[-1] + numel // dims[-2] if len(dims) >= 2 else numel)
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}")
-    return total
-
-
-def optimizer_step_temp_bytes(shape: ModelShape, optimizer: str, state_bytes: int, numel: float, gpu: bool,
-                              grad_bytes: int) -> float:
-    """Transient bytes of one optimizer step over ``numel`` parameters (the rank's share).
-
-    torch's AdamW steps all tensors at once on a GPU (foreach: a copy of every
-    exp_avg_sq) and one tensor at a time on a CPU (two copies of the largest);
-    Adafactor two fp32 copies of the largest tensor (four when the grads are 16-bit);
-    SGD with momentum and 8-bit AdamW update in place.
-    """
-    largest = min(shape.largest_param_numel, numel)
-    if optimizer == "adamw":
-        return state_bytes * numel if gpu else 2.0 * state_bytes * largest
-    if optimizer == "adafactor":
-        return (2 if grad_bytes == 4 else 4) * 4.0 * largest
-    return 0.0
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Per-rank bytes of weights, gradients and optimizer, and what offload puts on the host."""
-
-    params_bytes: float
-    """resident on the device between steps"""
-    grads_bytes: float
-    """on the device once all are allocated"""
-    optimizer_bytes: float
-    """on the device: states and any fp32 master copy"""
-    persistent_grads: bool
-    """grads stay allocated across steps (DeepSpeed buffers) instead of being set to None"""
-    buffer_bytes: float
-    """communication buffers that live through the step (DDP buckets, ZeRO reduce buckets)"""
-    gathered_bytes: float
-    """ZeRO-3: a full layer's 16-bit weights and grads gathered during forward/backward"""
-    step_temp_bytes: float
-    host_bytes_per_rank: float
-    """offloaded states (x 1.5 buffer factor) and pinned NVMe buffers"""
+def dtypes_for(plan: Plan, gpu: bool) -> Dtypes:
+    """How the plan's engine stores things on a GPU (or CPU) rank (toolkit/strategies/)."""
+    return plan.strategy.dtypes(plan, gpu)
 
 
 def model_states(shape: ModelShape, plan: Plan, dt: Dtypes) -> ModelStates:
-    """Params, grads and optimizer per rank for the plan's launcher, precision, optimizer, ZeRO and offload."""
-    psi = float(shape.n_params)
-    n = plan.world_size
-    if not plan.uses_deepspeed:
-        ddp = dt.grad * psi if n > 1 else 0.0  # DDP's flat buckets hold a second copy of the grads
-        return ModelStates(
-            params_bytes=dt.param * psi, grads_bytes=dt.grad * psi,
-            optimizer_bytes=optimizer_state_bytes(shape, plan.optimizer, dt.state),
-            persistent_grads=False, buffer_bytes=ddp, gathered_bytes=0.0,
-            step_temp_bytes=optimizer_step_temp_bytes(shape, plan.optimizer, dt.state, psi, dt.gpu, dt.grad),
-            host_bytes_per_rank=0.0)
-    stage = plan.zero_stage
-    shard = psi / n if stage >= 1 else psi  # the parameters whose optimizer state this rank owns
-    opt_full = dt.master * psi + optimizer_state_bytes(shape, plan.optimizer, dt.state)
-    params = dt.param * (shard if stage == 3 else psi)
-    grads = dt.grad * (shard if stage >= 2 else psi)
-    optimizer = opt_full * shard / psi
-    bucket = dt.grad * min(psi, DS_BUCKET_ELEMENTS) if stage >= 1 else 0.0
-    gathered = 2.0 * dt.param * shape.largest_param_numel if stage == 3 else 0.0
-    # The step: an fp32 copy of this rank's 16-bit grads for the optimizer, then its own transient.
-    step = (4.0 * shard if dt.grad != 4 else 0.0) + optimizer_step_temp_bytes(
-        shape, plan.optimizer, dt.state, shard, dt.gpu, 4)
-    host = 0.0
-    if plan.offload_optimizer != "none":
-        # Master copy, states and fp32 grads live on the host and step there; from ZeRO-2 on
-        # the grads are reduced through the bucket straight into the host's partition.
-        optimizer, step = 0.0, 0.0
-        if stage >= 2:
-            grads = 0.0
-        if plan.offload_optimizer == "cpu":
-            host += OFFLOAD_BUFFER_FACTOR * (opt_full * shard / psi + 4.0 * shard)
-        else:  # NVMe: states and grads swap through pinned fp32 buffers, each one sub-group large
-            host += NVME_OPTIMIZER_BUFFERS * 4.0 * min(shard, DS_SUB_GROUP_ELEMENTS)
-    if plan.offload_params != "none":
-        params = 0.0
-        if plan.offload_params == "cpu":
-            host += OFFLOAD_BUFFER_FACTOR * dt.param * shard
-        else:  # pinned buffers DeepSpeed stages NVMe parameters through
-            host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
-    return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
-                       persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
-                       step_temp_bytes=step, host_bytes_per_rank=host)
+    """Params, grads and optimizer per rank, as the plan's engine holds them (toolkit/strategies/)."""
+    return plan.strategy.model_states(shape, plan, dt)
 
 
 # -- activations -------------------------------------------------------------------------------
@@ -537,11 +402,8 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
 
 
 def startup_host_bytes_per_rank(shape: ModelShape, plan: Plan) -> float:
-    """Host bytes a GPU rank holds while it builds the model, before moving it to its GPU:
-    full weights (fp32; bf16 for bf16-true under torchrun), or a ZeRO-3 shard (zero.Init)."""
-    if plan.uses_deepspeed and plan.zero_stage == 3:
-        return 4.0 * shape.n_params / plan.world_size
-    return (2.0 if plan.precision == "bf16-true" and not plan.uses_deepspeed else 4.0) * shape.n_params
+    """Host bytes a GPU rank holds while it builds the model, before moving it to its GPU (the engine's)."""
+    return plan.strategy.startup_host_bytes(shape, plan)
 
 
 def job_host_mib(partition: Partition, plan: Plan) -> float:
@@ -576,8 +438,9 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
     if not partition.has_gpu:
         notes.append(f"CPU partition: capacity is the job's host memory shared by {plan.gpus_per_node} rank(s); "
                      "the Python/torch process itself is not counted")
-    if plan.uses_deepspeed and plan.precision == "bf16-true":
-        notes.append("DeepSpeed runs bf16-true as bf16 with fp32 master weights")
+    layout_note = plan.strategy.layout(plan).note
+    if layout_note:
+        notes.append(layout_note)
     if shape.seq_len is not None:
         notes.append(f"{shape.task}: {shape.seq_len} tokens per sample (patches + CLS) from the model's config; "
                      f"the plan's seq_len ({plan.seq_len}) does not apply")
@@ -586,7 +449,9 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
     if shape.kv_cache and not plan.checkpointing and shape.family == "gpt2":
         notes.append("the classifier's forward builds a KV cache (config use_cache), copying K and V in every layer")
     if "nvme" in (plan.offload_optimizer, plan.offload_params) or plan.offload_optimizer == "cpu" or plan.offload_params == "cpu":
-        notes.append(f"offload: host memory x{OFFLOAD_BUFFER_FACTOR:g} for DeepSpeed's buffers (CPU), pinned NVMe buffers")
+        notes.append(f"offload: {plan.strategy.describe(plan)}; host memory x{OFFLOAD_BUFFER_FACTOR:g} for DeepSpeed's "
+                     "buffers (CPU), pinned NVMe buffers" if plan.launcher == "deepspeed" else
+                     f"offload: {plan.strategy.describe(plan)}: sharded weights, grads and optimizer states in host memory")
     if not fits_host:
         notes.append(f"host memory: {host_needed:.0f} MiB needed per node, {job_host_mib(partition, plan):.0f} MiB available")
     return tuple(notes)

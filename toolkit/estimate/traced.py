@@ -245,41 +245,25 @@ def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]
     (optimizer state with fp32 gradients; parameters), times HOST_BUFFER_FACTOR.
     """
     n = plan.world_size
-    scale: dict[str, float] = {}
-    extra = 0
+    place = plan.strategy.placement(plan)
+    scale = {"params": place.params, "grads": place.grads, "optimizer": place.optimizer}
+    extra = int(trace.largest_layer_bytes * place.gathered_layers)
     notes: list[str] = []
-    if plan.zero_stage >= 1:
-        scale["optimizer"] = 1 / n
-    if plan.zero_stage >= 2:
-        scale["grads"] = 1 / n
-    if plan.zero_stage >= 3:
-        scale["params"] = 1 / n
-        extra = trace.largest_layer_bytes
-    if plan.offload_optimizer != "none":
-        scale["optimizer"] = 0.0
-    if plan.offload_params != "none":
-        scale["params"] = 0.0
-    if plan.zero_stage:
-        notes.append(f"ZeRO-{plan.zero_stage} over {n} rank(s) and offload are arithmetic on the traced unsharded step "
-                     "(stage 1 divides optimizer state, 2 also gradients, 3 also parameters plus the largest layer); "
-                     "DeepSpeed's communication buckets are not counted")
+    if plan.strategy.sharded:
+        notes.append(f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
+                     f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
+                     f"x{place.optimizer:.3g}, plus {place.gathered_layers:g} gathered layer(s)); communication "
+                     "buckets are not counted")
     at, gpu = trace.peak(scale, extra)
     step, phase = trace.samples[at][:2]
     notes.append(f"peak first reached in the {PHASES[phase]} pass of step {step + 1} of {len(trace.step_ends)} "
                  f"({len(trace.samples)} operators traced in {trace.seconds:.1f} s)")
     steady = trace.step_ends[-1]
     ranks_per_node = plan.gpus_per_node
-    host = 0.0
-    if plan.offload_optimizer == "cpu":
-        host += (steady["optimizer"] + 4 * trace.n_params) / n  # fp32 state + the fp32 gradient partition
-    if plan.offload_params == "cpu":
-        host += steady["params"] / n
-    host *= ranks_per_node * HOST_BUFFER_FACTOR
-    nvme = 0.0
-    if plan.offload_optimizer == "nvme":
-        nvme += (steady["optimizer"] + 4 * trace.n_params) / n
-    if plan.offload_params == "nvme":
-        nvme += steady["params"] / n
+    # fp32 state + the fp32 gradient partition; parameters
+    offloaded = (steady["optimizer"] + 4 * trace.n_params) * place.host_optimizer + steady["params"] * place.host_params
+    host = 0.0 if place.nvme else offloaded * ranks_per_node * HOST_BUFFER_FACTOR
+    nvme = offloaded if place.nvme else 0.0
     if nvme:
         notes.append(f"NVMe offload keeps {nvme * ranks_per_node / MIB:.0f} MiB per node in nvme_path "
                      "(host buffers for it are not counted)")
@@ -335,24 +319,12 @@ def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition
 # -- building the model ----------------------------------------------------------------
 
 def _layout(plan: Plan) -> _Layout:
-    """Where the plan's precision puts bytes, as train.py (torchrun) or dsconfig.py (deepspeed) sets it up."""
-    half = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}.get(plan.precision)
-    if half is None:
-        return _Layout(torch.float32)
-    if not plan.uses_deepspeed:
-        if plan.precision == "bf16-true":
-            return _Layout(torch.bfloat16)
-        return _Layout(torch.float32, autocast_dtype=half, loss_scaling=plan.precision == "fp16-mixed")
-    if plan.precision == "bf16-true" and plan.zero_stage >= 1:
-        out = _Layout(torch.bfloat16)
-        out.notes.append("DeepSpeed bf16-true (ZeRO >= 1): bf16 weights, gradients and optimizer states, "
-                         "no fp32 master")
-        return out
-    out = _Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed")
-    out.notes.append("DeepSpeed layout: 16-bit weights and gradients, fp32 master weights in the optimizer, "
-                     "no autocast")
-    if plan.precision == "bf16-true":
-        out.notes.append("bf16-true under DeepSpeed ZeRO-0 keeps fp32 master weights, as DeepSpeed's bf16 mode does")
+    """Where the plan's precision puts bytes, as its engine sets it up (toolkit/strategies/)."""
+    want = plan.strategy.layout(plan)
+    out = _Layout(getattr(torch, want.weights), autocast_dtype=getattr(torch, want.autocast) if want.autocast else None,
+                  master_weights=want.master_weights, loss_scaling=want.loss_scaling)
+    if want.note:
+        out.notes.append(want.note)
     return out
 
 
@@ -446,7 +418,7 @@ def _ddp_buckets(plan: Plan, params: list, notes: list[str]) -> list:
     the buckets hold one more copy of every gradient for the all-reduce, from the start.
     MemTracker files them under "Other"; the estimate counts them as gradients.
     """
-    if plan.uses_deepspeed or plan.world_size == 1:
+    if plan.strategy.name != "torchrun" or plan.world_size == 1:
         return []
     sizes: dict[Any, int] = {}
     for p in params:

@@ -11,7 +11,7 @@ GPU memory cap), ``adapters`` (the plan for HF Trainer / Accelerate), ``metrics`
 (rank records -> metrics.json), ``monitor`` (the MemoryMonitor).
 """
 
-from .adapters import accelerate_kwargs, hf_model_kwargs, hf_training_args
+from .adapters import accelerate_kwargs, fabric_kwargs, hf_model_kwargs, hf_training_args
 from .jobenv import (
     Ranks,
     apply_gpu_memory_cap,
@@ -30,6 +30,7 @@ __all__ = [
     "MemoryMonitor",
     "Ranks",
     "accelerate_kwargs",
+    "fabric_kwargs",
     "apply_gpu_memory_cap",
     "attempt_dir",
     "collect",

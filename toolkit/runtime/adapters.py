@@ -1,8 +1,9 @@
 """The plan offered to training code in the words of its framework.
 
 ``hf_training_args`` gives keyword arguments for ``transformers.TrainingArguments``,
-``accelerate_kwargs`` for ``accelerate.Accelerator``, ``hf_model_kwargs`` for
-``from_pretrained``/``from_config``. All pure: they read the plan and return dicts.
+``accelerate_kwargs`` for ``accelerate.Accelerator``, ``fabric_kwargs`` for ``lightning.Fabric``,
+``hf_model_kwargs`` for ``from_pretrained``/``from_config``. They read the plan and return dicts; what
+differs by engine (DeepSpeed's config, FSDP's plugin) comes from the plan's strategy.
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import optimizers
 from ..errors import HpcmemError
 from ..plan import Plan
-
-# Plan optimizer -> TrainingArguments.optim (transformers.training_args.OptimizerNames).
-HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
 
 # Plan attention -> transformers attn_implementation.
 HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
@@ -28,18 +27,18 @@ def hf_training_args(plan: Plan, ds_config_path: str | os.PathLike | None = None
                      cpu: bool | None = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments`` that apply ``plan``.
 
-    ``ds_config_path`` is the ds_config.json for the deepspeed launcher (default:
-    ``HPCMEM_DS_CONFIG``). ``cpu``: the job has no GPU (default: asks torch); then
+    ``ds_config_path`` is the engine's config file (ds_config.json, fsdp_config.json; default: the path in
+    the strategy's environment variable, ``HPCMEM_DS_CONFIG`` or ``HPCMEM_FSDP_CONFIG``). ``cpu``: the job has no GPU (default: asks torch); then
     ``use_cpu`` is set, without which TrainingArguments refuses bf16. bf16-true also
     needs the model loaded in bf16: see ``hf_model_kwargs``.
     """
     args: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_checkpointing": plan.checkpointing,
+        "gradient_checkpointing": plan.checkpointing and not plan.strategy.checkpointing_by_config,
         "bf16": plan.precision in ("bf16-mixed", "bf16-true"),
         "fp16": plan.precision == "fp16-mixed",
-        "optim": HF_OPTIM[plan.optimizer],
+        "optim": optimizers.hf_optim(plan.optimizer),
         "dataloader_num_workers": plan.workers,
     }
     if cpu is None:
@@ -48,11 +47,11 @@ def hf_training_args(plan: Plan, ds_config_path: str | os.PathLike | None = None
         cpu = not torch.cuda.is_available()
     if cpu:
         args["use_cpu"] = True
-    if plan.checkpointing:
+    if args["gradient_checkpointing"]:
         # Non-reentrant checkpointing works with DDP's no_sync and with ZeRO-3.
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
-    if plan.uses_deepspeed:
-        args["deepspeed"] = str(ds_config_path or _ds_config_from_env())
+    if plan.strategy.config_file:
+        args.update(plan.strategy.training_args(plan, str(ds_config_path or _config_from_env(plan))))
     return args
 
 
@@ -60,18 +59,19 @@ def accelerate_kwargs(plan: Plan, ds_config_path: str | os.PathLike | None = Non
     """Keyword arguments for ``accelerate.Accelerator`` that apply ``plan``.
 
     With the deepspeed launcher this includes a ``deepspeed_plugin`` built from the
-    ds_config.json (which then owns accumulation, so it is not passed twice).
+    ds_config.json (which then owns accumulation, so it is not passed twice); with fsdp an
+    ``fsdp_plugin`` (FSDP2: the plan's resharding, offload, checkpointing and mixed precision).
     """
-    kwargs: dict[str, Any] = {"mixed_precision": ACCELERATE_PRECISION[plan.precision]}
-    if plan.uses_deepspeed:
-        from accelerate import DeepSpeedPlugin
+    config = str(ds_config_path or _config_from_env(plan)) if plan.launcher == "deepspeed" else ds_config_path
+    return {"mixed_precision": ACCELERATE_PRECISION[plan.precision], **plan.strategy.accelerate_kwargs(plan, config)}
 
-        # zero3_init_flag: build ZeRO-3 models partitioned instead of whole on every rank.
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config_path or _ds_config_from_env()),
-                                                     zero3_init_flag=plan.zero_stage == 3)
-    else:
-        kwargs["gradient_accumulation_steps"] = plan.grad_accum
-    return kwargs
+
+def fabric_kwargs(plan: Plan) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Fabric``: precision, devices and the engine's strategy (its name and
+    the arguments of Lightning's DDPStrategy / DeepSpeedStrategy / FSDPStrategy)."""
+    precision = {"fp32": "32-true", "fp16-mixed": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
+    return {"precision": precision[plan.precision], "devices": plan.gpus_per_node, "num_nodes": plan.nodes,
+            **plan.strategy.fabric_kwargs(plan)}
 
 
 def hf_model_kwargs(plan: Plan) -> dict[str, Any]:
@@ -82,10 +82,9 @@ def hf_model_kwargs(plan: Plan) -> dict[str, Any]:
     return kwargs
 
 
-def _ds_config_from_env() -> str:
-    from .jobenv import ENV_DS_CONFIG
-
-    path = os.environ.get(ENV_DS_CONFIG, "").strip()
+def _config_from_env(plan: Plan) -> str:
+    var = plan.strategy.env_var
+    path = os.environ.get(var, "").strip()
     if not path:
-        raise HpcmemError(f"launcher=deepspeed needs a DeepSpeed config: pass its path or set {ENV_DS_CONFIG}")
+        raise HpcmemError(f"launcher={plan.launcher} needs its {plan.strategy.config_file}: pass its path or set {var}")
     return path

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .. import strategies
 from ..errors import ConfigError, HpcmemError
 from ..plan import Plan
 
 ENV_PLAN = "HPCMEM_PLAN"
 ENV_ATTEMPT_DIR = "HPCMEM_ATTEMPT_DIR"
-ENV_DS_CONFIG = "HPCMEM_DS_CONFIG"
+ENV_DS_CONFIG = strategies.get("deepspeed").env_var
 ENV_GPU_MEM_GIB = "HPCMEM_GPU_MEM_GIB"
 
 MIB = 2**20

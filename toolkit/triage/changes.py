@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from ..dsconfig import deepspeed_config
 from ..jobspec import hf_trainer_args
 from ..plan import Plan
 from ..render import cpus_per_task
 from ..sites import Partition, format_minutes
 
 DS_CONFIG = "ds_config.json"
+"""The path hpcmem's Trainer flags name when showing what changes (the engine's own file name otherwise)."""
 
 # --------------------------------------------------------------------------- words
 
@@ -102,8 +102,9 @@ def script_changes(old: Plan, new: Plan, partition: Partition) -> tuple[str, ...
     if old.alloc_conf != new.alloc_conf:
         out.append(f"export PYTORCH_CUDA_ALLOC_CONF={old.alloc_conf or '(not set)'} -> {new.alloc_conf or '(not set)'}")
     if old.launcher != new.launcher:
-        engine = {"deepspeed": "the DeepSpeed engine with ds_config.json", "torchrun": "plain DDP"}[new.launcher]
-        out.append(f"launcher: {old.launcher} -> {new.launcher} ({engine}; the training code must use it)")
+        engine = new.strategy
+        config = f" with {engine.config_file}" if engine.config_file else ""
+        out.append(f"launcher: {old.launcher} -> {new.launcher} ({engine.title}{config}; the training code must use it)")
     if old.gpus_per_node != new.gpus_per_node:
         out.append(f"torchrun --nproc_per_node={old.gpus_per_node} -> {new.gpus_per_node}")
     if old.workers != new.workers:
@@ -112,13 +113,17 @@ def script_changes(old: Plan, new: Plan, partition: Partition) -> tuple[str, ...
 
 
 def ds_config_changes(old: Plan, new: Plan, partition: Partition, largest_param: int | None = None) -> tuple[str, ...]:
-    """DeepSpeed config keys (dotted) that change between what hpcmem writes for ``old`` and for ``new``;
-    () when neither uses DeepSpeed. A config that is new (torchrun -> deepspeed) is said so, then its main keys."""
-    if not (old.uses_deepspeed or new.uses_deepspeed):
+    """Keys (dotted) of the engine's config file (ds_config.json, fsdp_config.json) that change between what
+    hpcmem writes for ``old`` and for ``new``; () when neither engine has one. A file that is new (torchrun ->
+    deepspeed or fsdp) is said so, then its main keys."""
+    configs = [p.strategy.config(p, nvme_path=partition.nvme_path, gpu=partition.has_gpu, largest_param=largest_param)
+               for p in (old, new)]
+    if configs == [None, None]:
         return ()
-    before, after = (_flat(deepspeed_config(p, partition.nvme_path, partition.has_gpu, largest_param))
-                     if p.uses_deepspeed else {} for p in (old, new))
-    out = [] if before else [f"{DS_CONFIG}: (not used) -> written by hpcmem for launcher=deepspeed"]
+    if old.strategy.config_file != new.strategy.config_file and configs[0] is not None:
+        configs[0] = None  # another engine's file: the new one is written from scratch
+    before, after = (_flat(c) if c is not None else {} for c in configs)
+    out = [] if before else [f"{new.strategy.config_file}: (not used) -> written by hpcmem for launcher={new.launcher}"]
     changed = [k for k in sorted(set(before) | set(after)) if before.get(k, _ABSENT) != after.get(k, _ABSENT)]
     main = [k for k in changed if k.endswith(_MAIN_KEYS)]
     out += [f"{k}: {_value(before.get(k, _ABSENT))} -> {_value(after.get(k, _ABSENT))}" for k in main]
@@ -128,7 +133,8 @@ def ds_config_changes(old: Plan, new: Plan, partition: Partition, largest_param:
 
 
 _MAIN_KEYS = ("stage", "device", "enabled", "nvme_path", "train_batch_size", "train_micro_batch_size_per_gpu",
-              "gradient_accumulation_steps", "zero_allow_untested_optimizer", "partition_activations")
+              "gradient_accumulation_steps", "zero_allow_untested_optimizer", "partition_activations",
+              "reshard_after_forward", "cpu_offload", "activation_checkpointing", "param_dtype", "reduce_dtype")
 """Keys listed by name; the others (buffer sizes, aio, stage-3 tuning) are hpcmem's fixed settings."""
 
 

@@ -34,6 +34,7 @@ from ..estimate import Estimate, ModelRef, estimate
 from ..ladder import HOST_KINDS, describe, footprint
 from ..plan import KNOBS, Plan
 from ..sites import Partition
+from ..strategies import infer_launcher
 
 ESTIMATE_LOW_SHARE = 0.10
 """The stated demand must exceed the estimate by this share to flag the estimate low (and conversely)."""
@@ -77,8 +78,8 @@ def fill_plan(known: Plan | Mapping[str, Any] | None, partition: Partition | Non
     of knob names to values (None values count as unknown;
     ``world_size`` may stand in for ``gpus_per_node``), or None (nothing known: the defaults). The batch
     knobs follow from each other (``micro_batch x grad_accum x world_size == global_batch``; where they
-    disagree micro-batch and accumulation win); the launcher is ``deepspeed`` with ZeRO or offload (the
-    engine, whatever started it); ``time_min`` is capped at the partition's limit. Raises
+    disagree micro-batch and accumulation win); the launcher is the engine the knobs imply
+    (``strategies.infer_launcher``: deepspeed with ZeRO or offload, fsdp with its resharding knobs); ``time_min`` is capped at the partition's limit. Raises
     ``UnknownNameError`` for a name that is not a knob, ``PlanError`` for knobs that cannot go together.
     """
     if isinstance(known, KnownPlan):
@@ -100,10 +101,7 @@ def fill_plan(known: Plan | Mapping[str, Any] | None, partition: Partition | Non
     batch, followed = _batch(values, values["nodes"] * values["gpus_per_node"])
     values.update(batch)
     derived |= followed
-    offload = any(values.get(k, "none") != "none" for k in ("offload_optimizer", "offload_params"))
-    if values.get("zero_stage", 0) or offload:
-        values["launcher"] = "deepspeed"  # the engine (a job script may well start it with torchrun)
-    values.setdefault("launcher", "torchrun")
+    values["launcher"] = infer_launcher(values)  # the engine, whatever started it (often torchrun)
     if partition is not None and values.get("time_min", 0) > partition.max_time_min:
         values["time_min"] = partition.max_time_min
     plan = Plan(**values)

@@ -1,0 +1,263 @@
+"""What every training engine answers, and the registry that finds one by name.
+
+A strategy is one engine (DDP, DeepSpeed, FSDP) and everything about it. The rest of hpcmem asks the
+plan's strategy (``strategies.of(plan)``) instead of branching on the engine:
+
+- the plan: ``validate`` (engine-specific knob rules), ``own_knobs`` (knobs only it reads), ``describe``;
+- rendering: ``template``, ``config_file`` + ``config`` (ds_config.json, fsdp_config.json), ``env_var``
+  (where the job finds that file), ``summary`` (plan-summary words);
+- training code: ``trainer_flags`` (HF Trainer command line), ``training_args`` (TrainingArguments),
+  ``accelerate_kwargs`` (accelerate.Accelerator), ``fabric_kwargs`` (Lightning Fabric);
+- memory: ``dtypes`` and ``model_states`` (the estimator), ``placement`` (shares of the model states on the
+  device and on the host, for arithmetic on traced categories and the ladder), ``startup_host_bytes``;
+- cost: ``cost`` (a step-time factor against plain DDP, for the ladder and the planner).
+
+This package imports nothing of hpcmem but ``errors``, ``optimizers`` and ``modelshape``: a plan, a
+partition or a model shape is passed in (duck-typed), so render, runtime, ladder, planner, estimate and
+triage all sit above it. Adding an engine is one module here (registered with ``@register``), one template
+and their tests (docs/add-an-engine.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import PlanError, UnknownNameError
+
+MIXED = ("fp16-mixed", "bf16-mixed")
+SIXTEEN_BIT = {"fp16-mixed": "float16", "bf16-mixed": "bfloat16", "bf16-true": "bfloat16"}
+"""The 16-bit dtype of each precision that has one (torch dtype names)."""
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of what a rank holds under a plan's precision and engine."""
+
+    param: int
+    """weights as the layers use them, and the residual stream between layers"""
+    compute: int
+    """matmul inputs and outputs, activation-function tensors"""
+    grad: int
+    master: int
+    """extra fp32 master copy per parameter (0 when the weights are the master)"""
+    state: int
+    """optimizer state element (torch: the param's dtype; DeepSpeed: fp32)"""
+    autocast: bool
+    gpu: bool
+    mask: int
+    """a dropout mask element: a bool on CUDA, a noise tensor of the input's dtype on the CPU"""
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-rank bytes of weights, gradients and optimizer, and what offload puts on the host."""
+
+    params_bytes: float
+    """resident on the device between steps"""
+    grads_bytes: float
+    """on the device once all are allocated"""
+    optimizer_bytes: float
+    """on the device: states and any fp32 master copy"""
+    persistent_grads: bool
+    """grads stay allocated across steps (DeepSpeed buffers) instead of being set to None"""
+    buffer_bytes: float
+    """communication buffers that live through the step (DDP buckets, ZeRO reduce buckets, FSDP reduce-scatter)"""
+    gathered_bytes: float
+    """sharded engines: full weights gathered during forward/backward (ZeRO-3: a layer's; FSDP: the units in
+    flight, or all of them when they are not resharded after the forward)"""
+    step_temp_bytes: float
+    host_bytes_per_rank: float
+    """offloaded states (with their buffers) and pinned NVMe buffers"""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Shares of the unsharded model states one rank keeps on its device, and on the host (0..1)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    """optimizer states and any master copy"""
+    host_params: float = 0.0
+    host_optimizer: float = 0.0
+    nvme: bool = False
+    """what is offloaded goes to NVMe, not host memory"""
+    gathered_layers: float = 0.0
+    """layers whose full weights are gathered at once on top of the shards (ZeRO-3: the largest one)"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the plan's precision stores the model, in torch dtype names (for the traced estimator)."""
+
+    weights: str
+    """the model's parameters as built ("float32", "bfloat16", "float16")"""
+    autocast: str | None = None
+    master_weights: bool = False
+    """an fp32 copy of the weights lives in the optimizer"""
+    loss_scaling: bool = False
+    note: str = ""
+
+
+class Strategy:
+    """One training engine. Subclasses set the class attributes and override what differs."""
+
+    name: ClassVar[str]
+    """the plan's ``launcher`` value"""
+    title: ClassVar[str]
+    template: ClassVar[str]
+    """the sbatch template under templates/"""
+    family: ClassVar[str] = "data-parallel"
+    """replicated (DDP) or sharded (ZeRO, FSDP): the ladder's families"""
+    own_knobs: ClassVar[tuple[str, ...]] = ()
+    """plan knobs only this engine reads (others must leave them at their defaults)"""
+    config_file: ClassVar[str | None] = None
+    """the engine's config file in the attempt directory"""
+    env_var: ClassVar[str | None] = None
+    """the environment variable a job reads that file's path from"""
+    sharded: ClassVar[bool] = False
+    checkpointing_by_config: ClassVar[bool] = False
+    """activation checkpointing is set in the engine's config file rather than by the Trainer's flag"""
+
+    # -- the plan ------------------------------------------------------------------------------
+
+    def validate(self, plan) -> None:
+        """Refuse knob combinations this engine cannot run (PlanError naming the knob)."""
+
+    def describe(self, plan) -> str:
+        return self.title
+
+    def summary(self, plan) -> list[str]:
+        """Words this engine adds to the one-line plan summary."""
+        return []
+
+    # -- rendering ---------------------------------------------------------------------------
+
+    def config(self, plan, *, nvme_path: str | None = None, gpu: bool = True,
+               largest_param: int | None = None) -> dict[str, Any] | None:
+        """The engine's config file content (None when it has none)."""
+        return None
+
+    def context(self, plan, partition) -> dict[str, Any]:
+        """Extra template values (already computed; the template only lays them out)."""
+        return {}
+
+    # -- training code -----------------------------------------------------------------------
+
+    def trainer_flags(self, plan, config_path: str | None) -> list[str]:
+        """HF Trainer command-line flags for the engine (beyond batch, precision and optimizer)."""
+        return []
+
+    def training_args(self, plan, config_path: str | None) -> dict[str, Any]:
+        """``transformers.TrainingArguments`` keyword arguments for the engine."""
+        return {}
+
+    def accelerate_kwargs(self, plan, config_path: str | None) -> dict[str, Any]:
+        """``accelerate.Accelerator`` keyword arguments for the engine (accumulation included)."""
+        return {"gradient_accumulation_steps": plan.grad_accum}
+
+    def fabric_kwargs(self, plan) -> dict[str, Any]:
+        """``lightning.Fabric`` keyword arguments (``strategy`` as a name or its arguments)."""
+        return {"strategy": "ddp" if plan.world_size > 1 else "auto"}
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def dtypes(self, plan, gpu: bool) -> Dtypes:
+        """How a rank stores things: torch autocast keeps fp32 weights (the master) under mixed precision;
+        bf16-true keeps everything in bf16."""
+        mixed = plan.precision in MIXED
+        if plan.precision == "bf16-true":
+            return Dtypes(param=2, compute=2, grad=2, master=0, state=2, autocast=False, gpu=gpu, mask=1 if gpu else 2)
+        compute = 2 if mixed else 4
+        return Dtypes(param=4, compute=compute, grad=4, master=0, state=4, autocast=mixed, gpu=gpu,
+                      mask=1 if gpu else compute)
+
+    def layout(self, plan) -> Layout:
+        half = SIXTEEN_BIT.get(plan.precision)
+        if half is None:
+            return Layout("float32")
+        if plan.precision == "bf16-true":
+            return Layout("bfloat16")
+        return Layout("float32", autocast=half, loss_scaling=plan.precision == "fp16-mixed")
+
+    def model_states(self, shape, plan, dt: Dtypes) -> ModelStates:
+        raise NotImplementedError
+
+    def placement(self, plan) -> Placement:
+        return Placement(1.0, 1.0, 1.0)
+
+    def startup_host_bytes(self, shape, plan) -> float:
+        """Host bytes a GPU rank holds while it builds the model, before moving it to its device."""
+        return (2.0 if plan.precision == "bf16-true" else 4.0) * shape.n_params
+
+    def cost(self, plan) -> float:
+        """Step time against plain DDP of the same plan (>= 1)."""
+        return 1.0
+
+
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: one instance of ``cls`` is the strategy called ``cls.name``."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"strategy {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name`` (a plan's ``launcher``); an unknown name lists the valid ones."""
+    if name not in _REGISTRY:
+        raise UnknownNameError("launcher", name, list(_REGISTRY))
+    return _REGISTRY[name]
+
+
+def of(plan) -> Strategy:
+    """The plan's strategy."""
+    return get(plan.launcher)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered launcher name, in registration order (CLI choices)."""
+    return tuple(_REGISTRY)
+
+
+def all_strategies() -> tuple[Strategy, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def infer_launcher(knobs, default: str = "torchrun") -> str:
+    """The engine a set of knob values implies (a job's facts, CLI options): the one whose own knobs are set
+    away from their defaults (ZeRO stage, optimizer offload -> deepspeed; FSDP's resharding -> fsdp), else
+    the ``launcher`` given, else parameter offload -> deepspeed (the engine that offloads to NVMe too), else
+    ``default``. A job script may start any engine with torchrun: the knobs decide, not the launch line."""
+    for strategy in _REGISTRY.values():
+        for knob in strategy.own_knobs:
+            if knob in knobs and knobs[knob] is not None and knobs[knob] != _OWN_DEFAULTS.get(knob):
+                return strategy.name
+    if knobs.get("launcher"):
+        return knobs["launcher"]
+    if knobs.get("offload_params") not in (None, "none"):
+        return "deepspeed"
+    return default
+
+
+_OWN_DEFAULTS = {"zero_stage": 0, "offload_optimizer": "none", "reshard_after_forward": True, "reduce_dtype": "fp32"}
+"""The defaults of the engines' own knobs (toolkit/plan.py's; a test keeps the two equal)."""
+
+
+def switch_to(launcher: str) -> dict[str, Any]:
+    """Knob changes that move a plan to ``launcher``: the launcher, and every other engine's own knobs back
+    at their defaults (a ZeRO stage means nothing to FSDP, resharding nothing to DeepSpeed)."""
+    get(launcher)
+    out: dict[str, Any] = {"launcher": launcher}
+    for strategy in _REGISTRY.values():
+        if strategy.name != launcher:
+            out.update({knob: _OWN_DEFAULTS[knob] for knob in strategy.own_knobs})
+    return out
+
+
+def refuse(knob: str, value: Any, why: str) -> None:
+    raise PlanError(f"{knob}={value}: {why}")

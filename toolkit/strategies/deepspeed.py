@@ -1,0 +1,263 @@
+"""DeepSpeed: the ZeRO engine, stages 1-3, with CPU offload and NVMe offload (ZeRO-Infinity).
+
+The engine casts the model to 16-bit under mixed precision and keeps an fp32 master copy with the optimizer
+states (2 + 2 + 12 = 16 B/param with AdamW), sharded by stage (Rajbhandari et al. 2019), per rank:
+stage 1: 4Ψ + 12Ψ/N, stage 2: 2Ψ + 14Ψ/N, stage 3: 16Ψ/N (+ the largest layer gathered). Its config file is
+ds_config.json (``config``), whose batch fields come straight from the plan, so DeepSpeed's own check
+``train_batch_size == micro * accum * world`` holds by the plan's invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import optimizers
+from ..errors import PlanError
+from .base import MIXED, SIXTEEN_BIT, Dtypes, Layout, ModelStates, Placement, Strategy, get, register
+
+# Buffers DeepSpeed stages parameters through when they live on NVMe. One buffer must hold the largest
+# single parameter; they are allocated up front (count x size x element bytes per rank), so they are sized
+# to the model when it is known.
+NVME_PARAM_BUFFER_DEFAULT = 100_000_000  # DeepSpeed's own default, when the model is unknown
+NVME_PARAM_BUFFER_MIN = 1_000_000
+NVME_PARAM_BUFFERS = 5
+NVME_OPTIMIZER_BUFFERS = 4
+"""offload_optimizer buffer_count: AdamW swaps the fp32 weights, two states and the grads of one sub-group
+through 4 pinned buffers."""
+NVME_MAX_IN_CPU = 1_000_000_000
+"""Parameters kept in CPU memory at once when the rest is on NVMe (elements)."""
+BUCKET_ELEMENTS = 50_000_000
+"""reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size as ``config`` writes them."""
+SUB_GROUP_ELEMENTS = 1_000_000_000
+"""ZeRO-3 sub_group_size default: the unit the optimizer steps (and swaps to NVMe)."""
+OFFLOAD_BUFFER_FACTOR = 1.5
+"""DeepSpeed's own estimators multiply offloaded host memory by 1.5 for pinned and staging buffers."""
+ADAMW_PARAMS = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+"""Used when the config owns the optimizer (ZeRO-Offload): DeepSpeed then builds its CPU Adam, much faster
+than torch's AdamW stepping on the host."""
+ZERO_COST = {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.15}
+OFFLOAD_COST = {"none": 1.0, "cpu": 1.5, "nvme": 2.0}
+"""Step-time factors (coarse judgements from the ZeRO and ZeRO-Infinity papers' throughput tables)."""
+PLAN_DS_PRECISION = {"fp32": "fp32", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+
+@register
+class DeepSpeed(Strategy):
+    name = "deepspeed"
+    title = "DeepSpeed"
+    template = "deepspeed.sbatch.j2"
+    family = "sharded"
+    own_knobs = ("zero_stage", "offload_optimizer")
+    config_file = "ds_config.json"
+    env_var = "HPCMEM_DS_CONFIG"
+    sharded = True
+
+    def validate(self, plan) -> None:
+        if plan.offload_optimizer != "none" and plan.zero_stage == 0:
+            raise PlanError("offload_optimizer needs zero_stage >= 1")
+        if plan.offload_optimizer == "nvme" and plan.zero_stage != 3:
+            raise PlanError("offload_optimizer=nvme needs zero_stage=3 (ZeRO-Infinity)")
+        if plan.offload_params != "none" and plan.zero_stage != 3:
+            raise PlanError("offload_params needs zero_stage=3")
+
+    def describe(self, plan) -> str:
+        parts = [f"DeepSpeed ZeRO-{plan.zero_stage}"]
+        for what, where in (("optimizer", plan.offload_optimizer), ("params", plan.offload_params)):
+            if where != "none":
+                parts.append(f"{what} offload to {where}")
+        return ", ".join(parts)
+
+    def summary(self, plan) -> list[str]:
+        out = [f"zero{plan.zero_stage}"] if plan.zero_stage else []
+        if plan.offload_optimizer != "none":
+            out.append(f"opt->{plan.offload_optimizer}")
+        if plan.offload_params != "none":
+            out.append(f"params->{plan.offload_params}")
+        return out
+
+    # -- rendering ---------------------------------------------------------------------------
+
+    def config(self, plan, *, nvme_path: str | None = None, gpu: bool = True,
+               largest_param: int | None = None) -> dict[str, Any]:
+        """The ds_config.json dict for ``plan``. ``nvme_path``: the partition's NVMe scratch directory (needed
+        when anything is offloaded to NVMe); ``gpu``: the ranks have GPUs (pinned host memory only makes sense
+        with one); ``largest_param`` (elements) sizes the NVMe parameter buffers."""
+        cfg: dict[str, Any] = {
+            "train_batch_size": plan.global_batch,
+            "train_micro_batch_size_per_gpu": plan.micro_batch,
+            "gradient_accumulation_steps": plan.grad_accum,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 1_000_000,
+            "wall_clock_breakdown": False,
+            "zero_optimization": _zero_section(plan, nvme_path, gpu, largest_param),
+        }
+        if plan.precision == "fp16-mixed":
+            cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                           "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+        elif plan.precision == "bf16-mixed" or (plan.precision == "bf16-true" and plan.zero_stage == 0):
+            cfg["bf16"] = {"enabled": True}
+        elif plan.precision == "bf16-true":
+            # No fp32 master copy: bf16 weights, grads and optimizer states (DeepSpeed allows it from ZeRO 1 on).
+            cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        opt = optimizers.get(plan.optimizer)
+        if plan.offload_optimizer != "none":
+            if opt.deepspeed:
+                cfg["optimizer"] = {"type": opt.deepspeed, "params": dict(ADAMW_PARAMS)}
+            else:
+                # The training code brings its own optimizer (8-bit AdamW, Adafactor, SGD).
+                cfg["zero_force_ds_cpu_optimizer"] = False
+        if plan.zero_stage >= 1 and opt.family != "adamw":
+            cfg["zero_allow_untested_optimizer"] = True  # ZeRO otherwise refuses SGD and Adafactor
+        if "nvme" in (plan.offload_optimizer, plan.offload_params):
+            cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                          "single_submit": False, "overlap_events": True}
+        if plan.checkpointing:
+            cfg["activation_checkpointing"] = {"partition_activations": plan.zero_stage == 3 and plan.world_size > 1,
+                                               "cpu_checkpointing": False,
+                                               "contiguous_memory_optimization": False,
+                                               "synchronize_checkpoint_boundary": False}
+        return cfg
+
+    def context(self, plan, partition) -> dict[str, Any]:
+        offload = ", ".join(f"{what} to {where}" for what, where in (("optimizer", plan.offload_optimizer),
+                                                                      ("params", plan.offload_params)) if where != "none")
+        nvme = partition.nvme_path if "nvme" in (plan.offload_optimizer, plan.offload_params) else ""
+        return {"zero_stage": plan.zero_stage, "offload": offload, "nvme_path": nvme or ""}
+
+    # -- training code -----------------------------------------------------------------------
+
+    def trainer_flags(self, plan, config_path: str | None) -> list[str]:
+        return ["--deepspeed", config_path] if config_path else []
+
+    def training_args(self, plan, config_path: str | None) -> dict[str, Any]:
+        return {"deepspeed": str(config_path)}
+
+    def accelerate_kwargs(self, plan, config_path: str | None) -> dict[str, Any]:
+        from accelerate import DeepSpeedPlugin
+
+        # zero3_init_flag: build ZeRO-3 models partitioned instead of whole on every rank. The config owns
+        # accumulation, so it is not passed twice.
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=str(config_path), zero3_init_flag=plan.zero_stage == 3)}
+
+    def fabric_kwargs(self, plan) -> dict[str, Any]:
+        return {"strategy": "deepspeed", "strategy_kwargs": {"stage": plan.zero_stage,
+                "offload_optimizer": plan.offload_optimizer != "none", "offload_parameters": plan.offload_params != "none"}}
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def dtypes(self, plan, gpu: bool) -> Dtypes:
+        if plan.precision in (*MIXED, "bf16-true"):  # the engine casts the model to 16-bit, keeps fp32 master + states
+            return Dtypes(param=2, compute=2, grad=2, master=4, state=4, autocast=False, gpu=gpu, mask=1 if gpu else 2)
+        return super().dtypes(plan, gpu)
+
+    def layout(self, plan) -> Layout:
+        half = SIXTEEN_BIT.get(plan.precision)
+        if half is None:
+            return Layout("float32")
+        if plan.precision == "bf16-true" and plan.zero_stage >= 1:
+            return Layout("bfloat16", note="DeepSpeed bf16-true (ZeRO >= 1): bf16 weights, gradients and optimizer "
+                                           "states, no fp32 master")
+        note = "DeepSpeed layout: 16-bit weights and gradients, fp32 master weights in the optimizer, no autocast"
+        if plan.precision == "bf16-true":
+            note += "; bf16-true under ZeRO-0 keeps fp32 master weights, as DeepSpeed's bf16 mode does"
+        return Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed", note=note)
+
+    def model_states(self, shape, plan, dt: Dtypes) -> ModelStates:
+        psi = float(shape.n_params)
+        n = plan.world_size
+        stage = plan.zero_stage
+        opt = optimizers.get(plan.optimizer)
+        shard = psi / n if stage >= 1 else psi  # the parameters whose optimizer state this rank owns
+        opt_full = dt.master * psi + opt.state_bytes(shape.shape_counts, dt.state)
+        params = dt.param * (shard if stage == 3 else psi)
+        grads = dt.grad * (shard if stage >= 2 else psi)
+        optimizer = opt_full * shard / psi
+        bucket = dt.grad * min(psi, BUCKET_ELEMENTS) if stage >= 1 else 0.0
+        gathered = 2.0 * dt.param * shape.largest_param_numel if stage == 3 else 0.0
+        # The step: an fp32 copy of this rank's 16-bit grads for the optimizer, then its own transient.
+        largest = min(shape.largest_param_numel, shard)
+        step = (4.0 * shard if dt.grad != 4 else 0.0) + opt.step_temp_bytes(shard, largest, dt.state, 4, dt.gpu)
+        host = 0.0
+        if plan.offload_optimizer != "none":
+            # Master copy, states and fp32 grads live on the host and step there; from ZeRO-2 on the grads
+            # are reduced through the bucket straight into the host's partition.
+            optimizer, step = 0.0, 0.0
+            if stage >= 2:
+                grads = 0.0
+            if plan.offload_optimizer == "cpu":
+                host += OFFLOAD_BUFFER_FACTOR * (opt_full * shard / psi + 4.0 * shard)
+            else:  # NVMe: states and grads swap through pinned fp32 buffers, each one sub-group large
+                host += NVME_OPTIMIZER_BUFFERS * 4.0 * min(shard, SUB_GROUP_ELEMENTS)
+        if plan.offload_params != "none":
+            params = 0.0
+            if plan.offload_params == "cpu":
+                host += OFFLOAD_BUFFER_FACTOR * dt.param * shard
+            else:  # pinned buffers DeepSpeed stages NVMe parameters through
+                host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
+        return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+                           persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
+                           step_temp_bytes=step, host_bytes_per_rank=host)
+
+    def placement(self, plan) -> Placement:
+        n, stage = plan.world_size, plan.zero_stage
+        params = 1.0 / n if stage >= 3 else 1.0
+        grads = 1.0 / n if stage >= 2 else 1.0
+        optimizer = 1.0 / n if stage >= 1 else 1.0
+        host_params = host_optimizer = 0.0
+        if plan.offload_optimizer != "none":
+            host_optimizer, optimizer = optimizer, 0.0
+        if plan.offload_params != "none":
+            host_params, params = params, 0.0
+        return Placement(params, grads, optimizer, host_params, host_optimizer,
+                         nvme="nvme" in (plan.offload_optimizer, plan.offload_params),
+                         gathered_layers=1.0 if stage >= 3 else 0.0)
+
+    def startup_host_bytes(self, shape, plan) -> float:
+        if plan.zero_stage == 3:  # zero.Init builds each rank's shard only
+            return 4.0 * shape.n_params / plan.world_size
+        return 4.0 * shape.n_params
+
+    def cost(self, plan) -> float:
+        return (ZERO_COST[plan.zero_stage] * OFFLOAD_COST[plan.offload_optimizer]
+                * OFFLOAD_COST[plan.offload_params])
+
+
+def _zero_section(plan, nvme_path: str | None, gpu: bool, largest_param: int | None) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": plan.zero_stage}
+    if plan.zero_stage == 0:
+        return zero
+    zero.update({"contiguous_gradients": True, "overlap_comm": gpu,
+                 "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS})
+    if plan.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": BUCKET_ELEMENTS,
+                     "stage3_param_persistence_threshold": 100_000,
+                     "stage3_max_live_parameters": 1_000_000_000,
+                     "stage3_gather_16bit_weights_on_model_save": True})
+    if plan.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(plan.offload_optimizer, nvme_path, gpu, buffers=NVME_OPTIMIZER_BUFFERS)
+    if plan.offload_params != "none":
+        zero["offload_param"] = _offload(plan.offload_params, nvme_path, gpu, buffers=NVME_PARAM_BUFFERS)
+        if plan.offload_params == "nvme":
+            zero["offload_param"].update({"buffer_size": nvme_buffer_elements(largest_param), "max_in_cpu": NVME_MAX_IN_CPU})
+    return zero
+
+
+def nvme_buffer_elements(largest_param: int | None) -> int:
+    """One NVMe parameter buffer: the largest parameter, rounded up to a million elements."""
+    if not largest_param:
+        return NVME_PARAM_BUFFER_DEFAULT
+    return max(NVME_PARAM_BUFFER_MIN, -(-int(largest_param) // 1_000_000) * 1_000_000)
+
+
+def _offload(device: str, nvme_path: str | None, gpu: bool, buffers: int) -> dict[str, Any]:
+    section: dict[str, Any] = {"device": device, "pin_memory": gpu}
+    if device == "nvme":
+        if not nvme_path:
+            raise PlanError("offload to nvme needs the partition's nvme_path")
+        section.update({"nvme_path": nvme_path, "buffer_count": buffers})
+    return section
+
+
+def deepspeed_config(plan, nvme_path: str | None = None, gpu: bool = True, largest_param: int | None = None) -> dict:
+    """The ds_config.json dict for ``plan`` (``DeepSpeed().config`` as a function)."""
+    return get(DeepSpeed.name).config(plan, nvme_path=nvme_path, gpu=gpu, largest_param=largest_param)

@@ -1,0 +1,222 @@
+"""FSDP: PyTorch's Fully Sharded Data Parallel, version 2 (``torch.distributed.fsdp.fully_shard``).
+
+torchrun starts the ranks, as for DDP. Each transformer block is one FSDP unit, then the root (embeddings,
+final norm, head); every parameter is sharded over the ranks as a DTensor. Per rank, with Ψ parameters and N
+ranks (the sharded parameters are the master copy, so there is no separate one):
+
+- sharded parameters, gradients and optimizer states: (s + s + states) · Ψ/N, s = 4 B (fp32, fp16/bf16-mixed)
+  or 2 B (bf16-true);
+- gathered weights in the compute dtype (2 B under mixed precision): the root's for the whole step (FSDP2
+  does not reshard the root after the forward) and, with ``reshard_after_forward=true`` (ZeRO-3-like), the
+  block being computed plus the one prefetched; with ``false`` (ZeRO-2-like) every block from its forward to
+  its backward;
+- in the backward, one block's unsharded gradients (compute dtype) and the reduce-scatter input in the
+  reduce dtype (``reduce_dtype``: fp32, or the compute dtype with ``param``).
+
+Knobs: ``reshard_after_forward`` (true/false), ``reduce_dtype`` (fp32/param), ``offload_params=cpu``
+(``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states live in pinned host memory and the
+optimizer steps there), ``checkpointing`` (per block, non-reentrant), ``precision`` (the mixed-precision
+policy's param dtype). The wrapping unit is the model's transformer block (HF ``_no_split_modules``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import optimizers
+from ..errors import PlanError
+from .base import MIXED, SIXTEEN_BIT, Dtypes, Layout, ModelStates, Placement, Strategy, register
+
+REDUCE_DTYPES = ("fp32", "param")
+PREFETCHED_UNITS = 2
+"""Blocks whose weights are gathered at once when resharding after the forward: the one being computed and
+the next, which FSDP2's implicit prefetching all-gathers in advance."""
+RESHARD_COST = 1.12
+"""A second all-gather of every block in the backward (ZeRO-3-like) against keeping them (ZeRO-2-like)."""
+SHARD_COST = 1.04
+OFFLOAD_COST = 2.0
+"""CPU offload: host-device copies of every unit each step and a CPU optimizer step."""
+
+
+@register
+class FSDP(Strategy):
+    name = "fsdp"
+    title = "FSDP2"
+    template = "fsdp.sbatch.j2"
+    family = "sharded"
+    own_knobs = ("reshard_after_forward", "reduce_dtype")
+    config_file = "fsdp_config.json"
+    env_var = "HPCMEM_FSDP_CONFIG"
+    sharded = True
+    checkpointing_by_config = True
+
+    def validate(self, plan) -> None:
+        if plan.offload_params not in ("none", "cpu"):
+            raise PlanError(f"offload_params={plan.offload_params}: FSDP offloads to the CPU only; "
+                            "NVMe offload needs launcher=deepspeed (ZeRO-Infinity)")
+        if plan.reduce_dtype not in REDUCE_DTYPES:
+            raise PlanError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}; got {plan.reduce_dtype!r}")
+
+    def describe(self, plan) -> str:
+        parts = [f"FSDP2 ({'ZeRO-3-like: resharded after forward' if plan.reshard_after_forward else 'ZeRO-2-like: kept after forward'})"]
+        if plan.offload_params == "cpu":
+            parts.append("CPU offload")
+        return ", ".join(parts)
+
+    def summary(self, plan) -> list[str]:
+        out = ["reshard" if plan.reshard_after_forward else "noreshard"]
+        if plan.reduce_dtype != "fp32":
+            out.append(f"reduce={plan.reduce_dtype}")
+        if plan.offload_params == "cpu":
+            out.append("params->cpu")
+        return out
+
+    # -- rendering and training code ---------------------------------------------------------
+
+    def config(self, plan, *, nvme_path: str | None = None, gpu: bool = True,
+               largest_param: int | None = None) -> dict[str, Any]:
+        """fsdp_config.json, in the keys of HF TrainingArguments' ``fsdp_config`` (version 2) and accelerate's
+        FullyShardedDataParallelPlugin, which hpcmem's runtime reads too."""
+        cfg: dict[str, Any] = {"version": 2, "reshard_after_forward": plan.reshard_after_forward,
+                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                               "cpu_offload": plan.offload_params == "cpu",
+                               "activation_checkpointing": plan.checkpointing,
+                               "state_dict_type": "SHARDED_STATE_DICT"}
+        policy = self.mixed_precision(plan)
+        if policy:
+            cfg["mixed_precision_policy"] = policy
+        return cfg
+
+    def mixed_precision(self, plan) -> dict[str, str] | None:
+        """The MixedPrecisionPolicy's dtypes (torch names), None when the model runs in its own dtype."""
+        if plan.precision not in MIXED:
+            return None
+        half = SIXTEEN_BIT[plan.precision]
+        return {"param_dtype": half, "reduce_dtype": "float32" if plan.reduce_dtype == "fp32" else half}
+
+    def trainer_flags(self, plan, config_path: str | None) -> list[str]:
+        words = ["full_shard" if plan.reshard_after_forward else "shard_grad_op", "auto_wrap"]
+        if plan.offload_params == "cpu":
+            words.append("offload")
+        flags = ["--fsdp", " ".join(words)]
+        return flags + (["--fsdp_config", config_path] if config_path else [])
+
+    def training_args(self, plan, config_path: str | None) -> dict[str, Any]:
+        flags = self.trainer_flags(plan, config_path)
+        out: dict[str, Any] = {"fsdp": flags[1]}
+        if config_path:
+            out["fsdp_config"] = str(config_path)
+        return out
+
+    def accelerate_kwargs(self, plan, config_path: str | None) -> dict[str, Any]:
+        from accelerate import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=plan.reshard_after_forward, auto_wrap_policy="transformer_based_wrap",
+            cpu_offload=plan.offload_params == "cpu", activation_checkpointing=plan.checkpointing,
+            state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=self.mixed_precision(plan))
+        return {"fsdp_plugin": plugin, "gradient_accumulation_steps": plan.grad_accum}
+
+    def fabric_kwargs(self, plan) -> dict[str, Any]:
+        # Lightning's FSDPStrategy speaks FSDP1's sharding strategies.
+        return {"strategy": "fsdp", "strategy_kwargs": {
+            "sharding_strategy": "FULL_SHARD" if plan.reshard_after_forward else "SHARD_GRAD_OP",
+            "cpu_offload": plan.offload_params == "cpu", "auto_wrap_policy": "transformer block (model._no_split_modules)",
+            "activation_checkpointing_policy": "transformer block" if plan.checkpointing else None}}
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def dtypes(self, plan, gpu: bool) -> Dtypes:
+        storage = 2 if plan.precision == "bf16-true" else 4
+        compute = 2 if plan.precision in (*MIXED, "bf16-true") else 4
+        # Gathered weights and the activations are in the compute dtype (the policy casts the inputs too);
+        # the sharded fp32 parameters are the master copy (no separate one); states follow the storage dtype.
+        return Dtypes(param=compute, compute=compute, grad=compute, master=0, state=storage, autocast=False,
+                      gpu=gpu, mask=1 if gpu else compute)
+
+    def layout(self, plan) -> Layout:
+        if plan.precision == "bf16-true":
+            return Layout("bfloat16")
+        half = SIXTEEN_BIT.get(plan.precision)
+        if half is None:
+            return Layout("float32")
+        return Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed",
+                      note="FSDP2 mixed precision: weights gathered in 16-bit, the sharded fp32 weights are the master")
+
+    def model_states(self, shape, plan, dt: Dtypes) -> ModelStates:
+        psi = float(shape.n_params)
+        n = plan.world_size
+        storage = dt.state
+        reduce = 4 if plan.reduce_dtype == "fp32" else dt.compute
+        opt = optimizers.get(plan.optimizer)
+        block = float(shape.layer_params)
+        root = max(psi - shape.layers * block, 0.0)
+        in_flight = PREFETCHED_UNITS * block if plan.reshard_after_forward else shape.layers * block
+        gathered = dt.param * (root + min(in_flight, shape.layers * block))
+        shard = psi / n
+        params, grads = storage * shard, storage * shard
+        optimizer = opt.state_bytes(shape.shape_counts, storage) / n
+        largest = min(shape.largest_param_numel, shard)
+        step = opt.step_temp_bytes(shard, largest, storage, storage, dt.gpu)
+        # one block's unsharded grads, and the reduce-scatter input in the reduce dtype when it differs
+        buffers = block * (dt.grad + (reduce if reduce != dt.grad else 0))
+        host = 0.0
+        if plan.offload_params == "cpu":
+            host = params + grads + optimizer
+            params = grads = optimizer = step = 0.0
+        return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, persistent_grads=False,
+                           buffer_bytes=buffers, gathered_bytes=gathered, step_temp_bytes=step,
+                           host_bytes_per_rank=host)
+
+    def placement(self, plan) -> Placement:
+        share = 1.0 / plan.world_size
+        # Without resharding every block stays gathered from its forward to its backward: count the weights whole.
+        params = share if plan.reshard_after_forward else 1.0
+        gathered = float(PREFETCHED_UNITS) if plan.reshard_after_forward else 0.0
+        if plan.offload_params == "cpu":
+            return Placement(0.0 if plan.reshard_after_forward else 1.0, 0.0, 0.0, host_params=share,
+                             host_optimizer=share, gathered_layers=gathered)
+        return Placement(params, share, share, gathered_layers=gathered)
+
+    def startup_host_bytes(self, shape, plan) -> float:
+        # the runtime builds the whole model on each rank, then shards it (meta-device init is the user's choice)
+        return (2.0 if plan.precision == "bf16-true" else 4.0) * shape.n_params
+
+    def cost(self, plan) -> float:
+        factor = SHARD_COST * (RESHARD_COST if plan.reshard_after_forward else 1.0)
+        return factor * (OFFLOAD_COST if plan.offload_params == "cpu" else 1.0)
+
+    # -- the runtime side (inside the job) ---------------------------------------------------
+
+    def shard(self, model, plan, device):
+        """Apply ``fully_shard`` to each transformer block, then to the root; returns what was applied and why
+        anything differs from the plan (``{knob: (value, reason)}``)."""
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        applied: dict[str, tuple[Any, str]] = {}
+        policy = self.mixed_precision(plan)
+        kwargs: dict[str, Any] = {"reshard_after_forward": plan.reshard_after_forward}
+        if policy:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, policy["param_dtype"]),
+                                                       reduce_dtype=getattr(torch, policy["reduce_dtype"]))
+        if plan.offload_params == "cpu":
+            if device.type == "cuda":
+                kwargs["offload_policy"] = CPUOffloadPolicy()
+            else:
+                applied["offload_params"] = ("none", "FSDP's CPU offload moves parameters off a GPU; on a CPU "
+                                                     "device they are already in host memory")
+        blocks = transformer_blocks(model)
+        if not blocks:
+            raise PlanError(f"launcher=fsdp: {type(model).__name__} names no transformer block to shard "
+                            "(HF _no_split_modules); use launcher=torchrun or deepspeed")
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return applied
+
+
+def transformer_blocks(model) -> list:
+    """The modules FSDP wraps one by one: those whose class the model names in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
