@@ -66,6 +66,8 @@ class DoctorReport:
     home: str
     repair: bool
     findings: list[Finding] = field(default_factory=list)
+    imported: set[str] = field(default_factory=set)
+    """Run directories a repair already tried to record (each is tried and reported once)."""
 
     def add(self, check: str, level: str, message: str) -> None:
         self.findings.append(Finding(check, level, message))
@@ -172,7 +174,8 @@ def _check_run_dirs(home: Path, ledger: Ledger, report: DoctorReport, repair: bo
         report.add("runs", "ok", f"{len(dirs)} run director{'y' if len(dirs) == 1 else 'ies'}, each in the ledger")
         return
     for d in orphans:
-        report.add("runs", "warn", f"run directory {d} has no ledger row (orphaned)")
+        if str(d) not in report.imported:
+            report.add("runs", "warn", f"run directory {d} has no ledger row (orphaned)")
     if repair:
         _import_dirs(home, ledger, orphans, report)
 
@@ -180,6 +183,9 @@ def _check_run_dirs(home: Path, ledger: Ledger, report: DoctorReport, repair: bo
 def _import_dirs(home: Path, ledger: Ledger, dirs: list[Path], report: DoctorReport) -> int:
     done = 0
     for run_dir in dirs:
+        if str(run_dir) in report.imported:
+            continue
+        report.imported.add(str(run_dir))
         try:
             run, attempts, note = rebuild_run(run_dir, home)
         except HpcmemError as exc:
