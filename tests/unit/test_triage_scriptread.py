@@ -169,3 +169,19 @@ def test_every_knob_has_the_plan_type():
     for text in (HF_TORCHRUN, "#!/bin/bash\n#SBATCH --mem=0.4M\n#SBATCH -t 0:10\n"):
         knobs = read_script(text)["knobs"]
         assert all(knob_problem(k, v) is None for k, v in knobs.items()), knobs
+
+
+def test_hf_trainer_fsdp_flags_are_an_fsdp_job():
+    text = 'torchrun --nproc_per_node 4 run_clm.py --fsdp "shard_grad_op auto_wrap offload" --fsdp_config f.json --bf16\n'
+    knobs = read_script(text)["knobs"]
+    assert (knobs["launcher"], knobs["reshard_after_forward"], knobs["offload_params"]) == ("fsdp", False, "cpu")
+    assert read_script("python train.py --fsdp full_shard\n")["knobs"]["reshard_after_forward"] is True
+    assert "launcher" not in read_script("python train.py --fsdp no_shard\n")["knobs"]
+    # what hpcmem itself writes for an FSDP plan reads back as that plan's engine knobs
+    from toolkit.jobspec import hf_trainer_args
+    from toolkit.plan import Plan
+
+    plan = Plan(launcher="fsdp", gpus_per_node=2, global_batch=16, reshard_after_forward=False, offload_params="cpu")
+    back = read_script("torchrun " + " ".join(f"'{a}'" for a in hf_trainer_args(plan, "fsdp_config.json")) + "\n")
+    assert {k: back["knobs"][k] for k in ("launcher", "reshard_after_forward", "offload_params")} == \
+        {"launcher": "fsdp", "reshard_after_forward": False, "offload_params": "cpu"}

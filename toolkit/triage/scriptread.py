@@ -14,7 +14,8 @@ Understood on command lines (``\\``-continued lines joined, quotes as the shell 
   ``--num_processes`` (over all machines), ``--num_machines``;
 - Hugging Face Trainer flags on any line: ``--per_device_train_batch_size``,
   ``--gradient_accumulation_steps``, ``--bf16``, ``--fp16``, ``--gradient_checkpointing``,
-  ``--optim``, ``--deepspeed CFG``, ``--max_seq_length`` / ``--block_size`` /
+  ``--optim``, ``--deepspeed CFG``, ``--fsdp "full_shard|shard_grad_op [auto_wrap] [offload]"``,
+  ``--max_seq_length`` / ``--block_size`` /
   ``--model_max_length`` / ``--max_length``, ``--attn_implementation``, ``--model_name_or_path``;
 - ``PYTORCH_CUDA_ALLOC_CONF=...`` set in the script (the allocator knob).
 
@@ -29,19 +30,15 @@ import re
 import shlex
 from typing import Any, Mapping
 
+from .. import optimizers
 from ..backends.slurm import gpus_requested, parse_mem_mib, parse_time_limit_s, read_directives
 from ..plan import ATTENTIONS, OFFLOADS
 
 JOB_SCRIPT = "job script"
 TRAINER_ARGS = "trainer args"
 
-OPTIMIZERS = {
-    "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-    "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw", "adamw_anyprecision": "adamw",
-    "adamw-8bit": "adamw-8bit", "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
-    "paged_adamw_8bit": "adamw-8bit", "adafactor": "adafactor", "sgd": "sgd",
-}
-"""HF ``--optim`` values (and the plan's own names) -> plan optimizer."""
+OPTIMIZERS = optimizers.script_names()
+"""HF ``--optim`` values (and the plan's own names and aliases) -> plan optimizer (the optimizer table's)."""
 
 ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash",
              "flash": "flash"}
@@ -270,8 +267,22 @@ def _trainer_flags(words: list[str], put, found: dict[str, Any]) -> None:
         elif name in _DS_FLAGS and value and found["ds_config"] is None:
             found["ds_config"] = value
             put("launcher", "deepspeed", TRAINER_ARGS)
+        elif name == "fsdp" and value and "$" not in value:
+            _fsdp_words(value, put)
         elif name in _MODEL_FLAGS and value and found["model"] is None and "$" not in value:
             found["model"] = value
+
+
+def _fsdp_words(value: str, put) -> None:
+    """HF Trainer ``--fsdp "full_shard auto_wrap offload"``: FSDP, resharded after the forward (full_shard) or
+    not (shard_grad_op), CPU offload. ``no_shard`` is plain data parallelism; other words say nothing more."""
+    words = set(value.lower().replace(",", " ").split())
+    if not words & {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"}:
+        return
+    put("launcher", "fsdp", TRAINER_ARGS)
+    put("reshard_after_forward", not words & {"shard_grad_op", "hybrid_shard_zero2"}, TRAINER_ARGS)
+    if "offload" in words:
+        put("offload_params", "cpu", TRAINER_ARGS)
 
 
 def _int(value: str | None) -> int | None:
