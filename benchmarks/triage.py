@@ -1,6 +1,12 @@
-"""Triage benchmarks (issue 5): a 1 GB log, and ``--since`` over 1,000 failed jobs.
+"""Triage benchmarks (issues 5 and 12): the corpus's accuracy, a 1 GB log, and ``--since`` over 1,000 failed jobs.
 
-    python benchmarks/triage.py [--log-gb 1] [--jobs 1000] [--skip-slurm] [--json]
+    python benchmarks/triage.py [--log-gb 1] [--jobs 1000] [--skip-slurm] [--corpus-only] [--json]
+
+Accuracy over ``tests/fixtures/corpus/`` (real logs from public issue trackers, each with its label): exact kind,
+non-OOM logs called OOM (must be 0), stated numbers read exactly, phase on the logs that show a traceback (a line
+``Traceback (most recent call last)`` anywhere in a line), per kind, per group (gpu/host/other), per
+launcher, and on the held-out fifth (every 5th stem in sorted order, ``HELD_OUT``) kept aside while the rules were
+developed. ``tests/unit/test_corpus.py`` asserts the issue's figures with the same scoring (``score_corpus``).
 
 Each figure is the whole command as support staff run it (``hpcmem triage ... --format json`` in a
 fresh process: interpreter start, imports, reading, classifying, remedies), wall time and the
@@ -14,7 +20,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -27,6 +35,112 @@ OOM = ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2
        "unallocated. If reserved but unallocated memory is large try setting "
        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 FILLER = "[rank{r}]: {{'loss': 2.{n:04d}, 'grad_norm': 1.2{n:03d}, 'learning_rate': 4.9e-05, 'epoch': 0.{n:04d}}}  step {n}/900000 | 14.2 samples/s\n"
+
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "corpus"
+NUMBER_KEYS = ("tried_to_allocate_mib", "total_capacity_mib", "free_mib", "process_in_use_mib",
+               "allocated_by_pytorch_mib", "reserved_unallocated_mib", "already_allocated_mib", "reserved_total_mib",
+               "other_process_mib", "nccl_bytes", "host_used_mib")
+TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+"""A log "shows a traceback" when any line holds Python's ``Traceback (most recent call last)`` header."""
+
+
+def HELD_OUT(index: int) -> bool:
+    """The held-out fifth: every 5th stem of the corpus in sorted order (index 4, 9, 14, ...)."""
+    return index % 5 == 4
+
+
+def load_corpus(corpus: Path = CORPUS) -> list[dict]:
+    """Every case: {stem, group, log, label, held_out}."""
+    import yaml
+
+    cases = []
+    for k, label_path in enumerate(sorted(corpus.glob("*.yaml"))):
+        stem = label_path.stem
+        cases.append({"stem": stem, "group": stem.split("-")[0], "held_out": HELD_OUT(k),
+                      "log": (corpus / f"{stem}.log").read_text(encoding="utf-8", errors="replace"),
+                      "label": yaml.safe_load(label_path.read_text())})
+    return cases
+
+
+def same_number(a, b) -> bool:
+    """Exact up to the printing of the message (two decimals of a GiB/MiB figure, converted)."""
+    return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=1e-4, abs_tol=0.011)
+
+
+def score_case(case: dict) -> dict:
+    """Classify one corpus log (no scheduler record: a pasted log) and compare with its label."""
+    from toolkit.classify import OOM_KINDS, classify
+
+    label = case["label"]
+    v = classify(None, case["log"])
+    stated = {k: x for k, x in (label.get("numbers") or {}).items() if x is not None}
+    numbers_ok = {k: same_number(v.numbers.get(k), x) for k, x in stated.items()}
+    traceback = bool(TRACEBACK.search(case["log"]))
+    phase = getattr(v, "phase", None)
+    return {
+        "stem": case["stem"], "group": case["group"], "held_out": case["held_out"],
+        "launcher": label.get("launcher") or "unknown", "want": label["kind"], "got": v.kind,
+        "kind_ok": v.kind == label["kind"],
+        "false_oom": label["kind"] not in OOM_KINDS and v.kind in OOM_KINDS,
+        "numbers_ok": numbers_ok, "traceback": traceback,
+        "phase_want": label.get("phase"), "phase_got": phase, "phase_ok": phase == label.get("phase"),
+        "step_want": label.get("step"), "step_got": getattr(v, "step", None),
+        "confidence": getattr(v, "confidence", None),
+    }
+
+
+def summarise(rows: list[dict]) -> dict:
+    """The issue's figures over ``rows``: kind accuracy, false OOMs, numbers exact, phase on traceback logs."""
+    nums = [ok for r in rows for ok in r["numbers_ok"].values()]
+    tb = [r for r in rows if r["traceback"]]
+    steps = [r for r in rows if r["step_want"] is not None]
+    return {
+        "cases": len(rows),
+        "kind_exact": sum(r["kind_ok"] for r in rows) / len(rows) if rows else None,
+        "false_oom": sum(r["false_oom"] for r in rows),
+        "numbers": len(nums), "numbers_exact": sum(nums) / len(nums) if nums else None,
+        "traceback_logs": len(tb), "phase_exact": sum(r["phase_ok"] for r in tb) / len(tb) if tb else None,
+        "steps": len(steps),
+        "step_exact": sum(r["step_got"] == r["step_want"] for r in steps) / len(steps) if steps else None,
+    }
+
+
+def score_corpus(corpus: Path = CORPUS) -> dict:
+    """Figures over the whole corpus, the development part, the held-out fifth, per kind/group/launcher."""
+    rows = [score_case(c) for c in load_corpus(corpus)]
+    out = {"all": summarise(rows), "development": summarise([r for r in rows if not r["held_out"]]),
+           "held_out": summarise([r for r in rows if r["held_out"]]), "rows": rows}
+    for key, field_name in (("per_kind", "want"), ("per_group", "group"), ("per_launcher", "launcher")):
+        values = sorted({r[field_name] for r in rows})
+        out[key] = {v: summarise([r for r in rows if r[field_name] == v]) for v in values}
+    return out
+
+
+def print_corpus(result: dict, misses: bool = False) -> None:
+    def pct(x):
+        return "   -  " if x is None else f"{100 * x:5.1f}%"
+
+    def line(name, s):
+        print(f"  {name:<24} {s['cases']:>4} logs  kind {pct(s['kind_exact'])}  false OOM {s['false_oom']}  "
+              f"numbers {pct(s['numbers_exact'])} of {s['numbers']:>3}  phase {pct(s['phase_exact'])} of "
+              f"{s['traceback_logs']:>2} traceback logs  step {pct(s['step_exact'])} of {s['steps']}")
+
+    print("triage corpus (tests/fixtures/corpus): goals kind >= 95 %, false OOM 0, numbers >= 98 %, phase >= 90 %")
+    for name in ("all", "development", "held_out"):
+        line(name, result[name])
+    for key in ("per_group", "per_kind", "per_launcher"):
+        print(f" {key.replace('_', ' ')}:")
+        for name, s in result[key].items():
+            line(name, s)
+    if misses:
+        print(" misses:")
+        for r in result["rows"]:
+            bad = [k for k, ok in r["numbers_ok"].items() if not ok]
+            if not r["kind_ok"] or bad or (r["traceback"] and not r["phase_ok"]):
+                print(f"  {'H' if r['held_out'] else ' '} {r['stem']:<52} want {r['want']:<22} got {r['got']:<22}"
+                      + (f" numbers {bad}" if bad else "")
+                      + (f" phase {r['phase_want']}/{r['phase_got']}" if r["traceback"] and not r["phase_ok"] else ""))
+
 
 
 def make_log(path: Path, size_bytes: int, compress: bool) -> Path:
@@ -110,7 +224,17 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--skip-slurm", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--corpus-only", action="store_true", help="only the corpus accuracy (no timing)")
+    ap.add_argument("--misses", action="store_true", help="list the corpus cases it gets wrong")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    corpus = score_corpus()
+    if not args.json:
+        print_corpus(corpus, args.misses)
+    if args.corpus_only:
+        if args.json:
+            print(json.dumps({k: v for k, v in corpus.items() if k != "rows"}, indent=2))
+        return
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="hpcmem-triage-bench-", dir="/tmp"))
     try:
@@ -121,7 +245,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({"corpus": {k: v for k, v in corpus.items() if k != "rows"}, "timing": results}, indent=2))
         return
     for r in results:
         print(f"{r['what']:<55} {r['wall_s']:>6.2f} s {r['peak_rss_mib']:>7.1f} MiB  goal {r['goal']}  "

@@ -107,23 +107,20 @@ from typing import Any, Iterable, Mapping
 
 from .logtail import DEFAULT_MAX_BYTES, Tail, read_tail
 
-OOM_KINDS = (
-    "gpu_oom",
-    "gpu_oom_fragmentation",
-    "gpu_oom_other_process",
-    "gpu_driver_oom",
-    "nccl_oom",
-    "host_oom",
-    "cpu_alloc_oom",
-)
-KINDS = OOM_KINDS + ("not_oom", "unknown")
+from .failures import KINDS, OOM_KINDS, SHM_CAUSE  # noqa: E402  (the one table of failure kinds)
 
-FRAGMENTATION_SHARE = 0.05
-"""Idle reserved memory must reach this share of the GPU's capacity to call an OOM fragmentation."""
 OTHER_PROCESS_SHARE = 0.10
 """Other processes must hold this share of the GPU's capacity to blame them for an OOM."""
 CAPACITY_UNKNOWN_FLOOR_MIB = 1024.0
 """Stands in for a share of the capacity when a message does not state the capacity (MiB)."""
+OWN_CONTEXT_MIB = 1024.0
+"""What this process itself holds outside PyTorch's cache when the message does not say (<= 2.0, or >= 2.1 without
+"this process has"): its CUDA context with cuBLAS/cuDNN loaded, NCCL's buffers. The >= 2.1 messages that state it
+(W - allocated - reserved-unallocated) put it at 0.15-1.4 GiB, most below 1 GiB; memory outside the cache beyond
+this is another process's or the driver's."""
+PHASES = ("load", "forward", "backward", "optimizer", "eval", "generate", "checkpoint", "data", "teardown")
+TRACEBACK_WINDOW = 400
+"""Lines before a decisive line searched for the start of its traceback."""
 MAX_EVIDENCE = 10
 PRESSURE_WINDOW = 20
 """Lines either side of a cuDNN/cuBLAS error searched for signs of memory pressure."""
@@ -131,6 +128,9 @@ RANK_WINDOW = 50
 """Lines after a rank-less OOM line searched for the same failure on a rank-prefixed line."""
 
 _SIGKILL_REASON = "killed by SIGKILL, probably host memory; confirm with sacct"
+SIGKILL_CONFIRM = ("confirm with `sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,ReqMem` (State OUT_OF_MEMORY, or "
+                   "MaxRSS near ReqMem) or the node's kernel log (`dmesg -T | grep -i oom`: the OOM killer names the "
+                   "process)")
 
 
 # --------------------------------------------------------------------------- results
@@ -170,10 +170,24 @@ class Verdict:
     """When two or more ranks show a failure: the first failure of each rank, in log order, as dicts
     ``{rank, kind, what, line}`` (kind: the verdict kind that line alone would give; line: 1-based;
     ``file`` too when several logs were read). The first entry is the rank that failed first."""
+    cause: str | None = None
+    """A short cause for not_oom / unknown / host_oom / nccl_oom (``segfault``, ``sigkill``, ``shm``, ...);
+    None for the GPU kinds."""
+    confidence: str = "high"
+    """high | medium | low: how sure the verdict is from what was read."""
+    confirm: str = ""
+    """What would raise the confidence (empty when it is high)."""
+    phase: str | None = None
+    """Where it died: one of ``PHASES``, from the failing traceback's frames (None: not said)."""
+    step: int | None = None
+    """The training step at death from the last progress line before the failure (None: not said)."""
+    total_steps: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown verdict kind {self.kind!r}; valid: {', '.join(KINDS)}")
+        if self.confidence not in ("high", "medium", "low"):
+            raise ValueError(f"unknown confidence {self.confidence!r}; valid: high, medium, low")
 
     @property
     def is_oom(self) -> bool:
@@ -181,7 +195,8 @@ class Verdict:
         return self.kind in OOM_KINDS
 
     def to_dict(self) -> dict:
-        """JSON-ready: kind, numbers, gpu, rank, evidence [{line, text}], reason."""
+        """JSON-ready: kind, numbers, gpu, rank, evidence [{line, text}], reason, ranks, cause, confidence,
+        confirm, phase, step, total_steps."""
         return {
             "kind": self.kind,
             "numbers": dict(self.numbers),
@@ -190,6 +205,12 @@ class Verdict:
             "evidence": [{"line": n, "text": s} for n, s in self.evidence],
             "reason": self.reason,
             "ranks": [dict(r) for r in self.ranks],
+            "cause": self.cause,
+            "confidence": self.confidence,
+            "confirm": self.confirm,
+            "phase": self.phase,
+            "step": self.step,
+            "total_steps": self.total_steps,
         }
 
     @classmethod
@@ -198,14 +219,16 @@ class Verdict:
         return cls(kind=data["kind"], numbers=dict(data.get("numbers") or {}), gpu=data.get("gpu"),
                    rank=data.get("rank"), reason=data.get("reason", ""),
                    evidence=tuple((e["line"], e["text"]) for e in data.get("evidence") or ()),
-                   ranks=tuple(dict(r) for r in data.get("ranks") or ()))
+                   ranks=tuple(dict(r) for r in data.get("ranks") or ()), cause=data.get("cause"),
+                   confidence=data.get("confidence") or "high", confirm=data.get("confirm") or "",
+                   phase=data.get("phase"), step=data.get("step"), total_steps=data.get("total_steps"))
 
 
 # --------------------------------------------------------------------------- sizes
 
 _UNIT_MIB = {"": 1 / 2**20, "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2}
-_SIZE = r"\d+(?:\.\d+)?\s*(?i:[KMGT]i?B|[KMGT]|bytes?|B)\b"
-_SIZE_PARTS = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?i:([KMGT])i?B?|bytes?|B)\s*\Z")
+_SIZE = r"\d+(?:\.\d+|\.(?=\s))?\s*(?i:[KMGT]i?B|[KMGT]|bytes?|B)\b"
+_SIZE_PARTS = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(?i:([KMGT])i?B?|bytes?|B)\s*\Z")
 
 
 def parse_size_to_mib(text: str) -> float:
@@ -359,6 +382,9 @@ class _Event:
     numbers: Mapping = field(default_factory=dict)
     lines: tuple = ()  # indices of all lines of this event
     detail: str = ""  # words for the reason
+    cause: str | None = None  # a short cause (see Verdict.cause)
+    confidence: str = "high"
+    confirm: str = ""  # what would raise the confidence
 
 
 def _sig(*patterns: str) -> re.Pattern:
@@ -368,6 +394,7 @@ def _sig(*patterns: str) -> re.Pattern:
 _GPU_OOM = _sig(
     r"(?:Error|Exception):\s*(?:CUDA|HIP) out of memory",  # an exception line
     r"(?:CUDA|HIP) out of memory\.\s*Tried to allocate",  # the message, logged without the exception name
+    r"^Tried to allocate \S+ \S+ \(GPU \d+; ",  # the allocator's own clause (a message pasted from its middle)
 )
 
 # (group, kind or label, detail for the reason, pattern); the first match on a line wins.
@@ -375,18 +402,25 @@ _SIGNATURES = (
     ("oom", "nccl_oom", "NCCL could not allocate device memory",
      _sig(r"Cuda failure '?out of memory", r"Failed to CUDA calloc")),
     ("oom", "nccl_oom", "NCCL could not extend its shared memory in /dev/shm",
-     _sig(r"failed to extend /dev/shm/nccl", r"Error while creating shared memory segment /dev/shm/nccl")),
+     _sig(r"failed to extend /dev/shm/nccl", r"Error while (?:creating|attaching to) shared memory segment")),
     ("oom", "gpu_driver_oom", "", _sig(
         r"CUDA (?:driver )?error: out of memory", r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED",
         r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY")),
+    ("oom", "gpu_oom", "CUDA out of memory (THC, PyTorch < 1.0)",
+     _sig(r"cuda runtime error \(2\) : out of memory", r"THCudaCheck FAIL .*error=2 : out of memory")),
     ("oom", "cpu_alloc_oom", "", _sig(
         r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)", r"Unable to allocate .+ for an array",
-        r"^(?:[\w.]+\.)?MemoryError\b")),
+        r"^(?:[\w.]+\.)?MemoryError\b", r"Torch: not enough memory", r"posix_memalign\(.*\) == 0\. 12 vs 0")),
     ("oom", "host_oom", "the Slurm cgroup out-of-memory handler killed a task",
      _sig(r"Detected \d+ oom[-_ ]kill event")),
     ("oom", "host_oom", "srun reported a task out of memory", _sig(r"\btasks? [\d,\-]+: Out Of Memory")),
     ("oom", "host_oom", "Slurm killed the job for exceeding its memory limit",
      _sig(r"exceeded memory limit.*being killed", r"Exceeded job memory limit\s*$")),
+    ("oom", "host_oom", "the kernel's OOM killer killed a process",
+     _sig(r"Memory cgroup out of memory: Kill", r"Out of memory: Kill(?:ed)? process", r"invoked oom-killer",
+          r"oom-kill:constraint")),
+    ("oom", "host_oom", "a DataLoader worker hit a bus error from a full /dev/shm",
+     _sig(r"insufficient shared memory \(shm\)")),
     ("fault", "illegal memory access", "", _sig(r"an illegal memory access was encountered")),
     ("fault", "device-side assert", "", _sig(r"device-side assert(?:ion)? triggered")),
     ("fault", "misaligned address", "", _sig(r"CUDA error: misaligned address")),
@@ -400,19 +434,33 @@ _SIGNATURES = (
      _sig(r"Watchdog caught collective operation timeout", r"Timeout at NCCL work")),
     ("not_oom", "disk full", "", _sig(r"No space left on device", r"\[Errno 28\]")),
     ("not_oom", "disk quota exceeded", "", _sig(r"Disk quota exceeded", r"\[Errno 122\]")),
-    ("not_oom", "import error", "", _sig(r"^(?:[\w.]+\.)?(?:ImportError|ModuleNotFoundError)\b")),
+    ("not_oom", "import error", "", _sig(r"^(?:\[stderr\])?(?:[\w.]+\.)?(?:ImportError|ModuleNotFoundError)\b")),
     ("not_oom", "command not found", "",
      _sig(r"command not found\s*$", r"execve\(\): .*No such file or directory")),
+    ("not_oom", "NaN/Inf in the loss or gradients", "", _sig(
+        r"returned nan values in its", r"\b[Ll]oss is (?:nan|NaN|inf)\b", r"outputs? (?:is|are) NA?N\b",
+        r"[Nn]on-finite (?:loss|grad)", r"Detected (?:NaN|nan|inf|Inf)\b")),
+    ("segfault", "segmentation fault", "", _sig(
+        r"Segmentation fault", r"\bSIGSEGV\b", r"exitcode\s*:\s*-11\b", r"exits with return code = -11\b",
+        r"\bexit code 139\b", r"Signals\.SIGSEGV", r"Signal 11\b")),
+    ("abort", "SIGABRT", "", _sig(
+        r"terminate called without an active exception", r"^\s*Aborted(?: \(core dumped\))?\s*$",
+        r"Signal 6 \(SIGABRT\)", r"exitcode\s*:\s*-6\b", r"exits with return code = -6\b", r"Signals\.SIGABRT")),
     ("sigkill", "SIGKILL", "", _sig(
         r"exits with return code = -9\b", r"exitcode\s*:\s*-9\b", r"Signal 9 \(SIGKILL\)", r"Signals\.SIGKILL",
-        r"\bexit (?:code|status)\s*[=:]?\s*137\b", r"^\s*Killed\s*$", r"line \d+:\s*\d+ Killed\b",
-        r"\btasks? [\d,\-]+: Killed\b", r"killed by signal: Killed")),
+        r"\bexit (?:code|status)\s*[=:]?\s*137\b", r"^\s*[Kk]illed\s*$", r"\]\s*Killed\s*$", r"line \d+:\s*\d+ Killed\b",
+        r"\btasks? [\d,\-]+: Killed\b", r"killed by signal: Killed", r"\[\d+\]\s+\d+ killed\s",
+        r"\breturn ?code\s*[=:]\s*-9\b")),
+    ("launcher_kill", "the launcher killed its subprocesses", "", _sig(r"sigkill_handler\] Killing subprocess")),
     ("disguised", "CUDNN_STATUS_NOT_SUPPORTED", "", _sig(r"CUDNN_STATUS_NOT_SUPPORTED")),
     ("disguised", "CUDNN_STATUS_INTERNAL_ERROR", "", _sig(r"CUDNN_STATUS_INTERNAL_ERROR")),
     ("disguised", "CUBLAS_STATUS_NOT_INITIALIZED", "", _sig(r"CUBLAS_STATUS_NOT_INITIALIZED")),
 )
 # Words one of which a line must contain before the (slow, many-branched) SIGKILL pattern runs.
-_SIGKILL_WORDS = ("-9", "137", "SIGKILL", "Killed")
+_SIGKILL_WORDS = ("-9", "137", "SIGKILL", "Killed", "killed")
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\)")
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_RETURN_CODE = re.compile(r"exits with return code = (-?\d+)")
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s*(.*))?$")
 _WRAPPERS = {
     "ChildFailedError", "CalledProcessError", "DistBackendError", "DistNetworkError", "DistStoreError",
@@ -428,7 +476,9 @@ _PREFILTER = re.compile(
     r"out of memory|Out Of Memory|oom|ALLOC_FAILED|MemoryAllocation|OUT_OF_MEMORY|MemoryError|"
     r"calloc|/dev/shm|Unable to allocate|DefaultCPUAllocator|memory limit|illegal memory|device-side|"
     r"misaligned|launch failure|ECC|DUE TO|CANCELLED|Watchdog|Timeout at NCCL|No space|Errno|quota|"
-    r"not found|execve|-9|137|SIGKILL|Killed|CUDNN_STATUS|CUBLAS_STATUS|Error|Exception|Interrupt|Exit|Failure"
+    r"not found|execve|-9|137|SIGKILL|Killed|killed|CUDNN_STATUS|CUBLAS_STATUS|Error|Exception|Interrupt|Exit|Failure|"
+    r"Out of memory|Tried to allocate|Killing subprocess|shared memory|cuda runtime error|THCudaCheck|not enough memory|posix_memalign|[Nn]a[Nn]\b|[Ii]nf\b|"
+    r"[Nn]on-finite|Segmentation|SIGSEGV|-11|139|Signal|terminate called|Abort|-6\b"
 )
 
 
@@ -480,28 +530,71 @@ def _rank(log: _Log, i: int) -> int | None:
     return None
 
 
+_HOST_CAUSE = {
+    "the Slurm cgroup out-of-memory handler killed a task": "cgroup",
+    "srun reported a task out of memory": "cgroup",
+    "Slurm killed the job for exceeding its memory limit": "cgroup",
+    "the kernel's OOM killer killed a process": "oom_killer",
+    "a DataLoader worker hit a bus error from a full /dev/shm": SHM_CAUSE,
+}
+_ANON_RSS = re.compile(r"anon-rss:\s*(\d+)\s*kB")
+_HOST_USED = re.compile(r"(?:CPU Virtual Memory|RAM|[Mm]emory)[^\n]{0,20}?used\s*[=:]\s*(" + _SIZE + ")")
+
+
 def _simple_event(log: _Log, i: int, group: str, kind: str, detail: str) -> _Event:
     body = log.body(i)
     rank = _rank(log, i)
     gpu = numbers = None
+    cause = None
+    confidence = "high"
     lines = (i,)
-    if kind == "host_oom" and rank is None:
-        m = re.search(r"\btask (\d+): Out Of Memory", body)
-        rank = int(m.group(1)) if m else None
+    confirm = ""
+    if kind == "gpu_oom":  # THC's message states no numbers: plain or fragmentation cannot be told apart
+        confidence, confirm = "medium", "the allocator's numbers (PyTorch >= 1.0 states them in its message)"
+    if kind == "host_oom":
+        cause = _HOST_CAUSE.get(detail)
+        confidence = "medium" if cause == SHM_CAUSE else "high"
+        if rank is None:
+            m = re.search(r"\btask (\d+): Out Of Memory", body)
+            rank = int(m.group(1)) if m else None
+        m = _ANON_RSS.search(" ".join(log.body(j) for j in range(i, min(i + 3, len(log)))))
+        if m:
+            numbers = {"host_used_mib": int(m.group(1)) / 1024}
     if kind == "nccl_oom":
         m = re.match(r"\S+:\d+:\d+ \[(\d+)\] .*NCCL WARN", body)  # host:pid:tid [cudaDev] file:line NCCL WARN
         gpu = int(m.group(1)) if m else None
-        m = re.search(r"(?:calloc|to) (\d+) bytes", body)
-        numbers = {"tried_to_allocate_mib": int(m.group(1)) / 2**20} if m else None
+        shm = "shared memory" in detail
+        cause = SHM_CAUSE if shm else "device"
+        m = re.search(r"(?:calloc|to) (\d+) bytes", body) or re.search(r"\(size (\d+)\)", body)
+        if m is None and not shm:  # "Cuda failure 'out of memory'" first, the size on a later WARN line
+            m = next((x for x in (re.search(r"Failed to CUDA calloc (\d+) bytes", log.raw[j])
+                                  for j in range(i + 1, min(len(log), i + 20))) if x), None)
+        if m:
+            numbers = {"nccl_bytes": int(m.group(1))}
+            if not shm:
+                numbers["tried_to_allocate_mib"] = int(m.group(1)) / 2**20
+        if shm:
+            near = " ".join(log.body(j) for j in range(max(0, i - 4), min(i + 2, len(log))))
+            if "Permission denied" in near:
+                return _Event(i, "not_oom", "NCCL could not create its shared-memory segment: permission denied", rank,
+                              gpu, numbers or {}, lines, cause="nccl_shm_permission")
+            if "No such file or directory" in near:
+                return _Event(i, "not_oom", "NCCL could not attach to a shared-memory segment that is not there "
+                              "(another process removed it, or /dev/shm is not shared)", rank, gpu, numbers or {},
+                              lines, cause="nccl_shm_attach")
         lines += _following(log, i, "DistBackendError", 80)
     if kind == "cpu_alloc_oom":
-        m = re.search(r"you tried to allocate (\d+) bytes", body)
+        text = " ".join(log.body(j) for j in range(i, min(i + 2, len(log))))  # "you\ntried to allocate" wraps
+        m = re.search(r"you\s+tried\s+to\s+allocate\s+(\d+) bytes", text)
         if m:
             numbers = {"tried_to_allocate_mib": int(m.group(1)) / 2**20}
+        m = re.search(r"you tried to allocate (\d+(?:\.\d+)?)\s*GB", body)  # THC "Torch: not enough memory"
+        if m:
+            numbers = {"tried_to_allocate_mib": float(m.group(1)) * 1024}
         m = re.search(r"Unable to allocate (" + _SIZE + ")", body)
         if m:
             numbers = {"tried_to_allocate_mib": parse_size_to_mib(m.group(1))}
-    return _Event(i, group, kind, rank, gpu, numbers or {}, lines, detail)
+    return _Event(i, group, kind, rank, gpu, numbers or {}, lines, detail, cause, confidence, confirm)
 
 
 def _following(log: _Log, i: int, needle: str, window: int) -> tuple:
@@ -548,13 +641,13 @@ _NEW = {
 }
 _NEW_GPU = re.compile(r"GPU (\d+) has a total capaci?ty")
 _PROCESS = re.compile(r"Process (\d+) has (" + _SIZE + r") memory in use")
-_OLD = re.compile(r"\(GPU (\d+); ([^)]*)\)")
+_OLD = re.compile(r"\(GPU (\d+); ([^)]*?)(?:\)|\s*$)")
 _OLD_CLAUSES = (
     ("total_capacity_mib", "total capacity"),
     ("already_allocated_mib", "already allocated"),
     ("free_mib", "free"),
     ("reserved_total_mib", "reserved in total"),
-    ("reserved_total_mib", "cached"),
+    ("reserved_unallocated_mib", "cached"),  # 1.0-1.3: "cached" is cached minus allocated (idle), see below
 )
 _CLAUSE = re.compile(r"\s*(" + _SIZE + r")\s+(.*?)\s*$")
 
@@ -562,13 +655,27 @@ _CLAUSE = re.compile(r"\s*(" + _SIZE + r")\s+(.*?)\s*$")
 def _gpu_oom_event(log: _Log, i: int) -> _Event:
     """A caching-allocator OOM: parse its numbers, decide plain / fragmentation / other process."""
     lines = (i,) + _continuation(log, i)
-    message = " ".join(log.body(j) for j in lines)
-    numbers, gpu, processes, has_self = _oom_numbers(message)
-    other = _other_process_mib(numbers, processes, has_self)
-    if other > 0:
+    bodies = [log.body(j) for j in lines]
+    numbers, gpu, processes, has_self = _oom_numbers(" ".join(bodies))
+    if len(bodies) > 1 or "total_capacity_mib" not in numbers:  # a terminal or logger wrapped it; a hard wrap can split a word ("P\nyTorch")
+        more, more_gpu, more_processes, more_self = _oom_numbers("".join(bodies))
+        numbers = {**more, **numbers}
+        gpu = gpu if gpu is not None else more_gpu
+        processes = processes or more_processes
+        has_self = has_self or more_self
+    if has_self and not numbers["process_in_use_mib"] and not any(processes):
+        processes, has_self = [], False  # every process "has 0 bytes": the driver gave no per-process figures
+    own = _own_process(numbers, processes, has_self)
+    if own is not None and "process_in_use_mib" not in numbers:
+        numbers["process_in_use_mib"] = own  # "Process P has M" is this process (a container's pid namespace)
+    other = _other_process_mib(numbers, processes, has_self, own)
+    if other > 0 and processes:
         numbers["other_process_mib"] = other
-    kind = _gpu_kind(numbers)
-    return _Event(i, "oom", kind, _rank(log, i), gpu, numbers, lines, "CUDA out of memory")
+    kind, confidence, confirm = _gpu_kind(numbers, other, bool(processes) or has_self)
+    if kind == "gpu_oom_other_process" and "other_process_mib" not in numbers:
+        numbers["other_process_mib"] = round(other, 2)  # derived: what the card holds outside this process
+    return _Event(i, "oom", kind, _rank(log, i), gpu, numbers, lines, "CUDA out of memory",
+                  confidence=confidence, confirm=confirm)
 
 
 def _continuation(log: _Log, i: int) -> tuple:
@@ -581,7 +688,9 @@ def _continuation(log: _Log, i: int) -> tuple:
         if log.rank(j) != rank:
             continue
         body = log.body(j)
-        if not _OOM_CLAUSES.search(body) or _GPU_OOM.search(body):
+        if not body.strip() or _GPU_OOM.search(body):
+            break
+        if not _OOM_CLAUSES.search(body) and not _WRAPPED_PIECE.match(body):
             break
         found.append(j)
         if _OOM_END.search(body):
@@ -589,8 +698,12 @@ def _continuation(log: _Log, i: int) -> tuple:
     return tuple(found)
 
 
+# A hard-wrapped piece of an OOM message: starts mid-word or mid-number, or with one of the message's words.
+_WRAPPED_PIECE = re.compile(r"^(?:[a-z]\w*|\d[\d.]*\s*[KMGT]i?B|[KMGT]iB|iB)\b")
+
+
 def _oom_numbers(message: str) -> tuple[dict, int | None, list, bool]:
-    """(numbers in MiB, gpu, other "Process P" usages in MiB, whether "this process" was stated)."""
+    """(numbers in MiB, gpu, "Process P has M" usages in MiB, whether "this process has" was stated)."""
     numbers: dict[str, float] = {}
     gpu = None
     old = _OLD.search(message)
@@ -600,7 +713,7 @@ def _oom_numbers(message: str) -> tuple[dict, int | None, list, bool]:
             m = _CLAUSE.match(clause)
             if m:
                 name = next((n for n, label in _OLD_CLAUSES if m.group(2).startswith(label)), None)
-                if name:
+                if name and name not in numbers:
                     numbers[name] = parse_size_to_mib(m.group(1))
     m = _NEW_GPU.search(message)
     if m:
@@ -613,18 +726,42 @@ def _oom_numbers(message: str) -> tuple[dict, int | None, list, bool]:
     return numbers, gpu, processes, "process_in_use_mib" in numbers
 
 
-def _other_process_mib(numbers: Mapping, processes: list, has_self: bool) -> float:
-    """MiB held by processes other than this one (see the module docstring for the rule)."""
-    if not processes:
+def _reserved_mib(numbers: Mapping) -> float | None:
+    """All PyTorch's cache holds: A + R (>= 2.1), reserved in total (1.4-2.0), already allocated + cached (<= 1.3)."""
+    if "reserved_total_mib" in numbers:
+        return numbers["reserved_total_mib"]
+    allocated = numbers.get("allocated_by_pytorch_mib", numbers.get("already_allocated_mib"))
+    if allocated is not None and "reserved_unallocated_mib" in numbers:
+        return allocated + numbers["reserved_unallocated_mib"]
+    return None
+
+
+def _own_process(numbers: Mapping, processes: list, has_self: bool) -> float | None:
+    """Which "Process P has M" line is this process when the message has no "this process has W" (see the docstring)."""
+    if has_self or not processes:
+        return None
+    reserved = _reserved_mib(numbers)
+    if reserved is not None:
+        mine = [p for p in processes if p >= reserved]
+        return min(mine) if mine else None
+    return max(processes)
+
+
+def _other_process_mib(numbers: Mapping, processes: list, has_self: bool, own: float | None) -> float:
+    """MiB held on the card outside this process (see the module docstring for the rule)."""
+    total, free = numbers.get("total_capacity_mib"), numbers.get("free_mib")
+    if processes:
+        listed = sum(processes) - (own or 0.0)
+        if has_self or own is not None or total is None or free is None:
+            return listed
+    if total is None or free is None:
         return 0.0
-    if has_self:
-        return sum(processes)
-    allocated = numbers.get("allocated_by_pytorch_mib")
-    unallocated = numbers.get("reserved_unallocated_mib")
-    if allocated is not None and unallocated is not None:
-        mine = [p for p in processes if p >= allocated + unallocated]
-        return sum(processes) - min(mine) if mine else sum(processes)
-    return sum(processes) - max(processes)
+    if has_self:  # >= 2.1: what is in use and not this process's
+        return max(0.0, total - free - numbers["process_in_use_mib"])
+    reserved = _reserved_mib(numbers)
+    if reserved is None:
+        return 0.0
+    return max(0.0, total - free - reserved - OWN_CONTEXT_MIB)
 
 
 def _share_floor(numbers: Mapping, share: float) -> float:
@@ -632,22 +769,34 @@ def _share_floor(numbers: Mapping, share: float) -> float:
     return share * total if total else CAPACITY_UNKNOWN_FLOOR_MIB
 
 
-def _gpu_kind(numbers: Mapping) -> str:
-    """gpu_oom_other_process > gpu_oom_fragmentation > gpu_oom (thresholds in the module docstring)."""
+def _gpu_kind(numbers: Mapping, other: float, stated: bool) -> tuple[str, str, str]:
+    """(kind, confidence, what would raise it): other_process > fragmentation > gpu_oom (module docstring)."""
     tried = numbers.get("tried_to_allocate_mib")
     if tried is None:
-        return "gpu_oom"
-    other = numbers.get("other_process_mib", 0.0)
-    if other >= _share_floor(numbers, OTHER_PROCESS_SHARE) and other + numbers.get("free_mib", 0.0) >= tried:
-        return "gpu_oom_other_process"
+        return "gpu_oom", "medium", "the message's numbers (the whole 'CUDA out of memory. Tried to allocate ...' line)"
+    free = numbers.get("free_mib", 0.0)
+    if other >= _share_floor(numbers, OTHER_PROCESS_SHARE) and other + free >= tried:
+        if stated:
+            return "gpu_oom_other_process", "high", ""
+        return ("gpu_oom_other_process", "medium",
+                "nvidia-smi on the node while the job runs (which processes hold the GPU); PyTorch >= 2.1 names them")
     idle = _idle_reserved_mib(numbers)
-    if idle is not None and idle >= tried and idle >= _share_floor(numbers, FRAGMENTATION_SHARE):
-        return "gpu_oom_fragmentation"
-    return "gpu_oom"
+    if idle is not None and idle + free >= tried:
+        if idle >= tried:
+            return "gpu_oom_fragmentation", "high", ""
+        if free >= tried:
+            return ("gpu_oom_fragmentation", "low", "torch.cuda.memory_snapshot() at the failure: the reported free "
+                    "memory alone covered the request, so the driver's own fragmentation or a change between the "
+                    "failure and the message is as likely")
+        return ("gpu_oom_fragmentation", "medium", "torch.cuda.memory_snapshot() at the failure (the idle cache "
+                "covers the request only together with the free memory)")
+    if idle is None:
+        return "gpu_oom", "medium", "the message's reserved/allocated figures (cut from this log)"
+    return "gpu_oom", "high", ""
 
 
 def _idle_reserved_mib(numbers: Mapping) -> float | None:
-    """Reserved but unallocated MiB (>= 2.1), or reserved in total - already allocated (<= 2.0)."""
+    """Reserved but unallocated MiB (>= 2.1; <= 1.3 "cached"), or reserved in total - already allocated (1.4-2.0)."""
     if "reserved_unallocated_mib" in numbers:
         return numbers["reserved_unallocated_mib"]
     if "reserved_total_mib" in numbers and "already_allocated_mib" in numbers:
@@ -673,7 +822,8 @@ def _classify(record: Any, text: str) -> tuple[Verdict, int | None]:
     log = _Log(text)
     rec = _record(record)
     events = _lend_ranks(_scan(log), log)
-    event, verdict = _decide(rec, events)
+    event, verdict = _decide(rec, events, log)
+    verdict = _where_when(verdict, event, log)
     return _finish(verdict, event, events, log), (event.index if event else None)
 
 
@@ -698,43 +848,181 @@ def _first(events: list, *groups: str) -> _Event | None:
     return next((e for e in events if e.group in groups), None)
 
 
-def _decide(rec: JobRecord, events: list) -> tuple[_Event | None, Verdict]:
+_CAUSES = {  # the not_oom labels of the signatures -> Verdict.cause
+    "time limit": "time_limit", "preempted": "preempted", "node failure": "node_fail", "cancelled": "cancelled",
+    "NCCL watchdog timeout": "nccl_timeout", "disk full": "disk_full", "disk quota exceeded": "disk_quota",
+    "import error": "import_error", "command not found": "command_not_found",
+    "NaN/Inf in the loss or gradients": "nan", "illegal memory access": "illegal_memory_access",
+    "device-side assert": "device_assert", "misaligned address": "misaligned_address",
+    "unspecified launch failure": "launch_failure", "uncorrectable ECC error": "ecc",
+    "segmentation fault": "segfault", "completed": "completed", "interrupted": "interrupted",
+}
+_STATE_CAUSES = {"TIMEOUT": "time_limit", "CANCELLED": "cancelled", "PREEMPTED": "preempted",
+                 "NODE_FAIL": "node_fail", "BOOT_FAIL": "node_fail", "DEADLINE": "time_limit"}
+_COMPLETED = re.compile(
+    r"'train_runtime'|\btrain_runtime\b|\*{3,} train metrics \*{3,}|Training completed|[Tt]raining (?:is )?"
+    r"(?:complete|finished|done)\b|Finished training|`Trainer\.fit` stopped|[Tt]raining took \d|"
+    r"[Tt]otal training time")
+"""Lines saying training finished (HF Trainer's final metrics, Lightning, Ray, common scripts)."""
+_EXIT_FRAMES = re.compile(r"__run_exit_handlers|Py_Finalize|_PyRuntime_Finalize|\batexit\b|destroy_process_group")
+
+
+def _decide(rec: JobRecord, events: list, log: _Log) -> tuple[_Event | None, Verdict]:
     """Apply the precedence rules; returns the decisive event (if any) and a verdict without evidence."""
     oom, fault = _first(events, "oom"), _first(events, "fault")
     if oom and not (fault and fault.index < oom.index):
         return oom, _oom_verdict(oom, rec)
     if _record_host_oom(rec):
         reason = f"Host memory ran out: the scheduler recorded {_describe_record(rec)}."
-        return None, Verdict("host_oom", reason=reason)
+        return None, Verdict("host_oom", reason=reason, cause="cgroup")
     if rec.state == "COMPLETED":
-        return None, Verdict("not_oom", reason="The job completed.")
+        return None, Verdict("not_oom", reason="The job completed.", cause="completed")
     if fault:
         return fault, _not_oom(fault.kind, fault.rank)
-    cause = _first(events, "not_oom", "sigkill", "ambiguous")
-    if cause and cause.group == "not_oom":
-        return cause, _not_oom(cause.kind, cause.rank)
-    if cause and rec.state in _STATE_REASONS:
-        return cause, _not_oom(_STATE_REASONS[rec.state], cause.rank, f"the scheduler recorded {rec.state}")
-    if cause and cause.group == "sigkill":
-        reason = f"A process was {_SIGKILL_REASON} (no cgroup out-of-memory event or OUT_OF_MEMORY state seen)."
-        return cause, Verdict("unknown", rank=cause.rank, reason=reason)
-    if cause:
-        return cause, Verdict("unknown", rank=cause.rank, reason=f"{cause.detail}.")
-    if rec.state in _STATE_REASONS:
-        return None, _not_oom(_STATE_REASONS[rec.state], None, f"the scheduler recorded {rec.state}")
-    if _record_sigkill(rec):
-        return None, Verdict("unknown", reason=f"The job was {_SIGKILL_REASON} ({_describe_record(rec)}).")
+    cause = _first(events, "not_oom", "sigkill", "ambiguous", "segfault", "abort")
     exc = _first(events, "exception")
+    if cause and cause.group in ("segfault", "abort", "sigkill"):
+        done = _completed_before(log, cause.index)
+        if done is not None or (cause.group != "sigkill" and _exit_frames_near(log, cause.index)):
+            what = "a segmentation fault" if cause.group == "segfault" else (
+                "an abort (SIGABRT)" if cause.group == "abort" else "a SIGKILL")
+            said = "training had completed" if done is not None else "the crash is in the interpreter's exit handlers"
+            return cause, Verdict("not_oom", rank=cause.rank, cause="teardown", phase="teardown", reason=(
+                f"Training completed, then the process crashed in teardown{_on(cause.rank)}: {what} after {said}."))
+    if cause and cause.group == "not_oom":
+        return cause, _not_oom(cause.kind, cause.rank, cause=cause.cause)
+    if cause and rec.state in _STATE_REASONS:
+        return cause, _not_oom(_STATE_REASONS[rec.state], cause.rank, f"the scheduler recorded {rec.state}",
+                               cause=_STATE_CAUSES.get(rec.state))
+    if cause and cause.group == "sigkill":
+        root = _root_cause_exit(log, cause.index, cause.rank)
+        if root is not None and root != -9:  # a torchrun summary whose first failure is another rank's
+            said = "was on another rank" if root == "another rank" else f"exited with code {root}"
+            return cause, Verdict("unknown", rank=cause.rank, cause="child_failed_bare", confidence="low",
+                                  reason=f"The first observed failure (torchrun's root cause) {said} "
+                                         "and its cause is not in the log; the SIGKILL that followed is the "
+                                         "launcher's shutdown.", confirm="the failing rank's own log (run with "
+                                         "@record or --tee 3 to keep its traceback)")
+    if cause and exc and exc.index < cause.index and cause.group in ("sigkill", "abort") and ": " in exc.detail:
+        return exc, _not_oom(exc.kind, exc.rank, "the first failure; the kill that followed is its consequence",
+                             cause="python_error")
+    if cause and cause.group == "segfault":
+        return cause, _not_oom("segmentation fault (SIGSEGV)", cause.rank, cause="segfault")
+    if cause and cause.group == "sigkill":
+        reason = (f"A process was killed by SIGKILL{_on(cause.rank)} with no out-of-memory record: almost always "
+                  f"the kernel's or Slurm's out-of-memory kill (host memory).")
+        return cause, Verdict("host_oom", _host_used(log, cause.index), rank=cause.rank, reason=reason,
+                              cause="sigkill", confidence="medium", confirm=SIGKILL_CONFIRM)
+    if cause and cause.group == "abort":
+        return cause, Verdict("unknown", rank=cause.rank, cause="sigabrt_no_context", confidence="low",
+                              reason=f"A process aborted (SIGABRT){_on(cause.rank)} with nothing before it saying "
+                                     "why.", confirm="the rank's own log or a core dump (the abort's backtrace)")
+    if cause:
+        return cause, Verdict("unknown", rank=cause.rank, reason=f"{cause.detail}.", cause="ambiguous",
+                              confidence="low", confirm="the lines around it with NCCL_DEBUG=INFO / "
+                              "CUDA_LAUNCH_BLOCKING=1, or torch.cuda.memory_summary() at the failure")
+    if rec.state in _STATE_REASONS:
+        return None, _not_oom(_STATE_REASONS[rec.state], None, f"the scheduler recorded {rec.state}",
+                              cause=_STATE_CAUSES.get(rec.state))
+    if _record_sigkill(rec):
+        return None, Verdict("host_oom", cause="sigkill", confidence="medium", confirm=SIGKILL_CONFIRM,
+                             reason=f"The job was killed by SIGKILL ({_describe_record(rec)}) with no "
+                                    "out-of-memory record: almost always host memory.")
+    kill = _first(events, "launcher_kill")
+    if kill and not exc:
+        code = _launcher_return_code(log, kill.index)
+        if code in (None, -9, 137):
+            return kill, Verdict("host_oom", _host_used(log, kill.index), rank=kill.rank, cause="sigkill",
+                                 confidence="medium", confirm=SIGKILL_CONFIRM, reason=(
+                                     "The DeepSpeed launcher killed its subprocesses after one died with no error of "
+                                     "its own in the log: almost always the kernel's out-of-memory kill (host memory)."))
+        return kill, Verdict("unknown", rank=kill.rank, cause="exit_code_only", confidence="low", reason=(
+            f"A subprocess exited with code {code} and the launcher killed the rest; the cause is not in the log."),
+            confirm="the failing rank's own output")
     if exc:
-        return exc, _not_oom(exc.kind, exc.rank)
+        if _in_teardown(log, exc.index):
+            return exc, Verdict("not_oom", rank=exc.rank, cause="teardown", phase="teardown", reason=(
+                f"The process failed in teardown{_on(exc.rank)} ({exc.detail}): while shutting down after its work."))
+        return exc, _not_oom(exc.kind, exc.rank, cause="python_error")
+    down = _teardown_frame(log)
+    if down is not None:
+        return None, Verdict("not_oom", cause="teardown", phase="teardown", reason=(
+            "The process failed in teardown (destroy_process_group): while shutting down after its work."))
     said = f" (the scheduler recorded {_describe_record(rec)})" if _describe_record(rec) else ""
-    return None, Verdict("unknown", reason=f"No recognisable failure signature in the log{said}.")
+    return None, Verdict("unknown", reason=f"No recognisable failure signature in the log{said}.",
+                         confidence="low", confirm="sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,ReqMem and every "
+                         "rank's own log")
 
 
-def _not_oom(label: str, rank: int | None, note: str = "") -> Verdict:
+def _root_cause_exit(log: _Log, i: int, rank: int | None) -> int | str | None:
+    """torchrun's "Root Cause (first observed failure)" block after line ``i``: its exit code, or "another rank"
+    when it names a rank other than ``rank``; None when there is no such block."""
+    for j in range(i, min(len(log), i + 80)):
+        if _ROOT_CAUSE.search(log.raw[j]):
+            for k in range(j + 1, min(len(log), j + 10)):
+                m = _SUMMARY_RANK.match(log.body(k))
+                if m and rank is not None and int(m.group(1)) != rank:
+                    return "another rank"
+                m = _EXITCODE.match(log.body(k))
+                if m:
+                    return int(m.group(1))
+            return None
+    return None
+
+
+def _launcher_return_code(log: _Log, i: int) -> int | None:
+    for j in range(i, min(len(log), i + 20)):
+        m = _RETURN_CODE.search(log.raw[j])
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _host_used(log: _Log, i: int) -> dict:
+    """Host memory in use stated just before a kill (a DeepSpeed or monitor line), as {host_used_mib}."""
+    for j in range(i, max(-1, i - 20), -1):
+        m = _HOST_USED.search(log.raw[j])
+        if m:
+            return {"host_used_mib": parse_size_to_mib(m.group(1))}
+    return {}
+
+
+def _teardown_frame(log: _Log) -> int | None:
+    """A traceback frame in destroy_process_group (the last 200 lines)."""
+    for j in range(len(log) - 1, max(-1, len(log) - 200), -1):
+        if re.search(r"\bin destroy_process_group\b", log.raw[j]):
+            return j
+    return None
+
+
+def _on(rank: int | None) -> str:
+    return f" on rank {rank}" if rank is not None else ""
+
+
+def _completed_before(log: _Log, i: int) -> int | None:
+    """The last line before ``i`` saying training completed, if any."""
+    for j in range(i - 1, max(-1, i - 400), -1):
+        if _COMPLETED.search(log.raw[j]):
+            return j
+    return None
+
+
+def _exit_frames_near(log: _Log, i: int) -> bool:
+    """Whether the crash's backtrace (the lines after it) runs through the interpreter's exit handlers."""
+    return any(_EXIT_FRAMES.search(log.raw[j]) for j in range(i, min(len(log), i + 30)))
+
+
+def _in_teardown(log: _Log, i: int) -> bool:
+    frames = _traceback_lines(log, i)
+    return bool(frames) and any("destroy_process_group" in log.raw[j] for j in frames)
+
+
+def _not_oom(label: str, rank: int | None, note: str = "", cause: str | None = None) -> Verdict:
     where = f" on rank {rank}" if rank is not None else ""
     tail = f" ({note})" if note else ""
-    return Verdict("not_oom", rank=rank, reason=f"Not an out-of-memory failure{where}: {label}{tail}.")
+    cause = cause or _CAUSES.get(label) or ("cudnn_not_supported" if "CUDNN_STATUS_NOT_SUPPORTED" in label else
+                                            "python_error")
+    return Verdict("not_oom", rank=rank, reason=f"Not an out-of-memory failure{where}: {label}{tail}.", cause=cause)
 
 
 def _oom_verdict(event: _Event, rec: JobRecord) -> Verdict:
@@ -745,7 +1033,8 @@ def _oom_verdict(event: _Event, rec: JobRecord) -> Verdict:
     reason = _OOM_REASONS[event.kind](event, numbers, where)
     if rec.state and rec.state not in ("FAILED", "OUT_OF_MEMORY"):
         reason = reason[:-1] + f", although the scheduler recorded {rec.state}."
-    return Verdict(event.kind, numbers, event.gpu, event.rank, reason=reason)
+    return Verdict(event.kind, numbers, event.gpu, event.rank, reason=reason, cause=event.cause,
+                   confidence=event.confidence, confirm=event.confirm)
 
 
 def _gpu_oom_reason(event: _Event, n: Mapping, where: str) -> str:
@@ -798,6 +1087,128 @@ _OOM_REASONS = {
 }
 
 
+# --------------------------------------------------------------------------- where and when
+
+_FRAME = re.compile(r'^\s*File "([^"]*)", line \d+, in (\S+)')
+# (phase, pattern on a frame's function name, code line or path); the first phase any frame shows wins, so an
+# evaluation's forward is eval and a checkpoint's clone() is checkpoint.
+_PHASE_FRAMES = (
+    ("teardown", re.compile(r"destroy_process_group|__run_exit_handlers|_exit_function")),
+    ("data", re.compile(r"\bin _worker_loop\b")),  # anything inside a DataLoader worker
+    ("checkpoint", re.compile(r"\bin _?save\w*|save_checkpoint|save_model|save_pretrained|torch\.save\(|"
+                              r"\bin _?(?:full_|sharded_)?state_dict\b|consolidate_state_dict")),
+    ("eval", re.compile(r"\bin (?:evaluate|_?evaluation_loop|prediction_step|prediction_loop|predict|"
+                        r"_run_evaluation|validation_step|validate|_?eval\w*|test_step|_run_eval\w*)\b|"
+                        r"\bevaluation_loop\(|\.evaluate\(")),
+    ("generate", re.compile(r"\bin (?:generate|_?sample|greedy_search|beam_search|_?generate\w*)\b|\.generate\(")),
+    ("load", re.compile(r"\bin (?:from_pretrained|_?load_state_dict\w*|load_checkpoint|_?load_from\w*|_apply|"
+                        r"_load\w*|load|_broadcast_model|_materialize\w*|to_empty|_move_model_to_device)\b|"
+                        r"\b(?:from_pretrained|load_state_dict|load_checkpoint|_broadcast_model|to_empty)\(|torch\.load\(")),
+    ("optimizer", re.compile(r"torch/optim/|\bin (?:_single_tensor_\w+|_multi_tensor_\w+|_fused_\w+|"
+                             r"optimizer_step|_optimizer_step)\b|optimizer\.step\(|\bin step\b.*optim")),
+    ("backward", re.compile(r"\bin (?:backward|run_backward|_engine_run_backward)\b|\.backward\(|autograd/")),
+    ("data", re.compile(r"\bin (?:_worker_loop|_next_data|__next__|fetch|collate\w*|_process_data)\b|"
+                        r"torch/utils/data/")),
+    ("forward", re.compile(r"\bin (?:forward|_call_impl|_wrapped_call_impl|training_step|_forward\w*)\b")),
+)
+# Phase from the failing line itself when there is no traceback: a DataLoader worker's message, a logger line
+# that names it, a checkpoint-loading progress bar ended by the kill.
+_LINE_PHASE = (
+    ("data", re.compile(r"DataLoader worker|in worker\b|insufficient shared memory \(shm\)")),
+    ("eval", re.compile(r"\bduring eval(?:uation)?\b")),
+    ("load", re.compile(r"Loading checkpoint shards")),
+)
+# Progress lines: (regex giving step and total). The last one before the failure is the step.
+_PROGRESS = (
+    re.compile(r"(?<![\d/])(\d+)/(\d+) \["),  # tqdm: "  12/1000 [00:10<..."
+    re.compile(r"\[\d+\]\[\s*(\d+)/(\d+)\]"),  # "Epoch: [1][10003/10010]"
+    re.compile(r"\b[Ss]tep[:= ]\s*(\d+)\s*/\s*(\d+)\b"),  # "Step 85700/300000"
+    re.compile(r"(?<![\d/])(\d+)/(\d+) samples\b"),
+    re.compile(r"(?<![_\w])step (\d+)()\b(?!\s*/)"),  # "during step 1"
+)
+_NOT_STEPS = re.compile(r"Loading|Map\b|Filter|[Tt]okeniz|Download|Generating|Preprocess|Fetching|Extract|"
+                        r"Resolving|Converting|shards|Saving")
+"""A progress bar whose description names loading or preprocessing is not a training step."""
+PROGRESS_WINDOW = 600
+"""Lines before the failure searched for its last progress line."""
+
+
+def _where_when(verdict: Verdict, event: _Event | None, log: _Log) -> Verdict:
+    """Fill ``phase`` (from the failing traceback, else the failing line) and ``step``/``total_steps``."""
+    if event is None:  # the record decided, or nothing did: the last progress line of the log
+        step, total = _step(log, len(log) - 1)
+        return replace(verdict, step=step, total_steps=total)
+    phase = verdict.phase or _phase(log, event)
+    step, total = _step(log, event.index)
+    return replace(verdict, phase=phase, step=step, total_steps=total)
+
+
+def _traceback_lines(log: _Log, i: int) -> list[int]:
+    """Indices of the frame lines of the traceback that ends at line ``i`` (same rank), or that follows it
+    (a THC check or a logger line printed before the traceback); [] when there is none."""
+    rank = log.rank(i)
+    start = None
+    for j in range(i, max(-1, i - TRACEBACK_WINDOW), -1):
+        if "Traceback (most recent call last)" in log.raw[j] and (rank is None or log.rank(j) in (None, rank)):
+            start = j
+            break
+    end = i
+    if start is None:  # frames logged without their header (a logger's traceback) just above the line
+        block = []
+        for j in range(i - 1, max(-1, i - 100), -1):
+            if 'File "' in log.raw[j] or (j + 1 < i and 'File "' in log.raw[j - 1] if j > 0 else False):
+                block.append(j)
+            elif block or j < i - 2:
+                break
+        if any('File "' in log.raw[j] for j in block):
+            return sorted(block)
+    if start is None:
+        for j in range(i + 1, min(len(log), i + 60)):
+            if "Traceback (most recent call last)" in log.raw[j]:
+                start = j
+                break
+        if start is None:
+            return []
+        end = next((k for k in range(start + 1, min(len(log), start + TRACEBACK_WINDOW))
+                    if _EXCEPTION.match(log.body(k))), min(len(log), start + TRACEBACK_WINDOW))
+    return [j for j in range(start + 1, end) if rank is None or log.rank(j) in (None, rank)]
+
+
+def _phase(log: _Log, event: _Event) -> str | None:
+    if _LINE_PHASE[0][1].search(log.body(event.index)):
+        return "data"  # the failing line itself is a DataLoader worker's
+    frames = _traceback_lines(log, event.index)
+    text = "\n".join(log.body(j) for j in frames)
+    if frames:
+        for phase, pattern in _PHASE_FRAMES:
+            if pattern.search(text):
+                return phase
+    near = " ".join(log.body(j) for j in range(max(0, event.index - 1), event.index + 1))
+    for phase, pattern in _LINE_PHASE:
+        if pattern.search(near if phase == "load" else log.body(event.index)):
+            return phase
+    return None
+
+
+def _step(log: _Log, i: int) -> tuple[int | None, int | None]:
+    """(step, total) from the last progress line at or before line ``i``; (None, None) when none says it."""
+    for j in range(i, max(-1, i - PROGRESS_WINDOW), -1):
+        body = log.body(j)
+        if not any(c.isdigit() for c in body) or "Traceback" in body:
+            continue
+        best = None
+        for pattern in _PROGRESS:
+            for m in pattern.finditer(body):
+                if _NOT_STEPS.search(body[max(0, m.start() - 80):m.start()]):
+                    continue
+                if best is None or m.start() > best.start():
+                    best = m
+        if best is not None:
+            total = int(best.group(2)) if best.group(2) else None
+            return int(best.group(1)), total
+    return None, None
+
+
 def _finish(verdict: Verdict, event: _Event | None, events: list, log: _Log) -> Verdict:
     """Attach evidence: the decisive lines first, then supporting events, at most MAX_EVIDENCE."""
     wanted: list[int] = list(event.lines) if event else []
@@ -813,8 +1224,9 @@ def _finish(verdict: Verdict, event: _Event | None, events: list, log: _Log) -> 
     return replace(verdict, evidence=evidence, ranks=_rank_failures(events))
 
 
-_RANK_KIND = {"fault": "not_oom", "not_oom": "not_oom", "exception": "not_oom", "sigkill": "unknown",
-              "ambiguous": "unknown"}
+_RANK_KIND = {"fault": "not_oom", "not_oom": "not_oom", "exception": "not_oom", "sigkill": "host_oom",
+              "launcher_kill": "unknown",
+              "ambiguous": "unknown", "segfault": "not_oom", "abort": "unknown"}
 
 
 def _rank_failures(events: list) -> tuple:
