@@ -117,6 +117,28 @@ def hf_trainer_args(plan: Plan, config: str | None) -> list[str]:
     return args + plan.strategy.trainer_flags(plan, config)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _check_text_fields(spec: JobSpec, path: Path) -> None:
+    """Refuse, at load time (before a run is recorded), what cannot reach a job script safely: an env name that is
+    not a shell identifier, a control character (a newline above all) in an env value, an argument, the
+    interpreter, the script path or the job's name. Values are shell-quoted when rendered; this keeps each one
+    line, so the script reads as written."""
+    for name, value in spec.env:
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"{path}: env: {str(name)[:80]!r} is not a valid environment variable name")
+        if _CONTROL.search(value):
+            raise ConfigError(f"{path}: env.{name}: {value[:80]!r} holds a control character (a newline?)")
+    fields = [("name", spec.name), ("command.python", spec.python or ""), ("command.module", spec.module or ""),
+              ("command.script", str(spec.script or "")), ("training.alloc_conf", str(spec.training.get("alloc_conf", "")))]
+    fields += [(f"command.args.{i}", a) for i, a in enumerate(spec.args)]
+    for key, value in fields:
+        if _CONTROL.search(value):
+            raise ConfigError(f"{path}: {key}: {value[:80]!r} holds a control character (a newline?)")
+
+
 def _text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -160,6 +182,7 @@ def load_spec(ref: str | Path) -> JobSpec:
         retry_transient=retry.get("retry_transient", False),
         env=tuple((k, _text(v)) for k, v in doc.get("env", {}).items()), description=doc.get("description", ""),
     )
+    _check_text_fields(spec, path)
     for arg in spec.args:  # an unknown placeholder is a spec error, found at load time
         fill_placeholders(arg, {k: "" for k in (*Plan().to_dict(), *PATH_PLACEHOLDERS)}, path)
     return spec

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -23,6 +24,23 @@ OPTIMIZERS = optimizers.names()
 """The rows of the optimizer table (toolkit/optimizers.py)."""
 ATTENTIONS = ("eager", "sdpa", "flash")
 OFFLOADS = ("none", "cpu", "nvme")
+
+LIMITS = {"nodes": (1, 100_000), "gpus_per_node": (1, 4096), "global_batch": (1, 2**40), "micro_batch": (1, 2**40),
+          "grad_accum": (1, 2**40), "seq_len": (1, 2**31), "time_min": (1, 366 * 1440), "mem_mib": (1, 2**40),
+          "workers": (0, 1024), "zero_stage": (0, 3)}
+"""Every integer knob -> (least, most). The upper bounds are far beyond any real job; they keep values read
+from untrusted files (a plan.json beside a log, ``--set``) from driving loops and arithmetic for minutes."""
+
+ALLOC_CONF_OPTIONS = ("backend", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+                      "roundup_power2_divisions", "expandable_segments", "release_lock_on_cudamalloc",
+                      "release_lock_on_hipmalloc", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+                      "pinned_num_register_threads", "pinned_use_background_threads", "pinned_reserve_segment_size_mb",
+                      "pinned_free_catch_all", "graph_capture_record_stream_reuse", "per_process_memory_fraction",
+                      "throw_on_cudamalloc_oom")
+"""The option names PyTorch's caching allocator reads from PYTORCH_CUDA_ALLOC_CONF (c10/core/AllocatorConfig.h and
+c10/cuda/CUDAAllocatorConfig.h of torch 2.x)."""
+_ALLOC_VALUE = re.compile(r"[A-Za-z0-9_.]+|\[[0-9>: ,]+\]", re.ASCII)
+MAX_ALLOC_CONF = 1024
 
 
 @dataclass(frozen=True)
@@ -75,15 +93,19 @@ class Plan:
     def __post_init__(self):
         for name, choices in CHOICES.items():
             _check_choice(name, getattr(self, name), choices)
-        for name in ("nodes", "gpus_per_node", "global_batch", "micro_batch", "grad_accum", "seq_len", "time_min"):
-            if getattr(self, name) < 1:
-                raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.workers < 0:
-            raise PlanError(f"workers must be >= 0, got {self.workers}")
-        if self.mem_mib is not None and self.mem_mib < 1:
-            raise PlanError(f"mem_mib must be at least 1, got {self.mem_mib}")
+        for name, kind in _TYPES.items():
+            _check_type(name, kind, getattr(self, name))
+        for name, (least, most) in LIMITS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value < least:
+                raise PlanError(f"{name} must be at least {least}, got {value}")
+            if value > most:
+                raise PlanError(f"{name} must be at most {most}, got {value}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        check_alloc_conf(self.alloc_conf)
         if self.micro_batch * self.grad_accum * self.world_size != self.global_batch:
             raise PlanError(
                 f"micro_batch {self.micro_batch} x grad_accum {self.grad_accum} x world_size {self.world_size} "
@@ -119,11 +141,13 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """Read plan.json (``world_size`` is derived, so it is checked, not taken)."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan is a mapping of knob to value, got {type(data).__name__}")
         data = dict(data)
         world = data.pop("world_size", None)
         unknown = set(data) - set(KNOBS)
         if unknown:
-            raise UnknownNameError("knob", sorted(unknown)[0], KNOBS)
+            raise UnknownNameError("knob", str(sorted(map(str, unknown))[0]), KNOBS)
         plan = cls(**data)
         if world is not None and world != plan.world_size:
             raise PlanError(f"world_size {world} does not match nodes x gpus_per_node = {plan.world_size}")
@@ -143,8 +167,64 @@ CHOICES = {"launcher": LAUNCHERS, "precision": PRECISIONS, "optimizer": OPTIMIZE
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise PlanError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    if not isinstance(value, str) or value not in choices:
+        raise PlanError(f"{name} must be one of {', '.join(choices)}; got {_short(value)}")
+
+
+def _check_type(name: str, kind: str, value: Any) -> None:
+    """A knob of the wrong Python type (a string for an integer, a bool for a number) is a PlanError."""
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind in ("int", "int | None"):
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or (value is None and kind == "int | None")
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        want = {"bool": "true or false", "int": "an integer", "int | None": "an integer or null"}.get(kind, "a string")
+        raise PlanError(f"{name} must be {want}, got {_short(value)}")
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + "..."
+
+
+def check_alloc_conf(text: str) -> None:
+    """Refuse a PYTORCH_CUDA_ALLOC_CONF that is not PyTorch's grammar: comma-separated ``name:value`` items
+    with names PyTorch knows (``ALLOC_CONF_OPTIONS``) and values of letters, digits, ``_`` and ``.`` (or the
+    ``[256:1,>:4]`` list ``roundup_power2_divisions`` takes). "" is the allocator's default."""
+    if not isinstance(text, str):
+        raise PlanError(f"alloc_conf must be a string, got {_short(text)}")
+    if not text:
+        return
+    if len(text) > MAX_ALLOC_CONF:
+        raise PlanError(f"alloc_conf is {len(text)} characters long; at most {MAX_ALLOC_CONF}")
+    for item in _alloc_items(text):
+        name, sep, value = item.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not value:
+            raise PlanError(f"alloc_conf item {_short(item)} is not name:value "
+                            "(e.g. expandable_segments:True,max_split_size_mb:128)")
+        if name not in ALLOC_CONF_OPTIONS:
+            raise PlanError(f"alloc_conf: {_short(name)} is not an allocator option PyTorch knows; valid: "
+                            + ", ".join(ALLOC_CONF_OPTIONS))
+        if not _ALLOC_VALUE.fullmatch(value):
+            raise PlanError(f"alloc_conf: {name}: value {_short(value)} is not a number, word or [list]")
+
+
+def _alloc_items(text: str) -> list[str]:
+    """Split at the commas outside ``[...]``."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
 
 
 def parse_knob(name: str, text: str) -> Any:
@@ -152,21 +232,26 @@ def parse_knob(name: str, text: str) -> Any:
     if name not in _TYPES:
         raise UnknownNameError("knob", name, KNOBS)
     kind = _TYPES[name]
+    if not isinstance(text, str):
+        raise PlanError(f"--set {name}: expected text, got {_short(text)}")
     low = text.strip().lower()
     if kind == "bool":
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise PlanError(f"--set {name}: expected true or false, got {text!r}")
+        raise PlanError(f"--set {name}: expected true or false, got {_short(text)}")
     if kind in ("int", "int | None"):
         if kind == "int | None" and low in ("", "none", "null"):
             return None
-        try:
-            return int(text)
-        except ValueError:
-            raise PlanError(f"--set {name}: expected an integer, got {text!r}") from None
+        # ASCII digits only: int() would also take "1_6", " 16", "١٦" and 4300-digit numbers
+        if not _INTEGER.fullmatch(text.strip()):
+            raise PlanError(f"--set {name}: expected an integer (ASCII digits), got {_short(text)}")
+        return int(text.strip())
     return text
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,18}", re.ASCII)
 
 
 def parse_sets(pairs) -> dict[str, Any]:

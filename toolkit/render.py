@@ -40,12 +40,38 @@ class Attempt:
     """the engine's config file (ds_config.json, fsdp_config.json), None when it has none"""
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""Control characters (C0, DEL, C1, Unicode line separators): none may reach a job script, quoted or not."""
+
+
 def sbatch_value(value: Any) -> str:
-    """A value for an ``#SBATCH`` line: sbatch reads these itself, so no newlines and no quotes."""
+    """A value for an ``#SBATCH`` line: sbatch reads these itself, so no control characters (a newline would end
+    the comment and start a shell line), no quotes, no ``#``."""
     text = str(value)
-    if any(c in text for c in "\n\r\"'") or not text.strip():
-        raise RenderError(f"value {text!r} cannot go on an #SBATCH line (newline, quote or empty)")
+    if _CONTROL.search(text) or any(c in text for c in "\"'`$\\#") or not text.strip():
+        raise RenderError(f"value {text[:80]!r} cannot go on an #SBATCH line (control character, quote, $, `, \\, # "
+                          "or empty)")
     return shlex.quote(text) if re.search(r"\s", text) else text
+
+
+def check_context(context: Any, key: str = "") -> None:
+    """Refuse a job-script context holding a control character anywhere (every string, however deep).
+
+    Values reach the script quoted (``q``), on ``#SBATCH`` lines (``sbatch_value``) or in comments (the plan
+    summary, the config path); a newline in any of them would start a new shell line. Checking every value
+    here, rather than the ones thought of, keeps a new value from becoming a new hole. Site ``setup`` lines are
+    shell by design (the site administrator's) and pass through, one line each."""
+    if isinstance(context, str):
+        bad = _CONTROL.search(context)
+        if bad:
+            raise RenderError(f"{key or 'value'}: {context[:80]!r} holds a control character ({bad.group()!r}): "
+                              "it cannot go into a job script")
+    elif isinstance(context, dict):
+        for name, value in context.items():
+            check_context(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(context, (list, tuple)):
+        for i, value in enumerate(context):
+            check_context(value, f"{key}[{i}]")
 
 
 def job_name(name: str, run_id: str = "", attempt: int = 0) -> str:
@@ -108,7 +134,7 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
     paths = attempt_paths(plan, attempt_dir)
     program = spec.argv(plan, paths)
     engine = plan.strategy
-    return {
+    context = {
         "version": __version__, "site": partition.site, "partition": partition.name, "run_id": run_id,
         "attempt": attempt, "plan_summary": plan_summary(plan),
         "directives": directives(spec, partition, plan, attempt_dir, "" if run_id == "-" else run_id, attempt),
@@ -118,6 +144,8 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
         "engine": engine.describe(plan), "config": paths["config"] if engine.config_file else "",
         **engine.context(plan, partition),
     }
+    check_context(context)
+    return context
 
 
 def attempt_paths(plan: Plan, attempt_dir: Path) -> dict[str, str]:

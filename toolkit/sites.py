@@ -192,6 +192,10 @@ def load_site_file(path: Path) -> Site:
     validate(doc, load_schema(data_dir("site_configs") / "schema.json"), str(path))
     if doc["site"] != path.stem:
         raise ConfigError(f"{path}: site: {doc['site']!r} must match the file name {path.stem!r}")
+    for pname in doc["partitions"]:
+        if not isinstance(pname, str) or not _NAME.fullmatch(pname):
+            raise ConfigError(f"{path}: partitions: partition name {pname!r} must be text of letters, digits, "
+                              "'_', '.', '+' and '-' (quote a number: \"1\")")
     parts = {pname: _partition(doc["site"], pname, raw, path) for pname, raw in doc["partitions"].items()}
     if not parts:
         raise ConfigError(f"{path}: partitions: at least one partition is needed")
@@ -211,12 +215,54 @@ def load_calibration(site_path: Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for path in calibration_files(site_path):
         if path.is_file():
-            doc = load_yaml(path) or {}
-            if not isinstance(doc.get("partitions"), dict):
-                raise ConfigError(f"{path}: partitions: expected a mapping of partition name to measurements")
-            for name, values in doc["partitions"].items():
-                out.setdefault(name, {}).update(values or {})
+            for name, values in read_calibration(path).items():
+                out.setdefault(name, {}).update(values)
     return out
+
+
+_MEASURED_NUMBERS = ("gpu_mem_gib", "cuda_context_mib", "allocator_overhead_frac", "host_mem_gib", "nvme_gib")
+_MEASURED_BOOLS = ("fp16", "bf16", "tf32", "flash_attention")
+
+
+def read_calibration(path: Path) -> dict[str, dict]:
+    """A ``<site>.calibration.yaml``, checked: partition name -> measurements ({} for an empty file).
+
+    Anything else (a list, a string, a measurement that is not a finite number >= 0, a capability that is
+    not true/false) is one ConfigError naming the file and key: a damaged calibration is never applied
+    half-read, and never silently replaced."""
+    doc = load_yaml(path)
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'partitions', got {_kind(doc)}")
+    parts = doc.get("partitions")
+    if parts is None:
+        return {}
+    if not isinstance(parts, dict):
+        raise ConfigError(f"{path}: partitions: expected a mapping of partition name to measurements, got {_kind(parts)}")
+    out: dict[str, dict] = {}
+    for name, values in parts.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"{path}: partitions: partition name {name!r} is not a string")
+        values = values or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: partitions.{name}: expected a mapping of measurements, got {_kind(values)}")
+        for key, value in values.items():
+            if key in _MEASURED_NUMBERS and value is not None and not _finite_number(value):
+                raise ConfigError(f"{path}: partitions.{name}.{key}: expected a number >= 0, got {_kind(value)}")
+            if key in _MEASURED_BOOLS and value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{path}: partitions.{name}.{key}: expected true or false, got {_kind(value)}")
+        out[name] = dict(values)
+    return out
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+
+
+def _kind(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:60] + '...'}"
 
 
 def apply_calibration(part: Partition, measured: dict | None) -> Partition:
@@ -253,6 +299,7 @@ def _partition(site: str, name: str, raw: dict, path: Path) -> Partition:
         raise ConfigError(f"{where}: gpu_model must be null exactly when gpus_per_node is 0")
     caps = dict(zip(CAPABILITIES, capabilities(model, where)))
     caps.update(raw.get("capabilities", {}))
+    check_fields(raw, where)
     return Partition(
         site=site, name=name, slurm_partition=raw["slurm_partition"], gpu_model=model,
         gpu_mem_gib=float(raw["gpu_mem_gib"]), gpus_per_node=gpus, cpus_per_node=raw["cpus_per_node"],
@@ -284,6 +331,40 @@ def _resolve_auto(raw: dict, path: Path, name: str) -> dict:
 
 CAPABILITIES = ("fp16", "bf16", "tf32", "flash_attention")
 
+_NAME = re.compile(r"[A-Za-z0-9_.+-]+", re.ASCII)
+_SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*", re.ASCII)
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.+\-&|\[\]*(),!:]+", re.ASCII)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+FIELD_FORMS = {"slurm_partition": (_SLURM_NAMES, "partition names (letters, digits, _ . + -), comma-separated"),
+               "account": (_NAME, "letters, digits, _ . + -"), "qos": (_NAME, "letters, digits, _ . + -"),
+               "gres_type": (_NAME, "letters, digits, _ . + -"),
+               "constraint": (_CONSTRAINT, "Slurm features joined by & | , * [ ] ( ) !")}
+"""Site fields that reach ``#SBATCH`` lines -> (the form they must have, said in words)."""
+
+
+def check_fields(raw: dict, where: str) -> None:
+    """Every site field that reaches the job script, checked: the ``#SBATCH`` values against the Slurm name forms
+    (``FIELD_FORMS``), env names as shell identifiers, and no control character (a newline above all) in env values,
+    paths, descriptions or setup lines. Setup lines are shell by design (the site administrator's module loads);
+    each must be one line."""
+    for key, (form, words) in FIELD_FORMS.items():
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, str) and form.fullmatch(value)):
+            raise ConfigError(f"{where}.{key}: {value!r} is not a valid value ({words})")
+    for key in ("nvme_path", "gpu_model", "description"):
+        value = raw.get(key)
+        if isinstance(value, str) and _CONTROL.search(value):
+            raise ConfigError(f"{where}.{key}: {value!r} holds a control character (a newline?)")
+    for i, line in enumerate(raw.get("setup", ())):
+        if _CONTROL.search(line.replace("\t", " ")):
+            raise ConfigError(f"{where}.setup.{i}: {line!r}: one shell line each, without control characters")
+    for name, value in (raw.get("env") or {}).items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"{where}.env: {name!r} is not a valid environment variable name")
+        if _CONTROL.search(str(value)):
+            raise ConfigError(f"{where}.env.{name}: {str(value)!r} holds a control character (a newline?)")
+
 
 def capabilities(gpu_model: str | None, where: str) -> tuple[bool, bool, bool, bool]:
     """(fp16, bf16, tf32, flash_attention) for a GPU model. A CPU (None) runs bf16 everywhere (PyTorch has
@@ -299,16 +380,26 @@ def capabilities(gpu_model: str | None, where: str) -> tuple[bool, bool, bool, b
                       "state its capabilities: {fp16: ..., bf16: ..., tf32: ..., flash_attention: ...}")
 
 
-_TIME = re.compile(r"(?:(\d+)-)?(\d+):(\d\d)(?::(\d\d))?")
+_TIME = re.compile(r"(?:([0-9]{1,3})-)?([0-9]{1,5}):([0-9][0-9])(?::([0-9][0-9]))?", re.ASCII)
+MAX_TIME_MIN = 366 * 1440
+"""The longest time limit taken (a year): beyond any partition's, and Plan.time_min's bound."""
 
 
 def parse_minutes(text: str) -> int:
-    """Slurm ``[D-]HH:MM[:SS]`` as whole minutes (seconds round up)."""
+    """Slurm ``[D-]HH:MM[:SS]`` as whole minutes (seconds round up). Minutes and seconds are 00-59 and,
+    after a day count, hours 00-23: ``00:99:99`` is a typo, not 01:40:39."""
+    if not isinstance(text, str):
+        raise ConfigError(f"time {text!r}: expected [D-]HH:MM[:SS] as text")
     m = _TIME.fullmatch(text.strip())
     if not m:
-        raise ConfigError(f"time {text!r}: expected [D-]HH:MM[:SS]")
+        raise ConfigError(f"time {text[:40]!r}: expected [D-]HH:MM[:SS]")
     days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    if minutes > 59 or seconds > 59 or (m.group(1) and hours > 23):
+        raise ConfigError(f"time {text!r}: minutes and seconds go to 59 (and hours to 23 after a day count)")
+    total = days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    if not 1 <= total <= MAX_TIME_MIN:
+        raise ConfigError(f"time {text!r}: must be between 00:01:00 and {MAX_TIME_MIN // 1440}-00:00:00")
+    return total
 
 
 def format_minutes(minutes: int) -> str:
