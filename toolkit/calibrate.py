@@ -21,7 +21,7 @@ import yaml
 from .errors import HpcmemError, SchedulerError
 from .files import write_atomic
 from .resources import data_dir
-from .sites import Partition, Site
+from .sites import Partition, Site, read_calibration
 
 CALIBRATION_KEYS = ("gpu_model", "gpu_mem_gib", "gpus", "cuda_context_mib", "fp16", "bf16", "flash_attention", "host_mem_gib",
                     "nvme_free_gib", "allocator_overhead_frac")
@@ -133,15 +133,14 @@ def calibration_path(site: Site, home: Path) -> Path:
 
 def load_measured(path: Path, partition: str) -> dict[str, Any]:
     """What the calibration file already holds for one partition ({} when nothing)."""
-    data = yaml.safe_load(path.read_text()) if path.is_file() else None
-    return dict(((data or {}).get("partitions") or {}).get(partition) or {})
+    return dict(read_calibration(path).get(partition) or {}) if path.is_file() else {}
 
 
 def write_calibration(path: Path, partition: str, measured: dict[str, Any]) -> Path:
     """Merge one partition's measurements into the calibration file (other partitions are kept)."""
-    data = yaml.safe_load(path.read_text()) if path.is_file() else None
-    data = data or {"partitions": {}}
-    data.setdefault("partitions", {})[partition] = measured
+    # a damaged file is refused (ConfigError naming it), never overwritten: its other partitions would be lost
+    data = {"partitions": read_calibration(path) if path.is_file() else {}}
+    data["partitions"][partition] = measured
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, "# Written by `hpcmem calibrate`: measured values, applied over the site profile.\n"
                  + yaml.safe_dump(data, sort_keys=True))

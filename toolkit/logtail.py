@@ -15,7 +15,10 @@ returns at most ``max_bytes`` bytes of text from the end of a file:
   ``errors="replace"``: text, never an exception.
 
 When the tail starts inside the file, its first (partial) line is dropped so the text starts
-at a line boundary. A file that cannot be opened or read raises ``LogError``.
+at a line boundary, unless that line is all there is (one line over ``max_bytes`` ending in the
+error, then a newline): then the partial line is kept, never an empty tail. Only regular files
+are opened (``open_regular``: a FIFO or device never blocks the reader). A file that cannot be
+opened or read raises ``LogError``.
 
 ``read_stream_tail`` does the same for a stream that cannot seek (a log pasted on standard input):
 it reads it once in ``_READ_CHUNK`` pieces through the same ring buffer (and, for gzip, the same
@@ -27,6 +30,7 @@ as text, for the job id a log names in its first lines.
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,13 +85,34 @@ def read_tail(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, numbe
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             if f.read(2) == _GZIP_MAGIC:
                 f.seek(0)
                 return _ring_tail(_gunzip_chunks(_chunks(f)), max_bytes)
             return _plain_tail(f, max_bytes, number_lines)
+    except NotRegularFile as e:
+        raise LogError(f"cannot read log {os.fspath(path)!r}: not a regular file (a FIFO, socket or device)") from e
     except OSError as e:
-        raise LogError(f"cannot read log {os.fspath(path)}: {e.strerror or e}") from e
+        raise LogError(f"cannot read log {os.fspath(path)!r}: {e.strerror or e}") from e
+
+
+class NotRegularFile(OSError):
+    """``open_regular`` was given a FIFO, socket, device or directory."""
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """Open a regular file for binary reading without ever blocking: the open itself is non-blocking (a FIFO
+    with no writer would wait for ever), and anything but a regular file raises ``NotRegularFile`` before a
+    byte is read. Logs, job scripts and configs named by untrusted input go through here."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(f"{os.fspath(path)}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_stream_tail(stream: BinaryIO, max_bytes: int = DEFAULT_MAX_BYTES, head_bytes: int = 0) -> Tail:
@@ -121,7 +146,7 @@ def read_head(path: str | os.PathLike, max_bytes: int = 65536) -> str:
     or a gzip is damaged at its very start. Never raises."""
     out = bytearray()
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             if f.read(2) != _GZIP_MAGIC:
                 f.seek(0)
                 return _decode(f.read(max_bytes))
@@ -188,8 +213,9 @@ def _from_line_start(data: bytes) -> bytes:
     the UTF-8 continuation bytes of a character cut in two.
     """
     cut = data.find(b"\n")
-    if cut >= 0:
+    if cut >= 0 and data[cut + 1 :].strip():
         return data[cut + 1 :]
+    # no newline, or only the last line's own newline: that one (partial) line is the tail, never nothing
     start = 1
     while start < min(len(data), 4) and 0x80 <= data[start] < 0xC0:
         start += 1
@@ -235,7 +261,7 @@ def _ring_tail(pieces: Iterator[bytes | None], max_bytes: int, head_bytes: int =
         del buf[:cut]
     if dropped_any and last_dropped != b"\n":
         nl = buf.find(b"\n")
-        if nl >= 0:
+        if nl >= 0 and buf[nl + 1 :].strip():  # keep a partial last line rather than return nothing
             del buf[: nl + 1]
             dropped_lines += 1
     return Tail(_decode(buf), dropped_lines + 1, dropped_any or damaged, damaged, size,

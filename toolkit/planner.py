@@ -74,7 +74,7 @@ def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> l
     attentions = {base.attention} | ({"sdpa"} | ({"flash"} if partition.flash_attention else set())
                                      if "attention" in allow else set())
     per_rank = base.global_batch // base.world_size
-    micros = ladder.divisors(per_rank) if "micro_batch" in allow else [base.micro_batch]
+    micros = micro_batches(per_rank, base.micro_batch) if "micro_batch" in allow else [base.micro_batch]
     ckpts = {base.checkpointing, True} if "checkpointing" in allow else {base.checkpointing}
     opts = {base.optimizer} | ({"adamw-8bit", "adafactor"} if "optimizer" in allow else set())
     engines = ladder.engine_options(base, allow, nvme=bool(partition.nvme_path))
@@ -91,6 +91,33 @@ def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> l
         if plan != base:
             out.append(plan)
     return out
+
+
+MAX_MICRO_BATCHES = 32
+"""Most micro-batch sizes tried per plan family: the candidates are a product, so this bounds the planner's time
+whatever the global batch (2**30 has 31 divisors, 963761198400 has 6720)."""
+
+
+def micro_batches(per_rank: int, base_micro: int, most: int = MAX_MICRO_BATCHES) -> list[int]:
+    """Micro-batch sizes to try, ascending: every divisor of ``per_rank`` when there are at most ``most``; else
+    ``base_micro`` and, for each power of two up to ``per_rank``, the largest divisor not above it (log-spaced,
+    so every scale is tried), thinned evenly to ``most``."""
+    every = ladder.divisors(per_rank) if per_rank >= 1 else [1]
+    if len(every) <= most:
+        return every
+    chosen, k = [], 0
+    for d in every:
+        while 2 ** (k + 1) <= d:
+            k += 1
+        if chosen and chosen[-1][0] == k:
+            chosen[-1] = (k, d)  # the largest divisor within [2**k, 2**(k+1))
+        else:
+            chosen.append((k, d))
+    picks = sorted({d for _k, d in chosen})
+    if len(picks) > most - 1:
+        step = (len(picks) - 1) / (most - 2)
+        picks = sorted({picks[round(i * step)] for i in range(most - 1)})
+    return sorted(set(picks) | ({base_micro} if per_rank % base_micro == 0 else set()))
 
 
 def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: Iterable[str],

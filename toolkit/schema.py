@@ -83,7 +83,13 @@ def read_small_text(path: Path, what: str = "", limit: int = MAX_YAML_BYTES) -> 
 def load_yaml(path: Path) -> Any:
     """Read a YAML file; a missing, unreadable, non-UTF-8, oversized or too deeply nested file, or one that is
     not a regular file, is a one-line ConfigError."""
-    text = read_small_text(Path(path))
+    return parse_yaml(read_small_text(Path(path)), str(path))
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text -> data with the bounds of ``load_yaml`` (depth, alias expansion, 64-bit integers, finite
+    numbers, safe tags only); any problem is one ConfigError starting with ``where``."""
+    path = where
     try:
         doc = yaml.load(text, Loader=_DepthLoader)
     except yaml.YAMLError as exc:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
-from ..plan import ATTENTIONS, KNOBS, LAUNCHERS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from ..errors import HpcmemError
+from ..plan import ATTENTIONS, KNOBS, LAUNCHERS, LIMITS, OFFLOADS, OPTIMIZERS, PRECISIONS, check_alloc_conf
+from ..schema import MAX_DEPTH, parse_yaml
 from . import scriptread
 
 MAX_FILE_BYTES = 4 * 2**20
@@ -179,9 +181,8 @@ _FIELDS = {f for f in JobFacts.__dataclass_fields__} - {"plan_knobs", "knob_sour
 
 _CHOICES = {"launcher": LAUNCHERS, "precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTIONS,
             "offload_optimizer": OFFLOADS, "offload_params": OFFLOADS}
-_AT_LEAST = {"nodes": 1, "gpus_per_node": 1, "global_batch": 1, "micro_batch": 1, "grad_accum": 1, "seq_len": 1,
-             "time_min": 1, "mem_mib": 1, "workers": 0, "zero_stage": 0}
-_AT_MOST = {"zero_stage": 3}
+_AT_LEAST = {name: least for name, (least, _most) in LIMITS.items()}
+_AT_MOST = {name: most for name, (_least, most) in LIMITS.items()}
 
 
 def knob_problem(name: str, value: Any) -> str | None:
@@ -191,18 +192,35 @@ def knob_problem(name: str, value: Any) -> str | None:
     ``checkpointing``, a string for ``alloc_conf``, one of the choices for the named ones."""
     if name in _CHOICES:
         return None if isinstance(value, str) and value in _CHOICES[name] else \
-            f"is {value!r}, not one of {', '.join(_CHOICES[name])}"
+            f"is {_short(value)}, not one of {', '.join(_CHOICES[name])}"
     if name == "checkpointing":
-        return None if isinstance(value, bool) else f"is {value!r}, not true or false"
+        return None if isinstance(value, bool) else f"is {_short(value)}, not true or false"
     if name == "alloc_conf":
-        return None if isinstance(value, str) else f"is {value!r}, not a string"
+        if not isinstance(value, str):
+            return f"is {_short(value)}, not a string"
+        try:
+            check_alloc_conf(value)
+        except HpcmemError:
+            return f"is {_short(value)}, not PyTorch allocator options (name:value,...)"
+        return None
     if name in _AT_LEAST:
         if not isinstance(value, int) or isinstance(value, bool):
-            return f"is {value!r}, not an integer"
-        if value < _AT_LEAST[name] or value > _AT_MOST.get(name, value):
-            bound = f"{_AT_LEAST[name]} to {_AT_MOST[name]}" if name in _AT_MOST else f"at least {_AT_LEAST[name]}"
-            return f"is {value}, not {bound}"
+            return f"is {_short(value)}, not an integer"
+        least, most = _AT_LEAST[name], _AT_MOST[name]
+        if value < least or value > most:
+            bound = f"{least} to {most}" if most <= 100 else f"at least {least}" if value < least else f"at most {most}"
+            return f"is {_short(value)}, not {bound}"
     return None
+
+
+def _short(value: Any, width: int = 60) -> str:
+    """``repr`` cut to ``width``: a value read from an untrusted file never fills a report (an int of 10**5
+    digits has no repr at all in Python 3.11, so its size is said instead)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    return text if len(text) <= width else text[:width] + "..."
 
 
 # ---------------------------------------------------------------- readers
@@ -232,9 +250,9 @@ def add_spec(builder: FactsBuilder, path: Path) -> None:
     if text is None:
         return
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        builder.miss(f"job spec {path} is not valid YAML ({str(exc).splitlines()[0]})")
+        doc = parse_yaml(text, f"job spec {path}")
+    except HpcmemError as exc:
+        builder.miss(str(exc))
         return
     model = doc.get("model") if isinstance(doc, dict) else None
     if isinstance(model, dict):
@@ -335,28 +353,79 @@ def _has_directives(path: Path) -> bool:
 
 
 def read_text(builder: FactsBuilder, path: Path, what: str) -> str | None:
-    """A small text file (at most ``MAX_FILE_BYTES``), or None with the reason in ``missing``."""
+    """A small regular file (at most ``MAX_FILE_BYTES``) as text, or None with the reason in ``missing``.
+
+    Only a regular file is read: a FIFO, a device or a socket named by an untrusted script (``--deepspeed
+    /dev/zero``) is opened without blocking and refused before a byte is read. Its content is never quoted in
+    ``missing``: a file that is not what it should be is named, not shown."""
     try:
-        size = os.path.getsize(path)
-        if size > MAX_FILE_BYTES:
-            builder.miss(f"{what} {path} is {size} bytes, too large to be one: not read")
-            return None
-        with open(path, "rb") as handle:
-            return handle.read().decode("utf-8", errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except OSError as exc:
         builder.miss(f"{what} {path} could not be read ({exc.strerror or exc})")
         return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            builder.miss(f"{what} {path} is not a regular file: not read")
+            return None
+        if info.st_size > MAX_FILE_BYTES:
+            builder.miss(f"{what} {path} is {info.st_size} bytes, too large to be one: not read")
+            return None
+        data = b""
+        while len(data) <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > MAX_FILE_BYTES:
+            builder.miss(f"{what} {path} grew past {MAX_FILE_BYTES} bytes while read: not read")
+            return None
+        return data.decode("utf-8", errors="replace")
+    except OSError as exc:
+        builder.miss(f"{what} {path} could not be read ({exc.strerror or exc})")
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read_json(builder: FactsBuilder, path: Path, what: str) -> Any:
+    """A JSON file (plan.json, a DeepSpeed config), or None with the reason in ``missing``: not JSON, nested
+    deeper than ``schema.MAX_DEPTH`` (json's recursion would overflow), or numbers Python will not convert."""
     text = read_text(builder, path, what)
     if text is None:
         return None
     try:
-        return json.loads(text)
-    except ValueError as exc:
-        builder.miss(f"{what} {path} is not valid JSON ({exc})")
+        data = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        builder.miss(f"{what} {path} is nested too deeply to be one: not read")
         return None
+    except ValueError as exc:  # JSONDecodeError, a 5000-digit integer, NaN/Infinity
+        problem = str(exc).splitlines()[0][:120] if isinstance(exc, json.JSONDecodeError) else "a number out of range"
+        builder.miss(f"{what} {path} is not valid JSON ({problem})")
+        return None
+    if _depth(data) > MAX_DEPTH:
+        builder.miss(f"{what} {path} is nested more than {MAX_DEPTH} levels deep: not read")
+        return None
+    return data
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(data: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if level > MAX_DEPTH:
+            break
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, level + 1) for v in item)
+    return deepest
 
 
 def _text(value: Any) -> str | None:

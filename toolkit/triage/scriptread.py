@@ -65,6 +65,7 @@ def read_script(text: str) -> dict[str, Any]:
     (``#SBATCH -p/--partition`` as written, or None when absent or a ``$VARIABLE``), ``launcher_line``
     (the first command line that starts ranks, or None). Memory knobs in MiB, time in minutes.
     """
+    text = bounded_script(text)
     directives = read_directives(text)
     knobs: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -134,21 +135,42 @@ def read_ds_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_SCRIPT_BYTES = 4 * 2**20
+"""Most characters of a job script read (a script from ``sacct -B`` is not bounded by a file size)."""
+MAX_LINE = 65536
+"""Longest (logical) line read as a command: no real command is longer, and quote parsing is per character."""
+
+
+def bounded_script(text: str) -> str:
+    """The first ``MAX_SCRIPT_BYTES`` characters of a script, each line longer than ``MAX_LINE`` replaced by a
+    stand-in of its kind (``#`` for a comment, ``:`` for a command) so that ``#SBATCH`` reading still stops where
+    sbatch would, in linear time whatever the input."""
+    text = text[:MAX_SCRIPT_BYTES]
+    if all(len(line) <= MAX_LINE for line in text.splitlines()):
+        return text
+    return "\n".join(line if len(line) <= MAX_LINE else ("#" if line.lstrip().startswith("#") else ":")
+                     for line in text.splitlines())
+
+
 def logical_lines(text: str) -> list[str]:
-    """The script's lines with ``\\``-continuations joined, without blank and comment-only lines."""
+    """The script's lines with ``\\``-continuations joined, without blank and comment-only lines (joined lines
+    longer than ``MAX_LINE`` are left out: built in linear time, never parsed)."""
     out: list[str] = []
-    pending = ""
+    pending: list[str] = []
+    size = 0
     for raw in text.splitlines():
         line = raw.rstrip()
         if line.endswith("\\") and not line.endswith("\\\\"):
-            pending += line[:-1] + " "
+            pending.append(line[:-1] + " ")
+            size += len(line)
             continue
-        line = (pending + line).strip()
-        pending = ""
-        if line and not line.startswith("#"):
-            out.append(line)
-    if pending.strip() and not pending.strip().startswith("#"):
-        out.append(pending.strip())
+        joined = ("".join(pending) + line).strip() if size + len(line) <= MAX_LINE else ""
+        pending, size = [], 0
+        if joined and not joined.startswith("#"):
+            out.append(joined)
+    rest = "".join(pending).strip() if size <= MAX_LINE else ""
+    if rest and not rest.startswith("#"):
+        out.append(rest)
     return out
 
 

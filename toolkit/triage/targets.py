@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from typing import Callable
 
 from ..backends.base import COMPLETED
@@ -18,8 +19,18 @@ JOB_ID = re.compile(r"^\d+(_\d+)?$")
 RUN_ID = re.compile(r"^(\d{8}-\d{6}-[0-9a-f]{4})(?::(\d+))?$")
 
 
+def special_file(path: str) -> bool:
+    """True for a FIFO, socket or device (what ``open`` may block on or stream for ever); False for a regular
+    file, a directory, or a path that cannot be looked at."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def target_kind(target: str, exists: Callable[[str], bool] = os.path.exists,
-                isdir: Callable[[str], bool] = os.path.isdir) -> str:
+                isdir: Callable[[str], bool] = os.path.isdir, special: Callable[[str], bool] = special_file) -> str:
     """``job``, ``run``, ``file``, ``dir`` or ``stdin`` for a TARGET (pure, given ``exists``/``isdir``).
 
     A job or run id wins over a file of that name in the current directory (a ticket names jobs,
@@ -32,6 +43,9 @@ def target_kind(target: str, exists: Callable[[str], bool] = os.path.exists,
     if RUN_ID.match(target):
         return "run"
     if target and exists(target):
+        if special(target):
+            raise HpcmemError(f"triage target {target!r} is not a regular file or directory (a FIFO, socket or "
+                              "device): give a log file, or pipe it in with -")
         return "dir" if isdir(target) else "file"
     if "/" in target or re.search(r"\.(out|err|log|txt|gz)$", target):
         raise HpcmemError(f"triage target {target!r}: no such file or directory")
