@@ -27,8 +27,8 @@ def _emit_json(data) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcmem")
-@click.option("--sites-dir", "sites_dirs", multiple=True, type=click.Path(file_okay=False),
-              help="Extra directory of site profiles (searched before HPCMEM_SITES and the shipped ones).")
+@click.option("--sites-dir", "sites_dirs", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Extra directory of site profiles (searched before HPCMEM_SITES and the shipped ones); it must exist.")
 @click.pass_context
 def main(ctx: click.Context, sites_dirs) -> None:
     """hpcmem: get GPU training jobs on Slurm past CUDA out-of-memory."""
@@ -465,7 +465,10 @@ def entry() -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except HpcmemError as exc:
-        click.echo(f"hpcmem: error: {exc}", err=True)
+        from .templating import safe_text
+
+        # one line, whatever the input put into the message (a newline or an escape from a file or an option)
+        click.echo(f"hpcmem: error: {safe_text(exc, 2000)}", err=True)
         sys.exit(exc.exit_code)
 
 

@@ -182,19 +182,57 @@ def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir:
     attempt_dir = Path(attempt_dir).resolve()
     partition.check_plan(plan)
     check_program(spec)
-    attempt_dir.mkdir(parents=True, exist_ok=True)
+    # everything is decided and rendered before the directory exists: a refusal leaves nothing behind
     context = job_context(spec, partition, plan, attempt_dir, **context_args)
-    config_path = None
     cfg = plan.strategy.config(plan, nvme_path=partition.nvme_path, gpu=partition.has_gpu,
                                largest_param=largest_param(spec))
-    if cfg is not None:
-        config_path = attempt_dir / plan.strategy.config_file
-        write_atomic(config_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    write_atomic(attempt_dir / "plan.json", plan.to_json())
+    text = render_script(plan.launcher, context)
+    config_path = attempt_dir / plan.strategy.config_file if cfg is not None else None
     script = attempt_dir / "job.sbatch"
-    write_atomic(script, render_script(plan.launcher, context))
-    script.chmod(0o755)
+    created = make_dirs(attempt_dir)
+    try:
+        if cfg is not None:
+            write_atomic(config_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        write_atomic(attempt_dir / "plan.json", plan.to_json())
+        write_atomic(script, text)
+        script.chmod(0o755)
+    except OSError as exc:
+        remove_created(created)
+        raise ConfigError(f"{attempt_dir}: cannot write the attempt's files: {exc.strerror or exc}") from None
     return Attempt(attempt_dir, script, attempt_dir / "plan.json", config_path)
+
+
+def make_dirs(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents; the ones created, deepest first (for ``remove_created``).
+    A path that cannot be a directory (under /proc, through a file, no permission) is a one-line ConfigError
+    and leaves no directory behind."""
+    directory = Path(directory)
+    missing = []
+    for parent in (directory, *directory.parents):
+        if parent.is_dir():
+            break
+        missing.append(parent)
+    created: list[Path] = []
+    try:
+        for path in reversed(missing):
+            path.mkdir()
+            created.insert(0, path)
+    except FileExistsError:
+        remove_created(created)
+        raise ConfigError(f"{directory}: not a directory (a file is in the way)") from None
+    except OSError as exc:
+        remove_created(created)
+        raise ConfigError(f"{directory}: cannot create the directory: {exc.strerror or exc}") from None
+    return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """Remove directories ``make_dirs`` created (deepest first), each only while it is empty."""
+    for path in created:
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 def largest_param(spec: JobSpec) -> int | None:

@@ -1,15 +1,17 @@
 """Triage reports for people: ``text`` (terminal, colour on a TTY) and ``markdown`` (a ticket reply).
 
 Both read the same JSON-ready dicts ``--format json`` prints (report.py), so the three formats
-cannot disagree. Python turns the data into short phrases (``job_lines``, ``remedy_lines``...);
-the templates (templates/triage.*.j2) lay them out.
+cannot disagree; logs and file names are untrusted, so those dicts are made terminal-safe first, in one
+place (``safe_report``: control characters escaped, evidence cut around its error). Python turns the
+data into short phrases (``job_lines``, ``remedy_lines``...); the templates (templates/triage.*.j2) lay
+them out.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ..templating import mib_text, render_template
+from ..templating import clip_around, mib_text, render_template, safe_data
 from .changes import slowdown_text
 
 FORMATS = ("text", "markdown", "json")
@@ -18,15 +20,40 @@ _COLOURS = {"bad": "31;1", "good": "32", "warn": "33", "head": "1", "dim": "2"}
 _KIND_STYLE = {"not_oom": "warn", "unknown": "warn"}
 
 
+EVIDENCE_WIDTH = 1000
+"""Longest evidence line shown (characters): a 200 MB single-line log shows the part around its error."""
+
+
 def render_report(report: Mapping[str, Any], fmt: str, colour: bool = False) -> str:
-    """A TriageReport dict (``TriageReport.to_dict()``) as text or markdown."""
+    """A TriageReport dict (``TriageReport.to_dict()``) as text or markdown; logs and file names are untrusted,
+    so every string is made safe first (``safe_report``)."""
+    report = safe_report(report)
     findings = [finding_view(f) for f in report["findings"]]
     return _render(fmt, "triage", findings=findings, report=report, colour=colour)
 
 
 def render_since(report: Mapping[str, Any], fmt: str, colour: bool = False) -> str:
-    """A SinceReport dict as text or markdown."""
-    return _render(fmt, "triage-since", report=report, colour=colour)
+    """A SinceReport dict as text or markdown (made safe like ``render_report``)."""
+    return _render(fmt, "triage-since", report=safe_report(report), colour=colour)
+
+
+def safe_report(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report with every evidence line cut to ``EVIDENCE_WIDTH`` around its error (``clip_around``) and every
+    string, at any depth, terminal-safe (``templating.safe_data``: control characters, ESC above all, and
+    bidirectional overrides shown escaped). Done once here, for both formats and every template, on a terminal
+    and in a pipe alike; colour is added after, by ``paint``."""
+    report = dict(report)
+    findings = []
+    for f in report.get("findings") or ():
+        verdict = f.get("verdict") if isinstance(f, Mapping) else None
+        if isinstance(verdict, Mapping) and verdict.get("evidence"):
+            evidence = [{**e, "text": clip_around(e["text"], EVIDENCE_WIDTH)}
+                        if isinstance(e, Mapping) and isinstance(e.get("text"), str) else e for e in verdict["evidence"]]
+            f = {**f, "verdict": {**verdict, "evidence": evidence}}
+        findings.append(f)
+    if "findings" in report:
+        report["findings"] = findings
+    return safe_data(report)
 
 
 def _render(fmt: str, stem: str, colour: bool, **context: Any) -> str:

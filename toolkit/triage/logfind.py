@@ -147,19 +147,33 @@ def clue_text(path: Path) -> str:
 # ---------------------------------------------------------------- the logs of a directory
 
 
-def log_files(directory: Path) -> list[Path]:
+MAX_ENTRIES = 10000
+"""Most directory entries looked at (a directory of a million files is not a job's logs)."""
+
+
+def log_files(directory: Path, _descend: bool = True) -> list[Path]:
     """The log files of a directory in rank/file order (numbers compared as numbers); for an hpcmem run
-    directory without logs of its own, those of its last attempt."""
+    directory without logs of its own, those of its last attempt (one level down, never further: an
+    ``attempt-1`` that is a symlink back up cannot loop). Only regular files count (never a FIFO); at most
+    ``MAX_ENTRIES`` entries are looked at."""
     directory = Path(directory)
     try:
-        entries = [p for p in directory.iterdir() if p.is_file() and _looks_like_log(p.name)]
+        entries = []
+        for n, p in enumerate(directory.iterdir()):
+            if n >= MAX_ENTRIES:
+                break
+            if _looks_like_log(p.name) and p.is_file():
+                entries.append(p)
     except OSError:
         return []
-    if not entries:
-        attempts = sorted((p for p in directory.glob("attempt-*") if p.is_dir() and _ATTEMPT_DIR.match(p.name)),
-                          key=lambda p: int(p.name.split("-")[1]))
+    if not entries and _descend:
+        try:
+            attempts = sorted((p for p in directory.glob("attempt-*") if _ATTEMPT_DIR.match(p.name) and p.is_dir()),
+                              key=lambda p: int(p.name.split("-")[1]))
+        except OSError:
+            attempts = []
         if attempts:
-            return log_files(attempts[-1])
+            return log_files(attempts[-1], _descend=False)
     return sorted(entries, key=lambda p: _natural(p.name))
 
 
