@@ -21,8 +21,8 @@ from .resources import data_dir
 from .schema import load_schema, load_yaml, validate
 from .sites import Partition, parse_minutes
 
-DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "zero", "offload", "nvme", "mem",
-                 "workers")
+DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "zero", "fsdp", "offload", "nvme",
+                 "mem", "workers")
 """Retry moves allowed when a spec says nothing: all that keep what is learned and the resources asked."""
 DEFAULT_MAX_ATTEMPTS = 6
 
@@ -67,7 +67,8 @@ class JobSpec:
             "global_batch": t["global_batch"], "seq_len": t.get("seq_len", 128), "time_min": self.time_min,
             "mem_mib": self.mem_mib,
             **{k: t[k] for k in ("precision", "optimizer", "checkpointing", "attention", "zero_stage",
-                                 "offload_optimizer", "offload_params", "alloc_conf", "workers") if k in t},
+                                 "offload_optimizer", "offload_params", "reshard_after_forward", "reduce_dtype", "alloc_conf",
+                                 "workers") if k in t},
         }
         world = base["nodes"] * base["gpus_per_node"]
         micro = t.get("micro_batch", max(1, t["global_batch"] // world))

@@ -148,3 +148,20 @@ def test_spec_by_name_and_missing(tmp_path):
         jobspec.find_spec("nosuch")
     with pytest.raises(ConfigError, match="no such job spec file"):
         jobspec.find_spec(str(tmp_path / "missing.yaml"))
+
+
+def test_the_spec_schema_lists_what_the_code_accepts():
+    """jobs/schema.json's choices are the code's tables (plan.CHOICES, ladder.ALLOW_NAMES): one home, kept in sync."""
+    import json
+
+    from toolkit.ladder import ALLOW_NAMES
+    from toolkit.plan import CHOICES
+    from toolkit.resources import data_dir
+
+    schema = json.loads((data_dir("jobs") / "schema.json").read_text())
+    props, training = schema["properties"], schema["properties"]["training"]["properties"]
+    assert props["launcher"]["enum"] == list(CHOICES["launcher"])
+    for knob in ("precision", "optimizer", "attention", "offload_optimizer", "offload_params", "reduce_dtype"):
+        assert training[knob]["enum"] == list(CHOICES[knob]), knob
+    assert props["retry"]["properties"]["allow"]["items"]["enum"] == list(ALLOW_NAMES)
+    assert set(jobspec.DEFAULT_ALLOW) <= set(ALLOW_NAMES)
