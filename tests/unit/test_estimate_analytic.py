@@ -174,14 +174,23 @@ def test_components_add_up_and_device_used_follows():
     tensors = sum(e.components[k] for k in ("params", "grads", "optimizer", "activations", "temporaries"))
     assert tensors == pytest.approx(e.peak_allocated_mib)
     assert e.components["cuda_context"] == A100.cuda_context_mib
-    assert e.device_used_mib == pytest.approx(A100.cuda_context_mib + e.peak_allocated_mib * (1 + an.DEFAULT_ALLOCATOR_OVERHEAD_FRAC))
+    # device used = context + the replayed reserved peak (allocator_overhead = reserved - allocated)
+    assert e.peak_reserved_mib >= e.peak_allocated_mib
+    assert e.components["allocator_overhead"] == pytest.approx(e.peak_reserved_mib - e.peak_allocated_mib)
+    assert e.device_used_mib == pytest.approx(A100.cuda_context_mib + e.peak_reserved_mib)
     assert e.headroom_mib == pytest.approx(e.capacity_mib - e.device_used_mib)
     assert e.method == "analytic" and e.to_dict()["fits"] is e.fits
-    assert any("not calibrated" in n for n in e.notes)
+    assert e.to_dict()["peak_reserved_mib"] == e.peak_reserved_mib and 0 <= e.fragmentation < 1 and e.segments > 0
+    assert any("not calibrated" in n for n in e.notes) and any("allocator replayed" in n for n in e.notes)
     custom = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=8, seq_len=1024), A100,
-                               allocator_overhead_frac=0.0, cuda_context_mib=1000)
-    assert custom.device_used_mib == pytest.approx(1000 + custom.peak_allocated_mib)
+                               allocator_overhead_frac=0.25, cuda_context_mib=1000)
+    # a partition's measured overhead raises reserved where it says more than the replay
+    assert custom.peak_reserved_mib == pytest.approx(max(e.peak_reserved_mib, 1.25 * e.peak_allocated_mib))
+    assert custom.device_used_mib == pytest.approx(1000 + custom.peak_reserved_mib)
     assert not any("not calibrated" in n for n in custom.notes)
+    quick = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=8, seq_len=1024), A100,
+                              allocator_model=False)
+    assert quick.peak_reserved_mib == quick.peak_allocated_mib and quick.device_used_mib < e.device_used_mib
 
 
 def test_the_peak_is_the_largest_phase_not_the_sum():

@@ -373,6 +373,7 @@ class CachingAllocator:
         self._next_addr = 1 << 20
         self._next_seg = 0
         self._base: dict[bool, int] = {}  # pool (small?) -> start address of its expandable segment
+        self._plain_rounding = not any(self.cfg.roundup_power2_divisions)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -604,7 +605,10 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int) -> _Block | None:
         """A block for ``nbytes`` (None: out of memory, the cache already emptied)."""
-        size = round_size(nbytes, self.cfg)
+        if self._plain_rounding:
+            size = K_MIN_BLOCK if nbytes < K_MIN_BLOCK else -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK
+        else:
+            size = round_size(nbytes, self.cfg)
         pool = self.small if size <= K_SMALL_SIZE else self.large
         b = self._get_free_block(pool, size)
         if b is None:
@@ -633,11 +637,12 @@ class CachingAllocator:
             self.peak_allocated = self.allocated
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
-        if self.reserved > self.peak_reserved or (self.reserved == self.peak_reserved and
-                                                  self.reserved - self.allocated < self.frag_at_peak * self.reserved):
-            self.peak_reserved = self.reserved
-            self.frag_at_peak = (self.reserved - self.allocated) / self.reserved if self.reserved else 0.0
-            self.segments_at_peak = self.segments
+        reserved = self.reserved
+        if reserved >= self.peak_reserved:
+            if reserved > self.peak_reserved or reserved - self.allocated < self.frag_at_peak * reserved:
+                self.peak_reserved = reserved
+                self.frag_at_peak = (reserved - self.allocated) / reserved if reserved else 0.0
+                self.segments_at_peak = self.segments
         return b
 
     def free(self, b: _Block, nbytes: int) -> None:

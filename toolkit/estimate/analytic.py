@@ -59,7 +59,7 @@ overhead). Fits: that is at most capacity minus a safety margin, and the host me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from ..modelshape import ModelShape
@@ -68,12 +68,11 @@ from ..sites import Partition
 from ..strategies import Dtypes, ModelStates
 from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
+from .device import plan_device_memory
+from .gpu import DEFAULT_RUNTIME, Runtime
 
 MIB = 1024 * 1024
 
-DEFAULT_ALLOCATOR_OVERHEAD_FRAC = 0.08
-"""Caching allocator: reserved-but-unallocated memory at the peak, as a fraction of the
-peak allocated (PyTorch training steps typically show 5-10 %; calibration replaces it)."""
 SAFETY_MARGIN_FRAC = 0.03
 """Kept free when deciding "fits": a card's usable memory is ~1.5 % under its nominal size
 (ECC, driver), and NCCL/cuDNN allocate outside the caching allocator."""
@@ -273,7 +272,7 @@ class Activations:
     """gradients flowing through one layer's backward (and its recompute under checkpointing)"""
 
 
-def activations(shape: ModelShape, plan: Plan, dt: Dtypes) -> Activations:
+def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> Activations:
     """Activation bytes of one micro-batch (plan.micro_batch x sequence_length tokens) on one rank."""
     seq = sequence_length(shape, plan)
     tokens = plan.micro_batch * seq
@@ -284,10 +283,13 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes) -> Activations:
     head_cast = 2.0 * shape.head_linear_params if dt.autocast else 0.0
     causal = shape.task == "causal-lm"
     logits = tokens * shape.vocab if causal else 0
-    loss_fwd = logits * (c + (4 if c != 4 else 0))
+    upcast = runtime.logits_fp32 or c == 4
+    # transformers' loss upcasts the logits (an fp32 copy; log_softmax keeps fp32 log-probs and the
+    # backward makes two fp32 gradients); a loss on 16-bit logits keeps them all in the compute dtype
+    loss_fwd = logits * (c + (4 if c != 4 else 0)) if upcast else logits * c
     if shape.image is not None and dt.autocast:
         loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
-    loss_bwd = 8.0 * logits
+    loss_bwd = 8.0 * logits if upcast else 2.0 * c * logits
     head_weight = shape.vocab * h if causal else 0
     head_bwd = logits * c + (head_weight * c if dt.autocast else 0)
     layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)
@@ -296,6 +298,8 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes) -> Activations:
         if shape.family == "vit":
             layer_bwd -= kept  # a pre-LN layer saves its input, which is the tensor checkpointing kept
     outside = tokens * outside_bytes_per_token(shape, dt) + plan.micro_batch * outside_bytes_per_sample(shape, dt)
+    if not upcast:
+        outside -= logits * (4 - c)  # the log-probs kept in the compute dtype
     if shape.image is None:
         outside += ID_BYTES * seq  # position ids
     return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
@@ -364,41 +368,78 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
 
 def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
                       allocator_overhead_frac: float | None = None,
-                      cuda_context_mib: float | None = None) -> Estimate:
+                      cuda_context_mib: float | None = None, runtime: Runtime | None = None,
+                      allocator_model: bool = True) -> Estimate:
     """A training step's memory per rank for ``plan`` on ``partition``, from ``shape`` alone (MiB).
 
-    ``components`` are what is live at the peak phase (they add up to ``peak_allocated_mib``,
-    plus the CUDA context and the allocator's overhead to ``device_used_mib``).
-    ``allocator_overhead_frac`` (default DEFAULT_ALLOCATOR_OVERHEAD_FRAC) and
-    ``cuda_context_mib`` (default: the partition's) replace the profile's values, e.g.
-    with ones fitted from measured runs. On a CPU partition the "device" is the host:
-    capacity is the job's memory per rank and there is no CUDA context.
+    ``components`` are what is live at the peak phase (they add up to ``peak_allocated_mib``;
+    with the CUDA context and ``allocator_overhead`` = peak reserved - peak allocated, to
+    ``device_used_mib`` less ``gpu_extras_mib``). On a GPU the step's alloc/free stream
+    (``stream.step_events``, steps 1 to 3) is replayed through the caching-allocator model
+    (``allocator.py``) under the plan's ``alloc_conf`` and the memory the allocator may take
+    (capacity - safety margin - context - memory outside the allocator): that gives the
+    reserved peak, the fragmentation, the fit, and when only fragmentation fails the setting
+    that fixes it. ``allocator_overhead_frac`` (a partition's measured reserved/allocated - 1,
+    from calibration) raises the reserved peak where it says more than the replay.
+    ``cuda_context_mib`` (default: the partition's) replaces the profile's value. ``runtime``
+    describes software other than hpcmem's own (``gpu.Runtime``). ``allocator_model=False``
+    skips the replay (reserved = allocated: a lower bound, for quick screening of many plans).
+    On a CPU partition the "device" is the host: capacity is the job's memory per rank and
+    there is no CUDA context and no caching allocator.
     """
+    runtime = runtime or DEFAULT_RUNTIME
     gpu = partition.has_gpu
     dt = dtypes_for(plan, gpu)
     states = model_states(shape, plan, dt)
-    acts = activations(shape, plan, dt)
+    if gpu and not runtime.frees_grads and not states.persistent_grads:
+        states = replace(states, persistent_grads=True)  # torch 1.x: zero_grad kept them allocated
+    acts = activations(shape, plan, dt, runtime)
     peak = max(phases(shape, plan, dt, states, acts), key=lambda ph: ph.total)
-    frac = DEFAULT_ALLOCATOR_OVERHEAD_FRAC if allocator_overhead_frac is None else allocator_overhead_frac
     context = (partition.cuda_context_mib if cuda_context_mib is None else cuda_context_mib) if gpu else 0.0
     peak_mib = peak.total / MIB
+    capacity = capacity_mib(partition, plan)
+    margin = safety_margin_mib(capacity)
+    dm = None
+    if gpu and allocator_model:
+        dm = plan_device_memory(shape, plan, dt, states, acts, gpu_model=partition.gpu_model,
+                                capacity_mib=capacity - margin - context, runtime=runtime)
+        reserved = max(dm.peak_reserved_mib, peak_mib)
+        extras = dict(dm.extras_mib)
+    else:
+        reserved, extras = peak_mib, {}
+    if gpu and allocator_overhead_frac is not None:
+        reserved = max(reserved, peak_mib * (1 + allocator_overhead_frac))
     components = {"params": peak.params / MIB, "grads": peak.grads / MIB, "optimizer": peak.optimizer / MIB,
                   "activations": peak.activations / MIB, "temporaries": peak.temporaries / MIB,
-                  "cuda_context": context, "allocator_overhead": peak_mib * frac}
+                  "cuda_context": context, "allocator_overhead": reserved - peak_mib}
     assert tuple(components) == COMPONENTS
-    device_used = context + peak_mib * (1 + frac)
+    device_used = context + reserved + sum(extras.values())
     ranks = plan.gpus_per_node
     host = states.host_bytes_per_rank * ranks / MIB
-    capacity = capacity_mib(partition, plan)
-    fits_device = device_used <= capacity - safety_margin_mib(capacity)
+    fits_device = device_used <= capacity - margin and (dm is None or dm.fits)
     # On a CPU partition the ranks' own memory comes out of the same host memory; on a GPU
     # partition the ranks first build the model on the host (before the offload buffers exist).
     host_needed = max(host, startup_host_bytes_per_rank(shape, plan) * ranks / MIB) if gpu else host + device_used * ranks
     fits_host = host_needed <= job_host_mib(partition, plan)
-    notes = _notes(shape, plan, partition, peak, host_needed, fits_host, cuda_context_mib, allocator_overhead_frac)
+    notes = _notes(shape, plan, partition, peak, host_needed, fits_host, cuda_context_mib, allocator_overhead_frac,
+                   dm, runtime, allocator_model)
+    fix = dm.fix if dm is not None and dm.fragmentation_only else None
     return Estimate(method="analytic", components=components, peak_allocated_mib=peak_mib,
                     device_used_mib=device_used, host_mib_per_node=host, capacity_mib=capacity,
-                    headroom_mib=capacity - device_used, fits=fits_device and fits_host, notes=notes)
+                    headroom_mib=capacity - device_used, fits=fits_device and fits_host, notes=notes,
+                    peak_reserved_mib=reserved, fragmentation=dm.fragmentation if dm else 0.0,
+                    segments=dm.segments if dm else 0, gpu_extras_mib=extras,
+                    fits_allocated=(dm.fits_allocated if dm else None),
+                    fragmentation_only=bool(dm and dm.fragmentation_only), alloc_conf_fix=fix,
+                    fix_device_used_mib=(context + dm.fix_peak_reserved_mib + sum(extras.values())
+                                         if fix and dm.fix_peak_reserved_mib is not None else None),
+                    oom=oom_figures(dm.oom) if dm is not None and dm.oom is not None else None)
+
+
+def oom_figures(oom) -> dict:
+    """PyTorch's OOM figures in MiB, from the replay's ``OutOfMemory``."""
+    return {"request_mib": oom.request / MIB, "allocated_mib": oom.allocated / MIB,
+            "reserved_mib": oom.reserved / MIB, "free_mib": oom.free / MIB}
 
 
 def startup_host_bytes_per_rank(shape: ModelShape, plan: Plan) -> float:
@@ -425,7 +466,8 @@ def safety_margin_mib(capacity: float) -> float:
 
 
 def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, host_needed: float, fits_host: bool,
-           context_arg: float | None, overhead_arg: float | None) -> tuple[str, ...]:
+           context_arg: float | None, overhead_arg: float | None, dm=None, runtime: Runtime | None = None,
+           allocator_model: bool = True) -> tuple[str, ...]:
     """The assumptions that matter for this estimate, for a person to read."""
     notes = [f"peak at the {peak.name} (steady state: optimizer states exist)"]
     if partition.has_gpu and context_arg is None:
@@ -433,8 +475,22 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
             notes.append(f"CUDA context {partition.cuda_context_mib:g} MiB as measured on the partition")
         else:
             notes.append(f"partition not calibrated: using the profile's cuda_context_mib ({partition.cuda_context_mib:g} MiB)")
-    if overhead_arg is None:
-        notes.append(f"allocator overhead assumed {DEFAULT_ALLOCATOR_OVERHEAD_FRAC:.0%} of peak allocated")
+    if dm is not None:
+        notes.append(f"caching allocator replayed (steps 1-3{', ' + dm.alloc_conf if dm.alloc_conf else ''}): "
+                     f"{dm.peak_reserved_mib:.0f} MiB reserved, {dm.fragmentation:.0%} of it unallocated at its peak, "
+                     f"{dm.segments} segments")
+        if dm.fragmentation_only:
+            notes.append("the tensors fit but the allocator's reserved memory does not (fragmentation)"
+                         + (f": PYTORCH_CUDA_ALLOC_CONF={dm.fix} makes it fit ({dm.fix_peak_reserved_mib:.0f} MiB reserved)"
+                            if dm.fix else "; no allocator setting tried makes it fit"))
+        for name, mib in dm.extras_mib.items():
+            notes.append(f"{name.replace('_', ' ')}: {mib:.0f} MiB outside the caching allocator")
+    elif partition.has_gpu and not allocator_model:
+        notes.append("allocator not replayed: reserved taken as the allocated peak (a lower bound)")
+    if overhead_arg is not None and partition.has_gpu:
+        notes.append(f"reserved at least {overhead_arg:.0%} over allocated, as measured on the partition")
+    if runtime is not None and runtime != DEFAULT_RUNTIME:
+        notes.append(f"runtime: {runtime}")
     if not partition.has_gpu:
         notes.append(f"CPU partition: capacity is the job's host memory shared by {plan.gpus_per_node} rank(s); "
                      "the Python/torch process itself is not counted")

@@ -115,3 +115,31 @@ def device_memory(events: Callable[[], Sequence] | Sequence, *, capacity_mib: fl
                         fragmentation=shown.fragmentation, segments=shown.segments, extras_mib=extras,
                         allocator_capacity_mib=capacity_mib, fits=fits, fits_allocated=fits_alloc,
                         oom=bounded.oom, fix=fix, fix_peak_reserved_mib=fix_peak, alloc_conf=cfg.text, unbounded=free)
+
+
+STEPS = 3
+"""Training steps replayed: step 1 places the optimizer states into blocks the activations just
+freed, step 2 meets them, step 3 is where the reserved peak settles (later steps repeat it)."""
+
+
+def plan_device_memory(shape, plan, dt, states, acts, *, gpu_model: str | None, capacity_mib: float | None,
+                       runtime=None, events=None, key_extra=()) -> DeviceMemory:
+    """The analytic (or given) stream of ``plan`` replayed under the memory the allocator may take,
+    ``capacity_mib`` (already less the margin, the context and ``gpu_extras_mib``), with the
+    extras named. ``events``: a recorded stream (traced) instead of the analytic one."""
+    from .gpu import DEFAULT_RUNTIME, gpu_extras_mib
+    from .stream import step_events
+
+    runtime = runtime or DEFAULT_RUNTIME
+    extras = gpu_extras_mib(plan.world_size, gpu_model, runtime)
+    cap = None if capacity_mib is None else capacity_mib - sum(extras.values())
+    if events is None:
+        sharded = plan.launcher != "torchrun"  # DeepSpeed and FSDP keep flat buffers
+
+        def events():
+            return step_events(shape, plan, dt, states, acts, gpu_model=gpu_model, runtime=runtime, steps=STEPS,
+                               sharded=sharded)
+        key = ("analytic", shape, plan, dt, states, acts, runtime, gpu_model, *key_extra)
+    else:
+        key = None
+    return device_memory(events, capacity_mib=cap, alloc_conf=plan.alloc_conf, extras_mib=extras, key=key)

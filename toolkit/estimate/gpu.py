@@ -155,3 +155,15 @@ def ddp_bucket_sizes(grad_bytes_in_order: list[int]) -> list[int]:
     if cur:
         out.append(cur)
     return out
+
+
+def gpu_extras_mib(world_size: int, gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, float]:
+    """Device memory outside the caching allocator (MiB, by name): NCCL's buffers on more than one
+    rank; cuBLAS's own workspace where torch did not route it through the allocator (< 1.11)."""
+    out: dict[str, float] = {}
+    nccl = nccl_buffer_bytes(world_size)
+    if nccl:
+        out["nccl_buffers"] = nccl / MIB
+    if not runtime.cublas_in_allocator:
+        out["cublas_workspace"] = cublas_workspace_bytes(gpu_model, runtime.cublas_workspace_config) / MIB
+    return out

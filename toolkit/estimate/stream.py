@@ -157,12 +157,14 @@ def layer_tensors(shape: ModelShape, plan, dt, acts) -> _Layer:
     return _Layer(saved, kept, casts, backward)
 
 
-def _outside(shape: ModelShape, plan, dt, acts) -> tuple[list[int], int]:
-    """(tensors saved outside the layers except the log-probs, the log-probs' bytes)."""
+def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], int]:
+    """(tensors saved outside the layers except the log-probs, the log-probs' bytes: fp32 when the
+    loss upcasts the logits, else the compute dtype)."""
     from .analytic import sequence_length
 
     tokens = plan.micro_batch * sequence_length(shape, plan)
-    logprobs = 4 * tokens * shape.vocab if shape.task == "causal-lm" else 0
+    elem = 4 if runtime.logits_fp32 else dt.compute
+    logprobs = elem * tokens * shape.vocab if shape.task == "causal-lm" else 0
     rest = acts.outside_bytes - logprobs
     return _split(rest, tokens * shape.hidden * dt.param), int(logprobs)
 
@@ -202,7 +204,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     if sharded and states.optimizer_bytes > 0:  # DeepSpeed/FSDP: master copy and states made at start-up
         flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK)]
     persistent_grads: list[int] = []
-    if states.persistent_grads and states.grads_bytes > 0:
+    if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
         persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
     if states.buffer_bytes > 0:
         if per_tensor and plan.world_size > 1:
@@ -217,7 +219,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             alloc(CUBLASLT_WORKSPACE_OLD)
 
     layer = layer_tensors(shape, plan, dt, acts)
-    outside, logprobs = _outside(shape, plan, dt, acts)
+    outside, logprobs = _outside(shape, plan, dt, acts, runtime)
     head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
     grads: dict[int, int] = {}  # param index -> id
     first_layer = _first_layer_index(params)
