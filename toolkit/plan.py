@@ -251,7 +251,8 @@ def parse_knob(name: str, text: str) -> Any:
     return text
 
 
-_INTEGER = re.compile(r"-?[0-9]{1,18}", re.ASCII)
+_INTEGER = re.compile(r"-?[0-9]{1,30}", re.ASCII)
+"""An integer as ``--set`` takes it: ASCII digits (30 at most: the Plan's bounds then say what is too large)."""
 
 
 def parse_sets(pairs) -> dict[str, Any]:
