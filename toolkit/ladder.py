@@ -128,6 +128,8 @@ ALLOW_NAMES = ("alloc_conf", "precision", "attention", "micro_batch", "checkpoin
 GPU_KINDS = ("gpu_oom", "gpu_oom_fragmentation", "gpu_driver_oom", "nccl_oom")
 HOST_KINDS = ("host_oom", "cpu_alloc_oom")
 EXPANDABLE = "expandable_segments:True"
+LIMIT_KINDS = ("gpu_driver_oom", "nccl_oom")
+"""GPU-side failures that never state numbers (outside the caching allocator): the card's memory is the limit."""
 
 # --- memory model (see the module docstring)
 MARGIN = 0.10
@@ -690,11 +692,50 @@ def next_plan(
     if attempts_made >= max_attempts:
         return _give_up(plan, partition, tried, f"{attempts_made} of {max_attempts} allowed attempts are used up")
     first = (tried[0] if isinstance(tried[0], Plan) else tried[0][0]) if tried else plan
+    host = verdict.kind in HOST_KINDS or _shm(verdict)
+    numbers = dict(verdict.numbers)
+    if footprint(plan, numbers, partition.cuda_context_mib) is None and (host or verdict.kind in LIMIT_KINDS):
+        numbers = {**(limit_numbers(plan, partition, host) or {}), **numbers}
     ctx = _Ctx(partition, partition, frozenset(allow), _tried_set([plan, *tried], partition),
-               dict(verdict.numbers), verdict.kind, saving=saving, anchor=first)
-    if verdict.kind in HOST_KINDS or _shm(verdict):
+               numbers, verdict.kind, saving=saving, anchor=first)
+    if host and not partition.has_gpu and not ctx.allows("mem"):
+        jumped = _cpu_host_jump(plan, ctx)
+        if jumped is not None:
+            return jumped
+    if host:
         return _host_decision(plan, ctx, bigger, tried)
     return _gpu_decision(plan, ctx, bigger, tried)
+
+
+def limit_numbers(plan: Plan, partition: Partition, host: bool) -> dict | None:
+    """What an OOM that states no numbers still tells: the job reached its limit. Host memory on a CPU partition
+    (where activations and states live): ``--mem`` (the plan's, else the partition's default) shared by the
+    node's ranks; the device's memory for a GPU-side failure (driver, NCCL): the card's. As verdict numbers
+    (MiB per rank): in use = the limit, nothing free, nothing more asked. None when no limit is known (a host
+    failure on a GPU partition is about offload buffers, which these numbers do not describe)."""
+    if host and not partition.has_gpu:
+        limit = _mem_now(plan, partition)
+        per_rank = None if limit is None else limit / plan.gpus_per_node
+    elif not host and partition.has_gpu:
+        per_rank = partition.gpu_mem_gib * 1024
+    else:
+        per_rank = None
+    if not per_rank:
+        return None
+    return {"tried_to_allocate_mib": 0.0, "total_capacity_mib": float(per_rank), "free_mib": 0.0}
+
+
+def _cpu_host_jump(plan: Plan, ctx: _Ctx) -> Decision | None:
+    """A host OOM on a CPU partition with ``mem`` not allowed: climb the moves that shrink a rank's memory there
+    (micro-batch, checkpointing, sharding) until one is predicted to fit under ``--mem``, in one decision; None
+    when nothing is predicted to fit (the host ladder then takes one rung)."""
+    ctx = _with_numbers(plan, ctx)
+    if ctx.fp is None:
+        return None
+    reached, fits = _climb(plan, (_micro_batch, _checkpointing, _shard), ctx)
+    if not fits:
+        return None
+    return _retry(plan, reached, ctx, f"{_gap_text(ctx)} (no numbers stated: --mem is the limit it reached)")
 
 
 def _said(verdict: Verdict) -> str:
@@ -739,7 +780,8 @@ def _gpu_decision(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: lis
 
 def _with_numbers(plan: Plan, ctx: _Ctx) -> _Ctx:
     """``ctx`` with the failed plan's footprint and the target peak, when the verdict's numbers say enough."""
-    fp = footprint(plan, ctx.numbers, ctx.partition.cuda_context_mib, ctx.anchor)
+    context = ctx.partition.cuda_context_mib if ctx.partition.has_gpu else 0.0
+    fp = footprint(plan, ctx.numbers, context, ctx.anchor)
     if fp is None:
         return ctx
     usable = fp.usable_mib if fp.usable_mib is not None else ctx.partition.gpu_mem_gib * 1024

@@ -135,7 +135,7 @@ def test_nccl_shared_memory_goes_to_the_host_ladder_device_memory_to_the_gpu_lad
 
 
 def test_rung_order_on_v100_fp16_and_no_flash():
-    moves = [d.moves for d in walk(FP32, "gpu_driver_oom", V100)[:-1]]
+    moves = [d.moves for d in walk(FP32, "gpu_oom", V100)[:-1]]  # no numbers stated: one rung per failure
     assert moves[:3] == [("precision:fp16-mixed",), ("attention:sdpa",), ("micro_batch:32->16",)]
     flat = [m for ms in moves for m in ms]
     assert not any("bf16" in m or "flash" in m for m in flat)
@@ -524,3 +524,19 @@ def test_decision_to_dict_is_json():
     assert out["moves"] == ["precision:fp16-mixed"] and out["plan"]["precision"] == "fp16-mixed"
     stop = Decision("stop", None, V100, reason="x").to_dict()
     assert stop["plan"] is None and stop["moves"] == []
+
+
+def test_a_failure_without_numbers_jumps_to_what_fits_under_the_known_limit():
+    """Driver and NCCL OOMs state no numbers, but the card's memory is the limit they reached; a host OOM on a CPU
+    partition reached --mem. The ladder climbs as many rungs as the memory model needs, in one decision."""
+    d = next_plan(FP32, Verdict("gpu_driver_oom", {}), V100, allow=DEFAULT_ALLOW)
+    assert d.action == "retry" and d.predicted_peak_mib is not None
+    assert d.predicted_peak_mib <= V100.gpu_mem_gib * 1024 * (1 - MARGIN)
+    # the same failure as a caching-allocator OOM with its numbers lost: one rung, no prediction
+    one = next_plan(FP32, Verdict("gpu_oom", {}), V100, allow=DEFAULT_ALLOW)
+    assert len(one.moves) == 1 and one.predicted_peak_mib is None
+    # host OOM on a CPU partition, --mem not allowed to grow: micro-batch, checkpointing, sharding until it fits
+    cpu_plan = Plan(gpus_per_node=2, global_batch=64, micro_batch=32, grad_accum=1, seq_len=512, mem_mib=6144)
+    jump = next_plan(cpu_plan, Verdict("host_oom", {}), CPU, allow=("micro_batch", "checkpointing", "fsdp"))
+    assert jump.action == "retry" and jump.predicted_peak_mib <= 6144 / 2 * (1 - MARGIN)
+    assert "--mem is the limit" in jump.reason
