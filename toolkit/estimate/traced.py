@@ -144,23 +144,30 @@ class _Layout:
 # -- the public entry ------------------------------------------------------------------
 
 def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Plan, partition: Partition, *,
-                    model_factory: Callable[[], Any] | None = None, allocator_overhead_frac: float = 0.07,
-                    cuda_context_mib: float | None = None, steps: int = 2) -> Estimate:
+                    model_factory: Callable[[], Any] | None = None, allocator_overhead_frac: float | None = None,
+                    cuda_context_mib: float | None = None, steps: int = 2, runtime=None,
+                    allocator_model: bool = True) -> Estimate:
     """Trace ``steps`` training steps of the plan's model and return its memory per GPU (MiB).
 
     ``model_config`` is a transformers config dict (``toolkit.models.load_model_config``)
     for ``task`` (causal-lm, seq-cls, image-cls: random ``pixel_values`` of the config's
     image size, the plan's seq_len not used); or ``model_factory`` makes the model (see
     ``TracedModel``; then ``model_config`` and ``task`` are not used). The peak is the
-    highest traced total over all steps after ZeRO/offload arithmetic;
-    ``device_used_mib`` = CUDA context (``cuda_context_mib``, default the partition's) +
-    peak x (1 + ``allocator_overhead_frac``). Capacity is the partition's GPU memory, or
+    highest traced total over all steps after ZeRO/offload arithmetic.
+    On a GPU partition the step's real alloc/free stream is recorded from a second fake run
+    (``record.record_training``: every storage, in order) and replayed through the caching-allocator
+    model (``allocator.py``) under the plan's ``alloc_conf``: ``peak_reserved_mib`` is its reserved
+    peak (for a sharded engine, whose rank the unsharded trace is not, the traced peak plus what the
+    allocator adds over the analytic stream of the same plan). ``device_used_mib`` = CUDA context
+    (``cuda_context_mib``, default the partition's) + peak reserved + memory outside the allocator.
+    ``allocator_overhead_frac`` (a partition's measured reserved/allocated - 1) raises the reserved
+    peak where it says more. Capacity is the partition's GPU memory, or
     on a CPU partition each rank's share of the node's memory (``mem_mib`` if the plan
     sets it, else the partition default, else all of it).
     """
     if steps < 1:
         raise ConfigError(f"steps must be at least 1, got {steps}")
-    if allocator_overhead_frac < 0:
+    if allocator_overhead_frac is not None and allocator_overhead_frac < 0:
         raise ConfigError(f"allocator_overhead_frac must be >= 0, got {allocator_overhead_frac}")
     target = "cuda" if partition.has_gpu else "cpu"
     trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps)
@@ -172,7 +179,45 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     gpu, host_bytes, shard_notes = shard(trace, plan)
     notes += shard_notes
     context = partition.cuda_context_mib if cuda_context_mib is None else float(cuda_context_mib)
-    return _estimate(gpu, host_bytes, plan, partition, context, allocator_overhead_frac, notes)
+    dm = None
+    if partition.has_gpu and allocator_model:
+        dm = _replayed(model_config, task, plan, partition, context, model_factory, runtime, notes)
+    return _estimate(gpu, host_bytes, plan, partition, context, allocator_overhead_frac, notes, dm)
+
+
+def _replayed(model_config, task: str, plan: Plan, partition: Partition, context: float, model_factory, runtime,
+              notes: list[str]):
+    """The caching allocator's view of the plan's step (``device.DeviceMemory``): the recorded stream of
+    an unsharded (torchrun) step replayed; for a sharded engine the analytic stream's replay (its
+    reserved-over-allocated added to the traced peak by ``_estimate``). None when neither can be had."""
+    from .device import plan_device_memory
+
+    capacity = partition.gpu_mem_gib * 1024 - context
+    if plan.launcher == "torchrun":
+        from .record import record_training
+
+        events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory)
+        return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
+                                  capacity_mib=capacity, runtime=runtime, events=events)
+    if model_config is None:
+        notes.append("allocator not replayed: a sharded engine's stream comes from the analytic model, which needs "
+                     "a model config")
+        return None
+    from ..errors import ConfigError as _ConfigError
+    from ..modelshape import ModelShape
+    from . import analytic as an
+
+    try:
+        shape = ModelShape.from_config(model_config, task=task)
+    except _ConfigError as exc:
+        notes.append(f"allocator not replayed: the analytic stream of a sharded engine needs the model's shape ({exc})")
+        return None
+    dt = an.dtypes_for(plan, True)
+    states = an.model_states(shape, plan, dt)
+    acts = an.activations(shape, plan, dt, runtime or an.DEFAULT_RUNTIME)
+    notes.append(f"{plan.launcher}: the allocator's overhead over the tensors is the analytic stream's, replayed")
+    return plan_device_memory(shape, plan, dt, states, acts, gpu_model=partition.gpu_model, capacity_mib=capacity,
+                              runtime=runtime)
 
 
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
@@ -286,22 +331,37 @@ def _scaled_peak(samples: Sequence[tuple], scale: Mapping[str, float], extra: in
 # -- Estimate --------------------------------------------------------------------------
 
 def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition: Partition, context_mib: float,
-              overhead_frac: float, notes: list[str]) -> Estimate:
+              overhead_frac: float | None, notes: list[str], dm=None) -> Estimate:
     parts = {"params": (gpu["params"] + gpu["buffers"]) / MIB,
              "grads": (gpu["grads"] + gpu["other"]) / MIB,  # "other" holds only DDP's gradient buckets
              "optimizer": gpu["optimizer"] / MIB, "activations": gpu["activations"] / MIB,
              "temporaries": gpu["temporaries"] / MIB}
     peak = sum(parts.values())
+    extras: dict[str, float] = {}
+    reserved = peak
+    if dm is not None:
+        extras = dict(dm.extras_mib)
+        if plan.launcher == "torchrun":
+            reserved = max(peak, dm.peak_reserved_mib)
+        else:
+            reserved = peak + max(0.0, dm.peak_reserved_mib - dm.peak_allocated_mib)
+        notes.append(f"caching allocator replayed: {reserved:.0f} MiB reserved, {dm.fragmentation:.0%} of it "
+                     f"unallocated at its peak, {dm.segments} segments")
+        if dm.fragmentation_only:
+            notes.append("the tensors fit but the allocator's reserved memory does not (fragmentation)"
+                         + (f": PYTORCH_CUDA_ALLOC_CONF={dm.fix} makes it fit" if dm.fix else ""))
+    if partition.has_gpu and overhead_frac is not None:
+        reserved = max(reserved, peak * (1 + overhead_frac))
     parts["cuda_context"] = context_mib
-    parts["allocator_overhead"] = peak * overhead_frac
+    parts["allocator_overhead"] = reserved - peak
     components = {name: round(parts[name], 3) for name in COMPONENTS}
-    device_used = context_mib + peak * (1 + overhead_frac)
+    device_used = context_mib + reserved + sum(extras.values())
     host = host_bytes / MIB
     if partition.has_gpu:
         capacity = partition.gpu_mem_gib * 1024
         headroom = capacity - device_used
         node_mem = plan.mem_mib or partition.host_mem_gib * 1024
-        fits = headroom >= 0 and host <= node_mem
+        fits = headroom >= 0 and host <= node_mem and (dm is None or dm.fits or plan.launcher != "torchrun")
         if host > node_mem:
             notes.append(f"offload needs {host:.0f} MiB of host memory per node; the node offers {node_mem:.0f} MiB")
     else:
@@ -311,9 +371,16 @@ def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition
         fits = headroom >= 0
         notes.append(f"CPU partition: capacity is each of {plan.gpus_per_node} rank(s)' share of {node_mem:.0f} MiB "
                      "host memory per node; cuda_context stands for each process's own baseline")
+    fix = dm.fix if dm is not None and dm.fragmentation_only else None
     return Estimate(method="traced", components=components, peak_allocated_mib=round(peak, 3),
                     device_used_mib=round(device_used, 3), host_mib_per_node=round(host, 3),
-                    capacity_mib=round(capacity, 3), headroom_mib=round(headroom, 3), fits=fits, notes=tuple(notes))
+                    capacity_mib=round(capacity, 3), headroom_mib=round(headroom, 3), fits=fits, notes=tuple(notes),
+                    peak_reserved_mib=round(reserved, 3) if partition.has_gpu else round(peak, 3),
+                    fragmentation=dm.fragmentation if dm else 0.0, segments=dm.segments if dm else 0,
+                    gpu_extras_mib=extras, fits_allocated=dm.fits_allocated if dm else None,
+                    fragmentation_only=bool(dm and dm.fragmentation_only), alloc_conf_fix=fix,
+                    fix_device_used_mib=(context_mib + dm.fix_peak_reserved_mib + sum(extras.values())
+                                         if fix and dm.fix_peak_reserved_mib is not None else None))
 
 
 # -- building the model ----------------------------------------------------------------
