@@ -69,20 +69,27 @@ import os
 import signal
 import socket
 import sys
+import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from . import models, optimizers
 from .errors import ConfigError, HpcmemError, PlanError
 from .plan import Plan, parse_sets, with_changes
+from .runtime import checkpoint as ckpt
 from .runtime import jobenv
 from .runtime.adapters import HF_ATTENTION
 from .runtime.monitor import MemoryMonitor
+from .runtime.oom import OomRehearsal
+
+_STARTED = time.time()  # this process's start: the job's, near enough, when Slurm does not say
 
 # --optim values of HF TrainingArguments (and the plan's own names and aliases) -> plan optimizer.
 OPTIM_NAMES = optimizers.script_names()
 
 
 DEFAULT_LR = 1e-4
+DEFAULT_EVERY_MIN = 30.0
 
 
 # -- command line -----------------------------------------------------------------
@@ -110,6 +117,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="where metrics go outside an hpcmem job (default: HPCMEM_ATTEMPT_DIR, else none)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KNOB=VALUE",
                    help="override a plan knob (repeatable)")
+    ck = p.add_argument_group("checkpoints and resume (docs/resume.md)")
+    ck.add_argument("--checkpoint-dir", default=None,
+                    help="where saves go and are resumed from (default: HPCMEM_CHECKPOINT_DIR; none: no checkpoints)")
+    ck.add_argument("--checkpoint-every-steps", type=int, default=0, metavar="N",
+                    help="save every N optimizer steps (0: off)")
+    ck.add_argument("--checkpoint-every-min", type=float, default=None, metavar="M",
+                    help=f"save every M minutes (default {DEFAULT_EVERY_MIN:g} when there is a checkpoint directory "
+                         "and no step interval; 0: off)")
+    ck.add_argument("--checkpoint-margin-s", type=float, default=None, metavar="S",
+                    help="save this long before the job's time limit (default 10%% of the limit, 20-300 s)")
+    ck.add_argument("--checkpoint-digest", action="store_true",
+                    help="record a sha256 of the model and optimizer state with each save and resume (gathers it)")
+    ck.add_argument("--no-resume", dest="resume", action="store_false",
+                    help="start from step 0 even when the checkpoint directory holds saves")
+    oom = p.add_argument_group("rehearse a real out-of-memory failure")
+    oom.add_argument("--oom-at-step", type=int, default=None, metavar="N",
+                     help="from optimizer step N on, really allocate past the job's memory limit")
+    oom.add_argument("--oom-rank", type=int, default=None, metavar="R", help="only rank R allocates (default: all)")
+    oom.add_argument("--oom-kind", choices=("activations", "fixed"), default="activations",
+                     help="activations: the extra memory scales with the micro-batch (held during each forward and "
+                          "backward); fixed: one block that no micro-batch avoids (default activations)")
+    oom.add_argument("--oom-mib", type=float, default=None, metavar="MIB",
+                     help="the extra memory: MiB per sample (activations) or in all (fixed); default: 110%% of the "
+                          "limit this process runs under (per sample: divided by the micro-batch of the first step "
+                          "that allocates)")
     hf = p.add_argument_group("Hugging Face style overrides (win over the plan when given)")
     hf.add_argument("--per_device_train_batch_size", type=int)
     hf.add_argument("--gradient_accumulation_steps", type=int)
@@ -125,6 +157,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be at least 1")
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
+    if args.checkpoint_every_steps < 0 or (args.checkpoint_every_min is not None and args.checkpoint_every_min < 0):
+        p.error("checkpoint intervals must be >= 0")
+    if args.oom_at_step is not None and args.oom_at_step < 1:
+        p.error("--oom-at-step must be at least 1")
+    if args.oom_mib is not None and args.oom_mib <= 0:
+        p.error("--oom-mib must be positive")
     return args
 
 
@@ -465,17 +503,24 @@ class Trainer:
         # FSDP's mixed-precision policy casts weights and inputs itself: no autocast around it.
         autocast = None if fsdp else {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(plan.precision)
         scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16-mixed" else None
+        engine = BoundEngine(plan.strategy, model, optimizer)
+        start, saver = self.start_checkpoints(device, engine, batches, scaler)
+        rehearsal = self.oom_rehearsal(device)
         model.train()
         self.monitor.begin_steps()
-        for step in range(1, self.args.steps + 1):
+        for step in range(start + 1, self.args.steps + 1):
             total = torch.zeros((), device=device)
             for micro in range(plan.grad_accum):
                 last = micro == plan.grad_accum - 1
                 sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
                 with sync:
+                    if rehearsal:
+                        rehearsal.before_micro(step, plan.micro_batch)
                     with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
                         loss = model(**batches.next()).loss / plan.grad_accum
                     (scaler.scale(loss) if scaler else loss).backward()
+                    if rehearsal:
+                        rehearsal.after_micro()
                 total += loss.detach().float()
             if scaler:
                 scaler.step(optimizer)
@@ -484,6 +529,8 @@ class Trainer:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             self.end_step(step, total.item())
+            if saver:
+                saver(step)
 
     def train_deepspeed(self, model, batches: "SyntheticBatches") -> None:
         import deepspeed
@@ -500,16 +547,87 @@ class Trainer:
             cfg = {**cfg, "zero_allow_untested_optimizer": True}
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
         batches.device = engine.device
+        bound = BoundEngine(self.plan.strategy, engine, None)
+        start, saver = self.start_checkpoints(engine.device, bound, batches, None)
+        rehearsal = self.oom_rehearsal(engine.device)
         engine.train()
         self.monitor.begin_steps()
-        for step in range(1, self.args.steps + 1):
+        for step in range(start + 1, self.args.steps + 1):
             total = torch.zeros((), device=engine.device)
             for _ in range(self.plan.grad_accum):
+                if rehearsal:
+                    rehearsal.before_micro(step, self.plan.micro_batch)
                 loss = engine(**batches.next()).loss
                 engine.backward(loss)
+                if rehearsal:
+                    rehearsal.after_micro()
                 engine.step()
                 total += loss.detach().float()
             self.end_step(step, total.item() / self.plan.grad_accum)
+            if saver:
+                saver(step)
+
+    # -- checkpoints and the OOM rehearsal --
+
+    def checkpointer(self, device) -> "ckpt.Checkpointer | None":
+        """The rank's Checkpointer when there is a checkpoint directory (--checkpoint-dir, HPCMEM_CHECKPOINT_DIR)."""
+        args = self.args
+        root = args.checkpoint_dir or ckpt.checkpoint_dir()
+        if not root:
+            return None
+        every_min = args.checkpoint_every_min
+        if every_min is None:
+            every_min = 0.0 if args.checkpoint_every_steps else DEFAULT_EVERY_MIN
+        plan = self.plan.to_dict()
+        # Outside a job there is no time limit to save before (the plan's time_min is only a default then).
+        deadline = ckpt.job_deadline(plan if jobenv.in_hpcmem_job() else {}, started=_STARTED)
+        limit_s = 60.0 * float(plan.get("time_min") or 0)
+        policy = ckpt.Policy(every_steps=args.checkpoint_every_steps or None, every_s=60.0 * every_min or None,
+                             deadline=deadline, margin_s=ckpt.margin_s(limit_s, args.checkpoint_margin_s))
+        attempt_dir = jobenv.attempt_dir(required=False)
+        saver = ckpt.Checkpointer(Path(root), policy, self.ranks, plan, monitor=self.monitor, device=device,
+                                  digest=args.checkpoint_digest, attempt=attempt_dir.name if attempt_dir else None)
+        saver.install_signal()
+        return saver
+
+    def start_checkpoints(self, device, engine: "BoundEngine", batches: "SyntheticBatches", scaler):
+        """Resume from the newest save this layout reads; returns (the step to continue after, a per-step saver)."""
+        saver = self.checkpointer(device)
+        if saver is None:
+            return 0, None
+        rank, seed = self.ranks.rank, self.args.seed
+
+        def extras_save() -> dict:
+            return ckpt.rng_state(batches.generator, scaler)
+
+        def extras_load(state, step: int) -> str | None:
+            if state is not None:
+                ckpt.restore_rng(state, batches.generator, scaler)
+                return None
+            import torch
+
+            # No state for this rank (the world size changed): a data position derived from (seed, rank, step).
+            torch.manual_seed(seed + 7919 * rank + step)
+            batches.generator.manual_seed(seed + 1000 * rank + 1_000_003 * step)
+            return (f"the save has no RNG and data state for rank {rank} (it was written by another world size): "
+                    "reseeded from (seed, rank, step)")
+
+        fmt = ENGINE_FORMATS[self.plan.strategy.name]
+        if self.args.resume:
+            start = saver.resume(engine, extras_load, fmt)
+        else:
+            start = 0
+            saver._record(resume={"dir": str(saver.root), "resumed_from_step": None, "restart_reason": "--no-resume"})
+        if start >= self.args.steps:
+            self.log(f"hpcmem train: the checkpoint is at step {start}, --steps is {self.args.steps}: nothing to train")
+        return start, lambda step: saver.maybe_save(step, engine, extras_save)
+
+    def oom_rehearsal(self, device) -> OomRehearsal | None:
+        args = self.args
+        if args.oom_at_step is None:
+            return None
+        return OomRehearsal(args.oom_at_step, kind=args.oom_kind, rank=args.oom_rank, mib=args.oom_mib,
+                            my_rank=self.ranks.rank, device=device)
 
     def end_step(self, step: int, loss: float) -> None:
         plan = self.plan
@@ -523,6 +641,26 @@ class Trainer:
         if allocated is not None:
             line += f" peak_alloc {allocated:.0f} MiB"
         print(line, flush=True)
+
+
+# The save format each engine writes (runtime/checkpoint.py says which engines read which).
+ENGINE_FORMATS = {"torchrun": ckpt.FORMAT_FULL, "fsdp": ckpt.FORMAT_DCP, "deepspeed": ckpt.FORMAT_DEEPSPEED}
+
+
+class BoundEngine:
+    """A strategy's checkpoint methods bound to this run's model (or DeepSpeed engine) and optimizer."""
+
+    def __init__(self, strategy, model, optimizer):
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+
+    def save_state(self, directory, ranks) -> str:
+        return self.strategy.save_state(directory, ranks, self.model, self.optimizer)
+
+    def load_state(self, directory, saved) -> None:
+        self.strategy.load_state(directory, saved, self.model, self.optimizer)
+
+    def digest(self):
+        return self.strategy.state_digest(self.model, self.optimizer)
 
 
 class SyntheticBatches:

@@ -23,6 +23,10 @@ RANKS_DIR = "metrics"
 # Per-rank memory figures merged as the max over ranks.
 MEMORY_KEYS = ("peak_allocated_mib", "peak_reserved_mib", "device_used_mib", "peak_rss_mib")
 
+# Resume facts a rank records (rank 0's win): the step resumed from (None: a fresh start), the last complete
+# save ({path, step}), how the resume went, the moves made inside the job.
+RESUME_KEYS = ("resumed_from_step", "checkpoint", "resume", "inflight_moves")
+
 STATUS_OK, STATUS_FAILED, STATUS_RUNNING, STATUS_INCOMPLETE = "ok", "failed", "running", "incomplete"
 
 
@@ -96,6 +100,11 @@ def merge_ranks(records: Iterable[Mapping[str, Any]], world_size: int, plan: Map
     for key in MEMORY_KEYS:
         values = [r[key] for r in ordered if _finite(r.get(key))]
         out[key] = max(values) if values else None
+    # resume facts (docs/resume.md): rank 0's, else the first rank that has them
+    for key in RESUME_KEYS:
+        values = [r[key] for r in ordered if r.get(key) is not None]
+        if any(key in r for r in ordered):
+            out[key] = values[0] if values else None
     if missing:
         out["missing_ranks"] = missing
     out["ranks"] = {str(r["rank"]): r for r in ordered}

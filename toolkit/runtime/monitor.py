@@ -69,6 +69,8 @@ class MemoryMonitor:
         self._started = False
         self._stopped = False
         self.result: dict[str, Any] | None = None
+        # resume and checkpoint facts (docs/resume.md): resumed_from_step, checkpoint, resume, inflight_moves
+        self.fields: dict[str, Any] = {"resumed_from_step": None, "checkpoint": None}
         self._host = socket.gethostname()
         self._package_versions = metrics.versions()  # read once: package metadata costs milliseconds
         if device is not None:
@@ -166,6 +168,18 @@ class MemoryMonitor:
         if reason:
             self.applied.setdefault("reasons", {})[key] = reason
 
+    def set_fields(self, **fields: Any) -> None:
+        """Record resume facts in this rank's record (``resume`` also sets ``resumed_from_step``) and write the
+        rank file now, so a job killed right after a save still says so."""
+        if "resume" in fields:
+            self.fields["resumed_from_step"] = (fields["resume"] or {}).get("resumed_from_step")
+        self.fields.update(fields)
+        if self.attempt_dir is not None and self._started and not self._stopped:
+            try:
+                metrics.write_json_atomic(metrics.rank_file(self.attempt_dir, self.ranks.rank), self.record())
+            except Exception:  # noqa: BLE001 - a full disk must not kill training
+                pass
+
     @property
     def steps(self) -> int:
         return len(self.durations_s)
@@ -211,6 +225,7 @@ class MemoryMonitor:
             "peak_rss_mib": self.peak_rss_mib(),
             "applied": dict(self.applied),
             "versions": self._versions(),
+            **self.fields,
         }
         return record
 

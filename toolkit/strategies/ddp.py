@@ -40,3 +40,31 @@ class DDP(Strategy):
 
     def fabric_kwargs(self, plan) -> dict:
         return {"strategy": "ddp" if plan.world_size > 1 else "auto"}
+
+    # -- the runtime side (inside the job): checkpoints (docs/resume.md) ------------------------------------
+
+    def save_state(self, directory, ranks, model, optimizer) -> str:
+        """Rank 0 writes the full model and FQN-keyed optimizer state_dicts to ``state.pt`` (DDP's ranks hold the
+        same state); returns the save's format. FSDP and DDP of any world size can read it back."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from ..runtime.checkpoint import FORMAT_FULL, STATE_FILE
+
+        module = getattr(model, "module", model)
+        if ranks.is_main:
+            torch.save({"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, optimizer)},
+                       f"{directory}/{STATE_FILE}")
+        return FORMAT_FULL
+
+    def load_state(self, directory, saved, model, optimizer) -> None:
+        """Load a full or a torch.distributed.checkpoint save (an FSDP one converts) into the model and optimizer."""
+        from ..runtime.checkpoint import load_torch_state
+
+        load_torch_state(directory, saved.format, getattr(model, "module", model), optimizer)
+
+    def state_digest(self, model, optimizer):
+        """sha256 of the model and optimizer state (rank 0; None on the others)."""
+        from ..runtime.checkpoint import torch_digest
+
+        return torch_digest(getattr(model, "module", model), optimizer)

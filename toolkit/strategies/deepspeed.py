@@ -222,6 +222,42 @@ class DeepSpeed(Strategy):
                 * OFFLOAD_COST[plan.offload_params])
 
 
+    # -- the runtime side (inside the job): checkpoints (docs/resume.md) ------------------------------------
+
+    def save_state(self, directory, ranks, engine, optimizer=None) -> str:
+        """``engine.save_checkpoint`` into ``ds/`` (every rank writes its ZeRO partition); returns the format.
+        Only DeepSpeed of the same world size and ZeRO stage reads it back (conversion needs DeepSpeed's offline
+        universal checkpoint)."""
+        from ..runtime.checkpoint import FORMAT_DEEPSPEED
+
+        engine.save_checkpoint(f"{directory}/ds", tag="state", save_latest=False)
+        return FORMAT_DEEPSPEED
+
+    def load_state(self, directory, saved, engine, optimizer=None) -> None:
+        """``engine.load_checkpoint`` (model, optimizer partitions, scheduler); a save it cannot find is an error."""
+        path, _client = engine.load_checkpoint(f"{directory}/ds", tag="state")
+        if path is None:
+            raise ValueError(f"DeepSpeed found no loadable checkpoint in {directory}/ds")
+
+    def state_digest(self, engine, optimizer=None):
+        """sha256 of the model's parameters (rank 0): ZeRO's optimizer partitions are left out; under ZeRO-3 the
+        parameters are gathered first."""
+        from ..runtime.checkpoint import state_digest
+
+        module = engine.module
+        if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
+            import deepspeed
+
+            params = list(module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        else:
+            sd = module.state_dict()
+        if not getattr(engine, "global_rank", 0) == 0:
+            return None
+        return state_digest(sd, None)
+
+
 def _zero_section(plan, nvme_path: str | None, gpu: bool, largest_param: int | None) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": plan.zero_stage}
     if plan.zero_stage == 0:

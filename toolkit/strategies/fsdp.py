@@ -216,6 +216,31 @@ class FSDP(Strategy):
         return applied
 
 
+    def save_state(self, directory, ranks, model, optimizer) -> str:
+        """Every rank writes its shards with torch.distributed.checkpoint into ``dcp/`` (model and optimizer by
+        FQN); returns the save's format. FSDP of another world size and DDP read it back (resharded on load)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from ..runtime.checkpoint import DCP_DIR, FORMAT_DCP
+
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=f"{directory}/{DCP_DIR}")
+        return FORMAT_DCP
+
+    def load_state(self, directory, saved, model, optimizer) -> None:
+        """Load a torch.distributed.checkpoint or a full (DDP) save into the sharded model and optimizer."""
+        from ..runtime.checkpoint import load_torch_state
+
+        load_torch_state(directory, saved.format, model, optimizer)
+
+    def state_digest(self, model, optimizer):
+        """sha256 of the gathered model and optimizer state (a collective; rank 0 gets it, None on the others)."""
+        from ..runtime.checkpoint import torch_digest
+
+        return torch_digest(model, optimizer)
+
+
 def transformer_blocks(model) -> list:
     """The modules FSDP wraps one by one: those whose class the model names in ``_no_split_modules``."""
     names = set(getattr(model, "_no_split_modules", None) or ())
