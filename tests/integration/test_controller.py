@@ -379,3 +379,51 @@ def test_a_submission_uncertain_for_too_long_is_lost_not_retried_for_ever(tmp_pa
         after = controller.tick(ledger, run.run_id)
         assert after.state == "failed" and "could not be submitted" in after.reason
         assert ledger.attempts(run.run_id)[0].state == "LOST"
+
+
+@pytest.mark.parametrize("config", ["models/tiny.json", "{spec_dir}/models/tiny.json"])
+def test_the_recorded_spec_resolves_its_paths_as_at_submission(tmp_path, monkeypatch, config):
+    """runs.spec_for reads runs/<id>/spec.yaml; its script, {spec_dir} and model config still mean the user's
+    spec directory when that file is gone and the controller runs from elsewhere (cron, a detached watcher)."""
+    import shutil
+
+    from toolkit import runs
+    from toolkit.jobspec import load_spec
+    from toolkit.sites import load_site
+
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    shutil.copy(REPO / "jobs" / "models" / "tiny-gpt2.json", project / "models" / "tiny.json")
+    (project / "train.py").write_text("print('x')\n")
+    spec_file = project / "s.yaml"
+    spec_file.write_text(textwrap.dedent(f"""\
+        name: s
+        command: {{script: train.py, args: ["{{spec_dir}}/out"]}}
+        model: {{config: "{config}"}}
+        gpus_per_node: 1
+        training: {{global_batch: 1}}
+        """))
+    monkeypatch.chdir(project)  # as `hpcmem submit s.yaml` from the project directory
+    site = load_site("local")
+    part = site.partition(None)
+    spec = load_spec(spec_file)
+    with runs.open_ledger(tmp_path / "home") as ledger:
+        run = runs.create_run(ledger, spec, site, part, spec.first_plan(part), home=tmp_path / "home")
+    spec_file.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    recorded = runs.spec_for(run)
+    assert recorded.path == Path(run.run_dir) / "spec.yaml"
+    assert recorded.script == project / "train.py" and recorded.spec_dir == project
+    assert recorded.model["config"] == str(project / "models" / "tiny.json")
+    assert recorded.argv(spec.first_plan(part), {"plan_json": "p", "ds_config": "d", "attempt_dir": "a"})[1] == \
+        f"{project}/out"
+    from toolkit.estimate import spec_model
+
+    assert spec_model(recorded).config["model_type"] == "gpt2"
+    (Path(run.run_dir) / "spec.yaml").unlink()
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="its recorded spec .* is missing"):
+        runs.spec_for(run)
