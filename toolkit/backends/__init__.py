@@ -1,13 +1,15 @@
 """Backends: where a rendered job script runs. ``slurm`` (sbatch/sacct) and ``local`` (this machine).
 
-Both offer ``submit``, ``poll``, ``cancel`` and ``test_only`` (see ``base.Backend``) and
-report ``JobStatus`` values in one state vocabulary.
+Both offer the whole of ``base.Backend``: ``submit``, ``poll``, ``cancel``, ``test_only``, ``find``
+and the accounting queries triage makes (``job_facts``, ``failed_jobs``, ``batch_scripts``,
+``controller_facts``), and report ``JobStatus`` values in one state vocabulary. Callers use the
+interface, never a backend's class: build one with ``get_backend``.
 """
 
 from __future__ import annotations
 
 from ..errors import UnknownNameError
-from .base import FINISHED_STATES, STATES, Backend, JobStatus
+from .base import FAULT_POINTS, FINISHED_STATES, STATES, Backend, JobStatus, fault
 from .local import LocalBackend
 from .slurm import SlurmBackend
 
@@ -24,4 +26,5 @@ def get_backend(name: str, **options) -> Backend:
     return cls(**options)
 
 
-__all__ = ["BACKENDS", "Backend", "FINISHED_STATES", "JobStatus", "LocalBackend", "STATES", "SlurmBackend", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "FAULT_POINTS", "FINISHED_STATES", "JobStatus", "LocalBackend", "STATES",
+           "SlurmBackend", "fault", "get_backend"]
