@@ -273,6 +273,10 @@ def with_changes(plan: Plan, changes: Mapping[str, Any]) -> Plan:
     is not given, accumulation is recomputed so the global batch stays the same.
     """
     changes = dict(changes)
+    for name, value in changes.items():  # typed before any arithmetic on them
+        if name not in _TYPES:
+            raise UnknownNameError("knob", str(name), KNOBS)
+        _check_type(name, _TYPES[name], value)
     shape_changed = {"micro_batch", "nodes", "gpus_per_node"} & set(changes)
     if shape_changed and "grad_accum" not in changes and "global_batch" not in changes:
         merged = {**plan.to_dict(), **changes}

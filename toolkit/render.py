@@ -113,7 +113,7 @@ def cpus_per_task(partition: Partition, plan: Plan) -> int:
 def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, str]) -> list[tuple[str, str]]:
     """Environment variables exported by the script, in order (later wins)."""
     env = [("HPCMEM_PLAN", paths["plan_json"]), ("HPCMEM_ATTEMPT_DIR", paths["attempt_dir"]),
-           ("PYTHONUNBUFFERED", "1")]
+           ("HPCMEM_CHECKPOINT_DIR", paths["checkpoint_dir"]), ("PYTHONUNBUFFERED", "1")]
     if plan.strategy.env_var:
         env.append((plan.strategy.env_var, paths["config"]))
     if partition.has_gpu:
@@ -150,10 +150,21 @@ def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pa
 
 def attempt_paths(plan: Plan, attempt_dir: Path) -> dict[str, str]:
     """The files of an attempt a job and its arguments name (absolute): ``plan_json``, ``attempt_dir``,
-    ``config`` (the engine's config file, "" when it has none) and its old name ``ds_config``."""
+    ``config`` (the engine's config file, "" when it has none) and its old name ``ds_config``, and
+    ``checkpoint_dir``: the run's, shared by every attempt (docs/resume.md)."""
     config = str(attempt_dir / plan.strategy.config_file) if plan.strategy.config_file else ""
     return {"plan_json": str(attempt_dir / "plan.json"), "attempt_dir": str(attempt_dir), "config": config,
-            "ds_config": str(attempt_dir / "ds_config.json")}
+            "ds_config": str(attempt_dir / "ds_config.json"), "checkpoint_dir": str(checkpoint_dir(attempt_dir))}
+
+
+def checkpoint_dir(attempt_dir: Path) -> Path:
+    """The checkpoint directory every attempt of a run shares: ``runs/<id>/checkpoints`` beside the attempt
+    directories (``runs/<id>/attempt-<n>``); an attempt rendered on its own (``hpcmem render -o DIR``) keeps its
+    checkpoints in ``DIR/checkpoints``."""
+    attempt_dir = Path(attempt_dir)
+    if re.fullmatch(r"attempt-\d+", attempt_dir.name):
+        return attempt_dir.parent / "checkpoints"
+    return attempt_dir / "checkpoints"
 
 
 def plan_summary(plan: Plan) -> str:
@@ -187,6 +198,7 @@ def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir:
     cfg = plan.strategy.config(plan, nvme_path=partition.nvme_path, gpu=partition.has_gpu,
                                largest_param=largest_param(spec))
     text = render_script(plan.launcher, context)
+    check_syntax(text)
     config_path = attempt_dir / plan.strategy.config_file if cfg is not None else None
     script = attempt_dir / "job.sbatch"
     created = make_dirs(attempt_dir)
@@ -200,6 +212,21 @@ def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir:
         remove_created(created)
         raise ConfigError(f"{attempt_dir}: cannot write the attempt's files: {exc.strerror or exc}") from None
     return Attempt(attempt_dir, script, attempt_dir / "plan.json", config_path)
+
+
+def check_syntax(text: str) -> None:
+    """Refuse a job script ``bash -n`` would refuse: every value is quoted or checked, so what can still break it
+    is a site's ``setup`` lines (shell by design, e.g. an unbalanced quote). Found here, at render time, not by
+    a job that fails on its first line after waiting in the queue. Skipped where there is no bash."""
+    from .proc import CommandNotFoundError, run
+
+    try:
+        done = run(["bash", "-n"], input=text, timeout=30, check=False)
+    except CommandNotFoundError:
+        return
+    if done.returncode != 0:
+        problem = (done.stderr.strip().splitlines() or ["a syntax error"])[-1]
+        raise RenderError(f"the job script would not parse (bash -n: {problem[:200]}); look at the site's setup lines")
 
 
 def make_dirs(directory: Path) -> list[Path]:
