@@ -27,7 +27,7 @@ DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpo
 DEFAULT_MAX_ATTEMPTS = 6
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-PATH_PLACEHOLDERS = ("plan_json", "config", "ds_config", "attempt_dir", "spec_dir")
+PATH_PLACEHOLDERS = ("plan_json", "config", "ds_config", "attempt_dir", "spec_dir", "checkpoint_dir")
 """{config} is the engine's config file (ds_config.json, fsdp_config.json); {ds_config} its older name."""
 
 

@@ -179,7 +179,21 @@ def run_view(ledger: Ledger, run_id: str) -> dict[str, Any]:
     run = ledger.run(run_id)
     return {"run_id": run.run_id, "run_dir": run.run_dir, "state": run.state, "reason": run.reason,
             "spec": run.spec_name, "site": run.site, "partition": run.partition,
-            "attempts": [a.to_dict() for a in ledger.attempts(run_id)]}
+            "attempts": [{**a.to_dict(), **resume_facts(a)} for a in ledger.attempts(run_id)]}
+
+
+def resume_facts(attempt: AttemptRow) -> dict[str, Any]:
+    """``resumed_from_step`` and ``checkpoint`` ({path, step} of its last complete save) of an attempt
+    (docs/resume.md): from its recorded metrics, else from the rank files a killed job left."""
+    sources = [attempt.metrics] if isinstance(attempt.metrics, dict) else []
+    if not any("checkpoint" in s for s in sources):
+        from .runtime.metrics import read_rank_files
+
+        sources += sorted(read_rank_files(Path(attempt.attempt_dir)), key=lambda r: r.get("rank", 0))
+    out: dict[str, Any] = {"resumed_from_step": None, "checkpoint": None}
+    for key in out:
+        out[key] = next((s[key] for s in sources if s.get(key) is not None), None)
+    return out
 
 
 def read_metrics(attempt_dir: Path) -> dict | None:

@@ -1,0 +1,165 @@
+"""The checkpoint directory (toolkit/runtime/checkpoint.py): atomic saves, the newest complete one, partial and
+damaged saves skipped (never deleted), which layouts read which saves, the save policy; one real resume."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from toolkit.render import checkpoint_dir
+from toolkit.runtime import checkpoint as ck
+
+
+def save(root: Path, step: int, payload: bytes = b"weights", **meta) -> ck.Saved:
+    tmp = ck.begin(root, step)
+    (tmp / "state.pt").write_bytes(payload)
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "shard-0").write_bytes(payload * 2)
+    return ck.commit(tmp, step, {"format": ck.FORMAT_FULL, **meta})
+
+
+def test_a_save_is_renamed_into_place_with_its_marker(tmp_path):
+    saved = save(tmp_path, 12)
+    assert saved.path == tmp_path / "step-00000012" and saved.step == 12
+    marker = json.loads((saved.path / ck.MARKER).read_text())
+    assert marker["files"] == {"state.pt": 7, "sub/shard-0": 14} and marker["step"] == 12
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(ck.PARTIAL)]
+
+
+def test_newest_complete_save_wins(tmp_path):
+    for step in (2, 10, 4):
+        save(tmp_path, step)
+    assert [s.step for s in ck.candidates(tmp_path)] == [10, 4, 2]
+    assert ck.newest(tmp_path).step == 10
+
+
+def test_a_partial_save_is_skipped_with_a_warning_and_kept(tmp_path, capsys):
+    save(tmp_path, 2)
+    tmp = ck.begin(tmp_path, 4)  # a job killed while writing step 4
+    (tmp / "state.pt").write_bytes(b"half")
+    unmarked = tmp_path / "step-00000006"  # a step directory without its marker
+    unmarked.mkdir()
+    assert ck.newest(tmp_path).step == 2
+    err = capsys.readouterr().err
+    assert "partial" in err and str(tmp) in err and "step-00000006" in err
+    assert tmp.exists() and unmarked.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove", "marker"])
+def test_a_damaged_save_is_skipped_and_the_previous_one_used(tmp_path, capsys, damage):
+    save(tmp_path, 2)
+    bad = save(tmp_path, 4)
+    if damage == "truncate":
+        (bad.path / "sub" / "shard-0").write_bytes(b"x")
+    elif damage == "remove":
+        (bad.path / "state.pt").unlink()
+    else:
+        (bad.path / ck.MARKER).write_text("{not json")
+    assert ck.newest(tmp_path).step == 2
+    assert "step-00000004" in capsys.readouterr().err
+    assert bad.path.exists()  # never deleted
+
+
+def test_commit_never_replaces_an_existing_save(tmp_path):
+    first = save(tmp_path, 3, b"one")
+    tmp = ck.begin(tmp_path, 3)
+    (tmp / "state.pt").write_bytes(b"two")
+    with pytest.raises(FileExistsError):
+        ck.commit(tmp, 3, {"format": ck.FORMAT_FULL})
+    assert (first.path / "state.pt").read_bytes() == b"one" and tmp.exists()
+
+
+def test_no_directory_means_no_saves(tmp_path):
+    assert ck.newest(tmp_path / "missing") is None
+
+
+def test_run_checkpoint_directory_is_shared_by_attempts(tmp_path):
+    assert checkpoint_dir(tmp_path / "runs" / "r1" / "attempt-3") == tmp_path / "runs" / "r1" / "checkpoints"
+    assert checkpoint_dir(tmp_path / "out") == tmp_path / "out" / "checkpoints"
+
+
+LAYOUT = {"optimizer": "adamw", "precision": "fp32", "world_size": 2, "zero_stage": 0}
+
+
+@pytest.mark.parametrize("saved_fmt,now_fmt,ok", [
+    (ck.FORMAT_FULL, ck.FORMAT_DCP, True), (ck.FORMAT_DCP, ck.FORMAT_FULL, True),
+    (ck.FORMAT_DCP, ck.FORMAT_DCP, True), (ck.FORMAT_FULL, ck.FORMAT_DEEPSPEED, False),
+    (ck.FORMAT_DEEPSPEED, ck.FORMAT_DCP, False), (ck.FORMAT_DEEPSPEED, ck.FORMAT_DEEPSPEED, True)])
+def test_which_layouts_read_which_saves(saved_fmt, now_fmt, ok):
+    why = ck.readable({**LAYOUT, "format": saved_fmt}, {**LAYOUT, "format": now_fmt})
+    assert (why is None) == ok
+
+
+def test_deepspeed_needs_the_same_world_size_and_stage_and_torch_formats_do_not():
+    ds = {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 2}
+    assert "zero_stage" in ck.readable(ds, {**ds, "zero_stage": 3})
+    assert "world_size" in ck.readable(ds, {**ds, "world_size": 4})
+    full = {**LAYOUT, "format": ck.FORMAT_FULL}
+    assert ck.readable(full, {**full, "world_size": 4, "format": ck.FORMAT_DCP}) is None
+    assert "optimizer" in ck.readable(full, {**full, "optimizer": "sgd"})
+
+
+def test_choose_passes_over_unreadable_saves_saying_why(tmp_path):
+    save(tmp_path, 2, layout={**LAYOUT, "format": ck.FORMAT_FULL})
+    save(tmp_path, 4, format=ck.FORMAT_DEEPSPEED, layout={**LAYOUT, "format": ck.FORMAT_DEEPSPEED})
+    saved, passed = ck.choose(ck.candidates(tmp_path), {**LAYOUT, "format": ck.FORMAT_DCP}, report=None)
+    assert saved.step == 2 and len(passed) == 1 and passed[0].startswith("step 4")
+
+
+def test_policy():
+    p = ck.Policy(every_steps=5)
+    assert [s for s in range(1, 12) if p.due(s, 0, 0, False, False)] == [5, 10]
+    timed = ck.Policy(every_s=60)
+    assert timed.due(1, 100.0, 50.0, False, False) is None and timed.due(1, 111.0, 50.0, False, False) == "interval"
+    limit = ck.Policy(deadline=1000.0, margin_s=30)
+    assert limit.due(1, 960.0, 0, False, False) is None
+    assert limit.due(1, 975.0, 0, False, False) == "time-limit"
+    assert limit.due(1, 975.0, 0, False, True) is None  # saved once for the limit already
+    assert limit.due(1, 950.0, 0, False, False, save_cost_s=30) == "time-limit"  # a slow save starts earlier
+    assert ck.Policy().due(3, 0, 0, True, False) == "signal"
+
+
+def test_deadline_and_margin():
+    assert ck.job_deadline({"time_min": 2}, env={}, started=100.0) == 220.0
+    assert ck.job_deadline({"time_min": 2}, env={"SLURM_JOB_START_TIME": "50"}, started=100.0) == 170.0
+    assert ck.job_deadline({"time_min": 2}, env={"SLURM_JOB_END_TIME": "999"}) == 999.0
+    assert ck.job_deadline({}, env={}) is None
+    assert ck.margin_s(60) == 20 and ck.margin_s(3600) == 300 and ck.margin_s(1200) == 120
+    assert ck.margin_s(60, 5) == 5
+
+
+def test_digest_is_bitwise():
+    torch = pytest.importorskip("torch")
+    a = {"w": torch.ones(3), "b": torch.zeros(2)}
+    opt = {"state": {"w": {"exp_avg": torch.ones(3), "step": torch.tensor(1.0)}}}
+    same = ck.state_digest(dict(a), opt)
+    assert same == ck.state_digest({"b": torch.zeros(2), "w": torch.ones(3)}, opt)
+    b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-30])}
+    assert ck.state_digest(b, opt)["model"] != same["model"]
+
+
+def test_the_reference_trainer_resumes_where_an_uninterrupted_run_is(tmp_path, monkeypatch):
+    """One process: 2 steps then resume to 4 equals 4 steps straight (model, optimizer, RNG, data position)."""
+    pytest.importorskip("transformers")
+    from toolkit import train
+
+    for name in ("HPCMEM_PLAN", "HPCMEM_ATTEMPT_DIR", "HPCMEM_CHECKPOINT_DIR", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    model = str(Path(train.__file__).resolve().parents[1] / "jobs" / "models" / "tiny-gpt2.json")
+
+    def run(ckdir, steps, metrics):
+        argv = ["--model", model, "--task", "causal-lm", "--steps", str(steps), "--checkpoint-dir", str(ckdir),
+                "--checkpoint-every-steps", "2", "--checkpoint-digest", "--metrics-dir", str(metrics),
+                "--set", "seq_len=32", "--set", "micro_batch=2"]
+        assert train.main(argv) == 0
+        return json.loads((metrics / "metrics.json").read_text())
+
+    first = run(tmp_path / "a", 2, tmp_path / "m1")
+    assert first["resumed_from_step"] is None and first["checkpoint"]["step"] == 2
+    resumed = run(tmp_path / "a", 4, tmp_path / "m2")
+    straight = run(tmp_path / "b", 4, tmp_path / "m3")
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 2
+    digest = lambda d, step: json.loads((d / f"step-{step:08d}" / "complete").read_text())["digest"]  # noqa: E731
+    assert resumed["resume"]["digest"] == digest(tmp_path / "b", 2)
+    assert digest(tmp_path / "a", 4) == digest(tmp_path / "b", 4)
