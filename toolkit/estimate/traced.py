@@ -504,15 +504,25 @@ def _make_optimizer(plan: Plan, params: list, layout: _Layout, target: str, note
 
 
 def _base_optimizer(plan: Plan, params: list, target: str, notes: list[str]):
-    # torch picks the multi-tensor (foreach) implementation for CUDA tensors and the
-    # per-tensor loop for CPU ones; the foreach step holds a parameter-sized temporary.
-    if plan.optimizer in ("adamw", "sgd", "adafactor"):
-        return models.build_optimizer(plan.optimizer, params, LR, foreach=target == "cuda")
-    if plan.optimizer == "adamw-8bit":
-        notes.append("adamw-8bit (bitsandbytes) cannot run on the CPU: its state is sized analytically, 2 bytes per "
+    """The plan's optimizer as its row in toolkit/optimizers.py builds it, for the target device.
+
+    torch picks the multi-tensor (foreach) implementation for CUDA tensors and the per-tensor
+    loop for CPU ones (the foreach step holds a parameter-sized temporary): the rows that leave
+    the choice to torch follow the target. The fused row runs torch's fused kernel (CPU fused
+    AdamW on fake tensors: no temporaries, as on CUDA). bitsandbytes' rows cannot run here.
+    """
+    from .. import optimizers
+
+    row = optimizers.get(plan.optimizer)
+    if row.quantized:
+        notes.append(f"{row.name} (bitsandbytes) cannot run on the CPU: its state is sized analytically, 2 bytes per "
                      f"parameter (fp32 moments for tensors under {BNB_MIN_8BIT_SIZE} elements; block scales ignored)")
         return _EightBitAdamWStandIn(params)
-    raise PlanError(f"unknown optimizer {plan.optimizer!r}")
+    if row.name in ("adamw", "sgd", "sgd-plain"):
+        return models.build_optimizer(row.name, params, LR, foreach=target == "cuda")
+    if row.name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=LR, fused=True)
+    return models.build_optimizer(row.name, params, LR)
 
 
 class _EightBitAdamWStandIn(torch.optim.Optimizer):
