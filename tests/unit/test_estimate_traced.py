@@ -491,3 +491,14 @@ def test_the_recorded_stream_replays_to_a_reserved_peak_at_least_the_allocated_o
     assert r.peak_reserved >= r.peak_allocated
     est = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition())
     assert est.peak_reserved_mib >= est.peak_allocated_mib and est.fits_allocated
+
+
+def test_an_older_runtime_keeps_the_gradients_in_the_trace():
+    from toolkit.estimate.gpu import Runtime
+
+    p = plan()
+    today = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition())
+    old = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(), runtime=Runtime(torch_version="1.10"))
+    assert old.peak_allocated_mib > today.peak_allocated_mib
+    assert any("zero_grad keeps the gradients" in n for n in old.notes)
+    assert "cublas_workspace" in old.gpu_extras_mib

@@ -77,7 +77,7 @@ class StorageRecorder(TorchDispatchMode):
 
 
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
-                    steps: int = 3) -> list[tuple]:
+                    steps: int = 2, set_to_none: bool = True) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
@@ -103,7 +103,7 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             rec.adopt(buckets)
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
-                tr._train_step(traced, plan, layout, optimizer, None)
+                tr._train_step(traced, plan, layout, optimizer, None, set_to_none)
                 gc.collect(0)
         events = rec.closed()
         del traced, params, optimizer, buckets

@@ -170,8 +170,11 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     if allocator_overhead_frac is not None and allocator_overhead_frac < 0:
         raise ConfigError(f"allocator_overhead_frac must be >= 0, got {allocator_overhead_frac}")
     target = "cuda" if partition.has_gpu else "cpu"
-    trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps)
-    notes = list(trace.notes)
+    keep_grads = runtime is not None and not runtime.frees_grads
+    trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps,
+                           set_to_none=not keep_grads)
+    notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
+    notes = list(trace.notes) + notes_extra
     try:
         partition.check_plan(plan)
     except PlanError as exc:
@@ -196,7 +199,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
     if plan.launcher == "torchrun":
         from .record import record_training
 
-        events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory)
+        events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory,
+                                 set_to_none=runtime is None or runtime.frees_grads)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -221,7 +225,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 
 
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
-                   model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True) -> Trace:
+                   model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True,
+                   set_to_none: bool = True) -> Trace:
     """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
 
     ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
@@ -250,7 +255,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
         with tracker:
             for step in range(steps):
                 tracker.step = step
-                _train_step(traced, plan, layout, optimizer, tracker)
+                _train_step(traced, plan, layout, optimizer, tracker, set_to_none)
                 tracker.step_ends.append(tracker.current())
     if not tracker.samples:
         raise HpcmemError("MemTracker recorded nothing: this torch version's MemTracker differs from the one "
@@ -575,7 +580,7 @@ class _MasterWeights(torch.optim.Optimizer):
 
 # -- the training step -------------------------------------------------------------------
 
-def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker) -> None:
+def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker, set_to_none: bool = True) -> None:
     """One optimizer step as train.py runs it: micro-batches under autocast, backward, step, zero_grad.
 
     ``tracker`` (None when nothing watches) learns the phase. Under it, MemTracker's module
@@ -615,7 +620,7 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
                 if p.grad is not None:
                     p.grad.mul_(1 / LOSS_SCALE)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=set_to_none)  # False: torch 1.x's Module.zero_grad kept them, zeroed
     if tracker is not None:
         gc.collect(0)
 
