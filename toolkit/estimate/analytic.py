@@ -69,7 +69,7 @@ from ..strategies import Dtypes, ModelStates
 from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
 from .device import plan_device_memory
-from .gpu import DEFAULT_RUNTIME, Runtime
+from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading
 
 MIB = 1024 * 1024
 
@@ -396,6 +396,9 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     acts = activations(shape, plan, dt, runtime)
     peak = max(phases(shape, plan, dt, states, acts), key=lambda ph: ph.total)
     context = (partition.cuda_context_mib if cuda_context_mib is None else cuda_context_mib) if gpu else 0.0
+    if gpu and cuda_context_mib is None and not getattr(partition, "calibrated", False) \
+            and not lazy_loading(runtime.torch_version):
+        context = max(context, CUDA_CONTEXT_EAGER_MIB)  # every kernel loaded at start-up (no lazy loading)
     peak_mib = peak.total / MIB
     capacity = capacity_mib(partition, plan)
     margin = safety_margin_mib(capacity)
@@ -491,6 +494,10 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
         notes.append(f"reserved at least {overhead_arg:.0%} over allocated, as measured on the partition")
     if runtime is not None and runtime != DEFAULT_RUNTIME:
         notes.append(f"runtime: {runtime}")
+        if partition.has_gpu and not lazy_loading(runtime.torch_version) and context_arg is None \
+                and not getattr(partition, "calibrated", False):
+            notes.append(f"torch {runtime.torch_version} loads every CUDA kernel at start-up: CUDA context at least "
+                         f"{CUDA_CONTEXT_EAGER_MIB:g} MiB")
     if not partition.has_gpu:
         notes.append(f"CPU partition: capacity is the job's host memory shared by {plan.gpus_per_node} rank(s); "
                      "the Python/torch process itself is not counted")
