@@ -128,9 +128,8 @@ RANK_WINDOW = 50
 """Lines after a rank-less OOM line searched for the same failure on a rank-prefixed line."""
 
 _SIGKILL_REASON = "killed by SIGKILL, probably host memory; confirm with sacct"
-SIGKILL_CONFIRM = ("confirm with `sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,ReqMem` (State OUT_OF_MEMORY, or "
-                   "MaxRSS near ReqMem) or the node's kernel log (`dmesg -T | grep -i oom`: the OOM killer names the "
-                   "process)")
+SIGKILL_CONFIRM = ("`sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,ReqMem` (State OUT_OF_MEMORY, or MaxRSS near "
+                   "ReqMem), or the node's kernel log (`dmesg -T | grep -i oom`: the OOM killer names the process)")
 
 
 # --------------------------------------------------------------------------- results

@@ -47,9 +47,9 @@ def triage(*args, home, env=None, fmt="json", stdin=None):
 @pytest.mark.parametrize("log, kind", [
     ("hf_trainer_gpu_oom_torch22.log", "gpu_oom"),
     ("lightning_gpu_oom_torch113_fragmentation.log", "gpu_oom_fragmentation"),
-    ("deepspeed_launcher_sigkill.log", "unknown"),
+    ("deepspeed_launcher_sigkill.log", "host_oom"),
     ("deepspeed_cgroup_oom_slurm2205.log", "host_oom"),
-    ("torchrun_rank_oom_childfailed.log", "gpu_oom"),
+    ("torchrun_rank_oom_childfailed.log", "gpu_oom_fragmentation"),
     ("illegal_memory_access.log", "not_oom"),
 ])
 def test_logs_of_other_tools_without_slurm(log, kind, tmp_path, no_slurm):
@@ -128,3 +128,27 @@ def test_text_has_colour_only_when_asked(tmp_path, no_slurm):
 def test_the_site_can_come_from_the_environment(tmp_path, no_slurm):
     f, = triage(LOGS / "hf_trainer_gpu_oom_torch22.log", home=tmp_path, env={**no_slurm, "HPCMEM_SITE": "example-hpc"})
     assert f["site"] == "example-hpc" and f["partition"] == "a100-40gb" and f["remedies"]
+
+
+def test_text_and_markdown_say_where_when_and_how_sure(tmp_path, no_slurm):
+    log = tmp_path / "slurm-77.out"
+    log.write_text(" 40%|####      | 400/1000 [10:00<15:00,  1.50s/it]\nKilled\n")
+    f, = triage(log, "--site", "example-hpc", "--partition", "a100-40gb", home=tmp_path, env=no_slurm)
+    v = f["verdict"]
+    assert v["kind"] == "host_oom" and v["confidence"] == "medium" and v["step"] == 400 and v["total_steps"] == 1000
+    text = triage(log, "--site", "example-hpc", "--partition", "a100-40gb", home=tmp_path, env=no_slurm, fmt="text")
+    assert "at step 400 of 1000" in text and "confidence: medium" in text and "sacct" in text
+    md = triage(log, "--site", "example-hpc", "--partition", "a100-40gb", home=tmp_path, env=no_slurm,
+                fmt="markdown")
+    assert "**Confidence:** medium" in md and "at step 400 of 1000" in md
+
+
+def test_a_crash_in_teardown_after_training_says_so(tmp_path, no_slurm):
+    log = tmp_path / "slurm-78.out"
+    log.write_text("{'train_runtime': 812.3, 'train_samples_per_second': 9.8, 'train_loss': 1.92, 'epoch': 3.0}\n"
+                   "terminate called without an active exception\n"
+                   "[ERROR] [launch.py:325:sigkill_handler] ['python', 'run_clm.py'] exits with return code = -6\n")
+    f, = triage(log, "--site", "example-hpc", home=tmp_path, env=no_slurm)
+    assert f["verdict"]["kind"] == "not_oom" and f["verdict"]["cause"] == "teardown"
+    assert f["verdict"]["phase"] == "teardown" and f["remedies"] == []
+    assert "Training completed" in f["verdict"]["reason"] and "destroy_process_group" in f["where_to_look"][0]

@@ -325,3 +325,55 @@ def test_bad_input_and_the_slowdown_words():
     assert len(remedies(V100_OOM, GPT2_FP32, V100, GPT2, max_items=2)) == 2
     assert slowdown_text(1.33) == "33 % slower" and slowdown_text(0.5) == "2.0x faster"
     assert slowdown_text(1.0) == "same speed" and slowdown_text(None) == "unknown"
+
+
+# ------------------------------------------------------------------ issue 12: remedies chosen by phase and step
+
+
+def _at(verdict, **where):
+    from dataclasses import replace
+    return replace(verdict, **where)
+
+
+def test_an_oom_in_evaluation_gets_the_eval_batch_and_no_grad_first():
+    found = remedies(_at(V100_OOM, phase="eval"), GPT2_FP32, V100, GPT2, max_items=4)
+    first = found[0]
+    assert first.plan is None and "evaluation" in first.title and "no_grad" in first.note
+    assert "model.eval()" in first.note and any("--per_device_eval_batch_size" in a for a in first.trainer_args)
+    assert len(found) <= 4 and any(r.plan is not None for r in found[1:])  # the memory moves still follow
+
+
+def test_an_oom_while_loading_gets_sharded_low_precision_or_meta_device_loading():
+    first = remedies(_at(V100_OOM, phase="load"), GPT2_FP32, V100, GPT2)[0]
+    assert "loading" in first.title and "meta device" in first.note and "bfloat16" in " ".join(first.trainer_args)
+    assert "offload" in first.note
+
+
+def test_an_oom_at_a_late_step_asks_about_long_batches_and_leaks_first():
+    first = remedies(_at(V100_OOM, step=40000, total_steps=100000), GPT2_FP32, V100, GPT2)[0]
+    assert "40000" in first.title and "long batch" in first.note and "leak" in first.note
+
+
+def test_an_early_step_and_a_forward_phase_get_the_plan_moves_only():
+    found = remedies(_at(V100_OOM, phase="forward", step=3), GPT2_FP32, V100, GPT2)
+    assert found and all(r.plan is not None for r in found)
+
+
+def test_a_host_kill_while_loading_gets_the_loading_advice_then_the_host_rungs():
+    v = classify(None, "Loading checkpoint shards:   0%|          | 0/3 [00:00<?, ?it/s]Killed\n")
+    assert v.kind == "host_oom" and v.phase == "load" and v.confidence == "medium"
+    found = remedies(v, GPT2_FP32, V100, GPT2)
+    assert "loading" in found[0].title and "mmap" in found[0].note
+
+
+def test_nccl_shm_by_cause_takes_the_host_rungs():
+    from toolkit.classify import Verdict
+    v = classify(None, "Error while creating shared memory segment /dev/shm/nccl-CsYXMW (size 9637888)\n")
+    assert v.kind == "nccl_oom" and v.cause == "shm" and v.numbers == {"nccl_bytes": 9637888}
+    plan = GPT2_FP32.replace(mem_mib=32000, workers=4)
+    found = remedies(v, plan, V100, GPT2)
+    assert found and all(r.predicted_peak_mib is None for r in found)
+    assert all(r.plan.precision == plan.precision and r.plan.micro_batch == plan.micro_batch for r in found)
+    from toolkit.failures import family_of, is_host
+    assert is_host(v) and family_of("nccl_oom", "shm") == "host" and family_of("nccl_oom", "device") == "gpu"
+    assert is_host(Verdict("nccl_oom", reason="NCCL could not extend /dev/shm/nccl-1"))  # an older verdict, no cause

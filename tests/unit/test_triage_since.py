@@ -47,3 +47,37 @@ def test_first_remedy_is_the_ladders_move_when_the_plan_is_known():
     known = _first_remedy(verdict, {"micro_batch": 16, "global_batch": 64, "gpus_per_node": 4}, site, facts)
     assert known and known != GENERIC_REMEDY["gpu_oom"] and "bf16" not in known
     assert _first_remedy(verdict, None, site, facts) == GENERIC_REMEDY["gpu_oom"]
+
+
+def test_groups_keep_where_and_when_each_job_died_and_how_sure():
+    from toolkit.triage.report import JobRow
+    rows = [(JobFacts(job_id="1", user="ann", partition="v100"),
+             Verdict("host_oom", reason="killed", cause="sigkill", confidence="medium", phase="load"), None),
+            (JobFacts(job_id="2", user="ann", partition="v100"),
+             Verdict("host_oom", reason="killed", cause="sigkill", confidence="medium", step=400, total_steps=900),
+             None),
+            (JobFacts(job_id="3", user="bob", partition="v100"),
+             Verdict("gpu_oom", reason="oom", phase="eval", step=12, total_steps=50), "micro_batch:8->4")]
+    groups = group(rows)
+    host = groups[0].to_dict()
+    assert host["kind"] == "host_oom" and host["phases"] == {"load": 1, "?": 1}
+    assert "sacct" in host["hint"]  # the table's hint, since no remedy was counted
+    assert host["jobs"][1] == {"job_id": "2", "user": "ann", "partition": "v100", "reason": "killed",
+                               "cause": "sigkill", "confidence": "medium", "phase": None, "step": 400,
+                               "total_steps": 900}
+    job_id, user, partition, reason = groups[1].jobs[0]  # still unpacks as before
+    assert (job_id, user) == ("3", "bob") and isinstance(groups[1].jobs[0], JobRow)
+
+
+def test_since_json_matches_its_schema():
+    import json
+    from pathlib import Path
+
+    from toolkit.schema import validate
+    from toolkit.triage.report import SinceReport
+
+    rows = [(JobFacts(job_id="1", user="ann", partition="v100"),
+             Verdict("not_oom", reason="segfault", cause="segfault", phase="teardown"), None)]
+    report = SinceReport(NOW - 3600, NOW, None, None, group(rows))
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs" / "triage-since.schema.json").read_text())
+    validate(report.to_dict(), schema, "triage --since")

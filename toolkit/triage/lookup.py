@@ -36,8 +36,34 @@ _WHERE = (
      "script."),
     (r"sigkill", "Killed by SIGKILL with no out-of-memory record: `sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,"
      "ReqMem` (MaxRSS near ReqMem: host memory) and the node's kernel log (dmesg) for the OOM killer."),
-    (r"\bcompleted\b", "The job completed: nothing failed."),
+    (r"^the job completed", "The job completed: nothing failed."),
 )
+# By the classifier's cause (Verdict.cause), first: the causes its reason does not spell out.
+_BY_CAUSE = {
+    "teardown": ("Training completed, then the process crashed while shutting down (teardown): the results and "
+                 "checkpoints written before it are good. Make the exit clean: call "
+                 "torch.distributed.destroy_process_group() at the end of the script, let DeepSpeed/NCCL threads stop "
+                 "before the interpreter exits (an exit through os._exit(0) after the last write is a workaround); "
+                 "resubmitting only repeats the training."),
+    "segfault": ("A segmentation fault (SIGSEGV) in native code: rerun with PYTHONFAULTHANDLER=1 (and "
+                 "CUDA_LAUNCH_BLOCKING=1) to see where; often mismatched builds (torch, CUDA, NCCL, extensions) or a "
+                 "DataLoader worker with too little /dev/shm."),
+    "nan": ("The loss or a gradient became NaN/Inf: lower the learning rate or add warm-up, clip gradients, use bf16 "
+            "instead of fp16 (or a loss scaler), and check the input data for NaN/Inf."),
+    "cudnn_not_supported": ("cuDNN does not support this input or configuration (CUDNN_STATUS_NOT_SUPPORTED): make "
+                            "the input contiguous, check its shape and dtype, or disable cuDNN for it "
+                            "(torch.backends.cudnn.enabled = False) to confirm."),
+    "nccl_shm_permission": ("NCCL could not create its shared-memory segment (permission denied): /dev/shm is not "
+                            "writable for the job (container or node setting); fix its mode or set "
+                            "NCCL_SHM_DISABLE=1."),
+    "nccl_shm_attach": ("NCCL could not attach to a peer's shared-memory segment: the processes do not share "
+                        "/dev/shm (separate containers or IPC namespaces) or one removed it; share it, or set "
+                        "NCCL_SHM_DISABLE=1."),
+    "child_failed_bare": ("The first rank to fail left no error in this log: read that rank's own output (torchrun "
+                          "--tee 3, or @record on the entry point) and sacct MaxRSS for a memory kill."),
+    "sigabrt_no_context": ("A process aborted (SIGABRT) with nothing before it saying why: read the rank's own log and "
+                           "any core dump; if it came after the final metrics, it is a teardown crash."),
+}
 _BY_STATE = {"TIMEOUT": TIME_LIMIT, "CANCELLED": CANCELLED, "PREEMPTED": PREEMPTED, "NODE_FAIL": NODE_FAIL,
              "BOOT_FAIL": NODE_FAIL}
 
@@ -49,7 +75,9 @@ def where_to_look(verdict: Verdict, state: str | None = None) -> list[str]:
     if verdict.is_oom:
         return []
     reason = verdict.reason.lower()
-    found = [advice for pattern, advice in _WHERE if re.search(pattern, reason)]
+    cause = getattr(verdict, "cause", None)
+    found = [_BY_CAUSE[cause]] if cause in _BY_CAUSE else []
+    found += [advice for pattern, advice in _WHERE if re.search(pattern, reason) and advice not in found]
     if state in _BY_STATE and _BY_STATE[state] not in found:
         found.append(_BY_STATE[state])
     if found:

@@ -31,7 +31,8 @@ from typing import Any, Mapping
 from ..classify import Verdict
 from ..errors import UnknownNameError
 from ..estimate import Estimate, ModelRef, estimate
-from ..ladder import HOST_KINDS, describe, footprint
+from ..failures import is_host
+from ..ladder import describe, footprint
 from ..plan import KNOBS, Plan
 from ..sites import Partition
 from ..strategies import infer_launcher
@@ -244,7 +245,7 @@ def _estimate(verdict: Verdict, known: KnownPlan | None, partition: Partition | 
     if missing:
         notes.append(f"No estimate: the job's {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} unknown.")
         return None
-    if not partition.has_gpu and verdict.kind not in HOST_KINDS:
+    if not partition.has_gpu and not is_host(verdict):
         notes.append("No GPU estimate: the partition has no GPU.")
     return estimate(model, known.plan, partition)
 
@@ -270,7 +271,7 @@ def _flags(verdict, n, known, est, demand, capacity, partition, max_rss, mem_req
 
 
 def _host_short(verdict: Verdict, est: Estimate | None, max_rss: float | None, mem_request: float | None) -> bool:
-    if verdict.kind in HOST_KINDS or (verdict.kind == "nccl_oom" and "/dev/shm" in verdict.reason):
+    if is_host(verdict):  # host kinds, and an nccl_oom about /dev/shm (toolkit/failures.py)
         return True
     if not mem_request:
         return False
@@ -296,6 +297,8 @@ def _gpu_lines(n: Mapping[str, float], demand: float | None, capacity: float | N
     elif "already_allocated_mib" in n:
         reserved = n.get("reserved_total_mib")
         held = f" ({_gib(reserved)} reserved in total)" if reserved is not None else ""
+        if reserved is None and "reserved_unallocated_mib" in n:  # <= 1.3 "cached": the idle part
+            held = f" + {_gib(n['reserved_unallocated_mib'])} reserved-unused"
         lines.append(f"PyTorch had {_gib(n['already_allocated_mib'])} allocated{held}{of}{need}{free_text}.")
     elif tried is not None:
         lines.append(f"The step tried to allocate {_gib(tried)}{of}{free_text}.")

@@ -6,8 +6,16 @@ partition it ran on and (maybe) the model, and returns up to ``max_items`` ``Rem
 Each carries the new plan, its predicted per-GPU peak, whether that fits, its slowdown, the ``hpcmem submit
 --set`` knobs and the lines of the job script, DeepSpeed config and HF Trainer arguments that change.
 
-Which failures get which remedies
+Which failures get which remedies (the family is ``failures.family_of(kind, cause)``)
     not an OOM (``not_oom``, ``unknown``)  none: ``where_to_look(verdict)`` says where to look instead.
+    by phase and step, first (``phase_advice``): advice that is not a plan knob, in front of the plan moves --
+        eval / generate   the evaluation's own batch size, ``torch.no_grad()``/``inference_mode()`` and
+                          ``model.eval()``, ``--eval_accumulation_steps`` (OSC's guide), fewer beams/new tokens;
+        load              low-precision and sharded loading straight to the devices, meta-device init
+                          (``init_empty_weights``, Fabric ``init_module``, ZeRO-3 ``zero.Init``), offload;
+        checkpoint        gather the state dict to the CPU / save it sharded;
+        a late step       (``step >= LATE_STEP``) the long-batch and leak questions: the first-step ladder assumes
+                          every step needs what the first did, and this job ran for many steps first.
     gpu_oom_other_process                  one: the GPU to yourself (another process holds it); no plan move.
     host_oom, cpu_alloc_oom, nccl_oom about /dev/shm
                                            the ladder's host rungs, walked (``ladder.next_plan``): NVMe instead
@@ -64,6 +72,7 @@ from .. import ladder, planner
 from ..classify import Verdict
 from ..errors import HpcmemError, PlanError, UnknownNameError
 from ..estimate import ModelRef, estimate
+from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
 from ..plan import KNOBS, Plan, parse_sets, with_changes
 from ..sites import Partition
@@ -147,20 +156,87 @@ def remedies(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] | None
         return []
     known = fill_plan(plan, partition)
     maker = _Maker(partition, known, model, spec, site, base or known.plan)
-    if verdict.kind == "gpu_oom_other_process":
+    family = "host" if is_host(verdict) else family_of(verdict.kind, getattr(verdict, "cause", None))
+    if family == "exclusive":
         return [_other_process(verdict, maker)]
-    if verdict.kind in ladder.HOST_KINDS or _shm(verdict):
-        return _walk(verdict, known, maker, allow, max_items, host=True)
+    advice = phase_advice(verdict, maker)[:max_items]
+    room = max_items - len(advice)
+    if room < 1:
+        return advice
+    if family == "host":
+        return advice + _walk(verdict, known, maker, allow, room, host=True)
     pred = _predictor(verdict, known.plan, partition, model) if known.known else None
     if pred is None:
-        return _walk(verdict, known, maker, allow, max_items, host=False)
-    return _gpu(verdict, known, maker, allow, pred, max_items)
+        return advice + _walk(verdict, known, maker, allow, room, host=False)
+    return advice + _gpu(verdict, known, maker, allow, pred, room)
 
 
-def _shm(verdict: Verdict) -> bool:
-    """An nccl_oom about /dev/shm is host shared memory (as the ladder reads it)."""
-    text = " ".join([verdict.reason, *(line for _, line in verdict.evidence)])
-    return verdict.kind == "nccl_oom" and "/dev/shm" in text
+LATE_STEP = 50
+"""A failure at this step or later is a late one. A training step's memory is the same from one step to the next once
+the first steps have allocated the optimizer states and warmed the allocator's cache; a job that ran this many steps
+and then ran out met a longer batch or grew memory (a leak), and the first-step ladder answers neither."""
+
+
+def phase_advice(verdict: Verdict, maker: "_Maker") -> list[Remedy]:
+    """Advice chosen by where (phase) and when (step) the job died; [] when neither changes the answer."""
+    phase, step = getattr(verdict, "phase", None), getattr(verdict, "step", None)
+    host = is_host(verdict)
+    out = []
+    if phase in ("eval", "generate") and not host:
+        gen = (" For generation: fewer beams (num_beams) and return sequences, a smaller max_new_tokens, and a "
+               "smaller generation batch; the KV cache grows with each of them.") if phase == "generate" else ""
+        out.append(_advice(
+            f"The {'evaluation' if phase == 'eval' else 'generation'} ran out, not the training step: a smaller "
+            "evaluation batch, under no_grad with model.eval()",
+            ("--per_device_eval_batch_size (half of today's, or 1)", "--eval_accumulation_steps 1"),
+            "Peak not predicted: evaluation memory is its own batch size, not the training micro-batch. Run it "
+            "under torch.no_grad() (or torch.inference_mode()) with model.eval() so no activations are kept for a "
+            "backward pass; HF Trainer does both, but a custom loop must. --eval_accumulation_steps moves "
+            "predictions to the CPU instead of gathering all of them on the GPU; compute metrics on the CPU." + gen,
+            maker))
+    elif phase == "load":
+        out.append(_advice(
+            "The model did not fit while loading: load it in 16-bit and sharded, straight to its devices, or "
+            "initialise it on the meta device",
+            ("from_pretrained(..., torch_dtype=torch.bfloat16, low_cpu_mem_usage=True, device_map=...)",),
+            "Peak not predicted: loading can need more than training (a full fp32 copy per rank, or on one GPU). Load "
+            "in bf16/fp16 (torch_dtype), shard by shard (low_cpu_mem_usage=True, device_map) instead of materialising "
+            "the whole model on every rank; initialise on the meta device (accelerate.init_empty_weights(), "
+            "Fabric.init_module(empty_init=True), DeepSpeed ZeRO-3 zero.Init / HF with a ZeRO-3 config) so each rank "
+            "holds only its shard; or offload what does not fit (device_map='auto' with an offload_folder, ZeRO-3 "
+            "offload_param)." + (" Host memory: load fewer ranks at once or with mmap (torch.load(mmap=True))."
+                                 if host else ""),
+            maker))
+    elif phase == "checkpoint" and not host:
+        out.append(_advice(
+            "Saving the checkpoint ran out: gather the state dict to the CPU, or save it sharded",
+            (),
+            "Peak not predicted: a full state dict gathered on one GPU needs the whole model there. FSDP: "
+            "FullStateDictConfig(offload_to_cpu=True, rank0_only=True) or StateDictType.SHARDED_STATE_DICT; "
+            "DeepSpeed ZeRO-3: save the sharded checkpoint and consolidate offline (zero_to_fp32.py); call "
+            "torch.cuda.empty_cache() before saving.",
+            maker))
+    if step is not None and step >= LATE_STEP and not host:
+        of = f" of {verdict.total_steps}" if getattr(verdict, "total_steps", None) else ""
+        out.append(_advice(
+            f"It ran {step}{of} steps before failing: ask first whether a long batch or a leak did it",
+            ("--group_by_length (or a fixed --max_seq_length / padding to it)",),
+            "Peak not predicted: a step needs the same memory as the one before once training is under way, so a "
+            f"failure at step {step} means the input or the kept memory changed. A long batch: the longest sequence "
+            "or largest image came late -- cap the length, bucket by length, or pad to the maximum so the first "
+            "step is the worst one. A leak: memory growing step by step -- tensors kept across steps (a loss summed "
+            "without .item(), outputs appended to a list, retain_graph=True), a growing cache; log "
+            "torch.cuda.max_memory_allocated() per step to tell the two apart. Resume from the last checkpoint "
+            "rather than from step 0. The memory moves below help either way, at their cost.",
+            maker))
+    return out
+
+
+def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Remedy:
+    """A remedy that is advice, not a plan change (no plan, no predicted peak)."""
+    return Remedy(title=title, moves=(), plan=None, predicted_peak_mib=None, fits=None, slowdown=None, set_args=(),
+                  submit_command="", script_changes=(), ds_config_changes=(), trainer_args=tuple(trainer_args),
+                  note=note)
 
 
 # --------------------------------------------------------------------------- prediction

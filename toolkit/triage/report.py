@@ -13,8 +13,10 @@ from typing import Any
 
 from .. import __version__
 
-SCHEMA = "hpcmem.triage/1"
-SINCE_SCHEMA = "hpcmem.triage-since/1"
+SCHEMA = "hpcmem.triage/2"
+"""/2 (issue 12): the verdict gains cause, confidence, confirm, phase, step, total_steps."""
+SINCE_SCHEMA = "hpcmem.triage-since/2"
+"""/2 (issue 12): a group gains hint and phases; each job its cause, confidence, phase, step, total_steps."""
 
 
 @dataclass(frozen=True)
@@ -77,22 +79,50 @@ class TriageReport:
 
 
 @dataclass(frozen=True)
+class JobRow:
+    """One failed job of a ``--since`` group: who, where, why, and where and when it died."""
+
+    job_id: str | None
+    user: str | None
+    partition: str | None
+    reason: str
+    cause: str | None = None
+    confidence: str = "high"
+    phase: str | None = None
+    step: int | None = None
+    total_steps: int | None = None
+
+    def __iter__(self):  # unpacks as the (job_id, user, partition, reason) tuples of triage-since/1
+        return iter((self.job_id, self.user, self.partition, self.reason))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "user": self.user, "partition": self.partition, "reason": self.reason,
+                "cause": self.cause, "confidence": self.confidence, "phase": self.phase, "step": self.step,
+                "total_steps": self.total_steps}
+
+
+@dataclass(frozen=True)
 class Group:
     """Failed jobs of one verdict kind in a ``--since`` window."""
 
     kind: str
     jobs: tuple
-    """(job_id, user, partition, reason) per job, oldest first."""
+    """JobRow per job (or (job_id, user, partition, reason) tuples), oldest first."""
     top_remedies: tuple = ()
     """(move description, count) of the first remedy of each job, most frequent first."""
+    hint: str = ""
+    """The kind's direction from the failure table (toolkit/failures.py)."""
 
     def to_dict(self) -> dict[str, Any]:
+        rows = [j if isinstance(j, JobRow) else JobRow(*j) for j in self.jobs]
         return {
             "kind": self.kind,
-            "count": len(self.jobs),
-            "users": _counts(j[1] for j in self.jobs),
-            "partitions": _counts(j[2] for j in self.jobs),
-            "jobs": [{"job_id": j, "user": u, "partition": p, "reason": r} for j, u, p, r in self.jobs],
+            "count": len(rows),
+            "hint": self.hint,
+            "users": _counts(j.user for j in rows),
+            "partitions": _counts(j.partition for j in rows),
+            "phases": _counts(j.phase for j in rows),
+            "jobs": [j.to_dict() for j in rows],
             "top_remedies": [{"remedy": m, "count": n} for m, n in self.top_remedies],
         }
 

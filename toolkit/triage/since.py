@@ -14,9 +14,9 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from ..classify import KINDS, OOM_KINDS
+from ..failures import KINDS, OOM_KINDS, hint_of
 from ..errors import ConfigError, HpcmemError
-from .report import Group, SinceReport
+from .report import Group, JobRow, SinceReport
 
 SINCE_TAIL_BYTES = 256 * 1024
 """Bytes of each log read in a window scan (the failure is at the end; 1,000 jobs stay fast)."""
@@ -24,15 +24,7 @@ SINCE_TAIL_BYTES = 256 * 1024
 _SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
-GENERIC_REMEDY = {
-    "gpu_oom": "smaller micro-batch with more accumulation, then activation checkpointing (see triage JOBID)",
-    "gpu_oom_fragmentation": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-    "gpu_oom_other_process": "another process holds the GPU: ask for it exclusively, check nvidia-smi on the node",
-    "gpu_driver_oom": "leave room outside PyTorch: smaller micro-batch or checkpointing",
-    "nccl_oom": "NCCL buffers: more /dev/shm or GPU headroom (smaller micro-batch)",
-    "host_oom": "more --mem, fewer data-loader workers, or offload to NVMe instead of CPU",
-    "cpu_alloc_oom": "more --mem, fewer data-loader workers, or offload to NVMe instead of CPU",
-}
+GENERIC_REMEDY = {k: hint_of(k) for k in OOM_KINDS}
 """What to tell a group when a job's plan is not known (not an hpcmem run): the direction, not numbers."""
 
 
@@ -70,15 +62,23 @@ def since_report(backend, start: float, end: float, *, partition: str | None = N
 
 
 def group(rows: Iterable[tuple[Any, Any, str | None]]) -> tuple[Group, ...]:
-    """(facts, verdict, first remedy or None) rows -> groups by verdict kind, largest first, OOM kinds before ties."""
+    """(facts, verdict, first remedy or None) rows -> groups by verdict kind, largest first, OOM kinds before ties.
+
+    Each job keeps where and when it died (phase, step) and how sure the verdict is; the group counts its phases."""
     by_kind: dict[str, list] = {}
     remedies: dict[str, Counter] = {}
+    causes: dict[str, Counter] = {}
     for facts, verdict, remedy in rows:
-        by_kind.setdefault(verdict.kind, []).append((facts.job_id, facts.user, facts.partition, verdict.reason))
+        by_kind.setdefault(verdict.kind, []).append(JobRow(
+            facts.job_id, facts.user, facts.partition, verdict.reason, getattr(verdict, "cause", None),
+            getattr(verdict, "confidence", "high"), getattr(verdict, "phase", None), getattr(verdict, "step", None),
+            getattr(verdict, "total_steps", None)))
+        causes.setdefault(verdict.kind, Counter())[getattr(verdict, "cause", None)] += 1
         if remedy:
             remedies.setdefault(verdict.kind, Counter())[remedy] += 1
     order = sorted(by_kind, key=lambda k: (-len(by_kind[k]), k not in OOM_KINDS, KINDS.index(k)))
-    return tuple(Group(k, tuple(by_kind[k]), tuple(remedies.get(k, Counter()).most_common(3))) for k in order)
+    return tuple(Group(k, tuple(by_kind[k]), tuple(remedies.get(k, Counter()).most_common(3)),
+                       hint_of(k, causes[k].most_common(1)[0][0])) for k in order)
 
 
 def _first_remedy(verdict, knobs: Mapping | None, site, facts) -> str:
@@ -97,4 +97,4 @@ def _first_remedy(verdict, knobs: Mapping | None, site, facts) -> str:
                     return ", ".join(decision.moves)
         except HpcmemError:
             pass
-    return GENERIC_REMEDY.get(verdict.kind, "")
+    return hint_of(verdict.kind, getattr(verdict, "cause", None))
