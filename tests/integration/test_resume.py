@@ -1,0 +1,81 @@
+"""Resume across attempts on the real test cluster (issue 14, docs/resume.md).
+
+A two-rank job on the cpu partition saves every 2 steps; from step 5 rank 0 really allocates 1200 MiB
+(``--oom-at-step 5 --oom-kind fixed --oom-mib 1200``) and the cgroup's OOM killer ends the job
+(OUT_OF_MEMORY). The controller's retry (more --mem, the only move allowed) resumes from the step-4 save:
+the state it loaded is bitwise the state an uninterrupted run of the same job saved at step 4 (a sha256 of the
+gathered model and optimizer state, ``--checkpoint-digest``), and its step-6 save is bitwise the uninterrupted
+run's step-6 save (RNG and data position restored too).
+"""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpcmem_cli import run_cli as hpcmem
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slurm
+
+
+def spec_text(name, launcher, extra_args="", zero=None):
+    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "6",
+            "--warmup-steps", "0", "--checkpoint-every-steps", "2", "--checkpoint-digest", *extra_args.split()]
+    zero_line = f", zero_stage: {zero}" if zero is not None else ""
+    return textwrap.dedent(f"""\
+        name: {name}
+        command:
+          module: toolkit.train
+          args: {json.dumps(args)}
+        launcher: {launcher}
+        gpus_per_node: 2
+        mem_mib: 2000
+        time: "00:10:00"
+        training: {{global_batch: 8, micro_batch: 4, seq_len: 64{zero_line}}}
+        retry: {{max_attempts: 3, allow: [mem]}}
+        """)
+
+
+def submit(tmp_path, name, text):
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(text)
+    result = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--wait", "--json",
+                    "--interval", "1", home=tmp_path / "home", timeout=600)
+    view = json.loads(result.stdout)
+    logs = "\n".join(p.read_text()[-2500:] for a in view["attempts"] for p in Path(a["attempt_dir"]).glob("slurm-*.out"))
+    return result, view, logs
+
+
+def marker(run_dir, step):
+    return json.loads((Path(run_dir) / "checkpoints" / f"step-{step:08d}" / "complete").read_text())
+
+
+@pytest.mark.parametrize("launcher,zero", [("torchrun", None), ("fsdp", None), ("deepspeed", 2)])
+def test_a_cgroup_oom_retry_resumes_at_the_saved_step_with_identical_state(slurm_cluster, tmp_path, launcher, zero):
+    ref_result, ref, ref_logs = submit(tmp_path, f"ref-{launcher}", spec_text(f"ref-{launcher}", launcher, zero=zero))
+    assert ref_result.returncode == 0 and ref["state"] == "succeeded", ref_logs
+    oom_args = "--oom-at-step 5 --oom-rank 0 --oom-kind fixed --oom-mib 1200"
+    result, view, logs = submit(tmp_path, f"oom-{launcher}", spec_text(f"oom-{launcher}", launcher, oom_args, zero))
+    first, *rest = view["attempts"]
+    assert first["state"] == "OUT_OF_MEMORY" and first["verdict"]["kind"] == "host_oom", logs
+    assert result.returncode == 0 and view["state"] == "succeeded", logs
+    last = rest[-1]
+    assert last["state"] == "COMPLETED" and last["plan"]["mem_mib"] > first["plan"]["mem_mib"]
+
+    runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
+    shown = {a["n"]: a for a in runs["attempts"]}
+    assert shown[1]["resumed_from_step"] is None and shown[1]["checkpoint"]["step"] == 4, logs
+    assert shown[len(shown)]["resumed_from_step"] == 4
+    assert shown[len(shown)]["checkpoint"]["step"] == 6
+
+    metrics = json.loads((Path(last["attempt_dir"]) / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == 4 and metrics["steps"] == 2  # steps 5 and 6 only
+    # the state the retry loaded is the uninterrupted run's at step 4, and both end bitwise equal at step 6
+    assert metrics["resume"]["digest"] == marker(ref["run_dir"], 4)["digest"]
+    assert marker(view["run_dir"], 4)["digest"] == marker(ref["run_dir"], 4)["digest"]
+    assert marker(view["run_dir"], 6)["digest"] == marker(ref["run_dir"], 6)["digest"]
+    if launcher != "deepspeed":
+        assert set(metrics["resume"]["digest"]) == {"model", "optimizer"}
