@@ -264,6 +264,11 @@ def _ring_tail(pieces: Iterator[bytes | None], max_bytes: int, head_bytes: int =
         if nl >= 0 and buf[nl + 1 :].strip():  # keep a partial last line rather than return nothing
             del buf[: nl + 1]
             dropped_lines += 1
+        else:  # the partial line is kept: less the UTF-8 continuation bytes of a character cut in two
+            start = 0
+            while start < min(len(buf), 3) and 0x80 <= buf[start] < 0xC0:
+                start += 1
+            del buf[:start]
     return Tail(_decode(buf), dropped_lines + 1, dropped_any or damaged, damaged, size,
                 _decode(bytes(head)) if head_bytes else None)
 

@@ -31,10 +31,23 @@ UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u202
 
 
 def check_knobs(knobs: dict) -> None:
-    """Knobs read from files: Plan names, Plan types and bounds (``facts.knob_problem``)."""
+    """Knobs kept from files: Plan names, Plan types and bounds (``facts.knob_problem``)."""
     for name, value in knobs.items():
         assert name in KNOBS, name
         assert knob_problem(name, value) is None, (name, value)
+
+
+def check_read_knobs(knobs: dict, origin=None) -> None:
+    """Knobs a reader found: Plan names and Python types; what ``FactsBuilder.knobs`` keeps of them is within
+    the Plan's bounds, and each one it drops is named in ``missing``."""
+    for name, value in knobs.items():
+        assert name in KNOBS and type(value) in (int, bool, str), (name, value)
+    builder = FactsBuilder()
+    builder.knobs(knobs, origin or "job script")
+    facts = builder.build()
+    check_knobs(facts.plan_knobs)
+    for name in set(knobs) - set(facts.plan_knobs):
+        assert any(f" {name} " in m and m.endswith("not used") for m in facts.missing), (name, facts.missing)
 
 
 nested_json = st.one_of(
@@ -59,7 +72,7 @@ scripts = st.lists(st.one_of(script_words, hostile_text, st.integers(-3, 2**70).
 def test_fuzz_read_script(text):
     kind, found = outcome(lambda: read_script(text), 10)
     assert kind == "ok"  # a script reader never refuses: what it cannot read is left out
-    check_knobs(found["knobs"])
+    check_read_knobs(found["knobs"], found["knob_origin"])
     assert set(found["knob_origin"]) == set(found["knobs"])
 
 
@@ -74,7 +87,7 @@ def test_fuzz_read_ds_config(cfg):
         return
     kind, knobs = outcome(lambda: read_ds_config(cfg), 5)
     assert kind == "ok"
-    check_knobs(knobs)
+    check_read_knobs(knobs, "ds_config.json")
 
 
 @settings(max_examples=examples(60))
@@ -115,6 +128,9 @@ def test_fuzz_log_tail(tmp_path_factory, data, max_bytes, gz, long_line):
     kind, tail = outcome(lambda: read_tail(path, max_bytes, number_lines=True), 20)
     assert kind == "ok"
     stream = read_stream_tail(io.BytesIO(path.read_bytes()), max_bytes)
+    if not gz and data[:2] == b"\x1f\x8b":  # gzip's magic on bytes that are not gzip: read as a damaged gzip
+        assert tail.damaged and stream.damaged
+        return
     whole = data.decode("utf-8", "replace")
     assert len(tail.text.encode("utf-8", "surrogatepass")) <= 3 * max_bytes + 3
     try:
@@ -124,7 +140,7 @@ def test_fuzz_log_tail(tmp_path_factory, data, max_bytes, gz, long_line):
         valid = False
     if valid:
         assert whole.endswith(tail.text) and whole.endswith(stream.text)
-    if data[-max_bytes:].strip():  # something but whitespace at the end: the tail is never empty
+    if re.search(rb"[!-~]", data[-max_bytes:]):  # a visible ASCII character at the end: the tail is never empty
         assert tail.text.strip() and stream.text.strip()
     if len(data) <= max_bytes:
         assert tail.text == whole and not tail.truncated
