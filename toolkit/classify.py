@@ -25,24 +25,36 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     "capacty"). PyTorch <= 2.0: ``Tried to allocate X (GPU N; Y total capacity; A already
                     allocated; Z free; R reserved in total by PyTorch)`` (<= 1.3: ``R cached``).
                     The message may continue on the next lines of the same rank.
+    Sizes: <= 1.3 printed ``R cached``, which is cached minus allocated (idle), so it is read as
+                    reserved_unallocated_mib (the messages print it below "already allocated", impossible
+                    for a total); a message missing its closing parenthesis, wrapped over lines (also
+                    mid-word: the pieces are joined with and without a space), pasted from its "Tried to
+                    allocate X (GPU N; ..." clause, or THC's pre-1.0 ``cuda runtime error (2) : out of
+                    memory`` (gpu_oom, no numbers, confidence medium) still counts.
     gpu_oom_other_process
-                    other processes hold ``other >= OTHER_PROCESS_SHARE`` (10 %) of the total capacity
-                    AND ``other + free >= tried``: a foreign process holds a real share of the card and
-                    without it the request would have fit, so no memory move of ours is the answer.
-                    "Process P has M" lines are other processes when the message also has "this process
-                    has W". Without that clause (pid namespaces, containers) this process is the
-                    smallest listed one holding at least PyTorch's reserved memory (A + R), since a
-                    process holds at least what its allocator reserved; with no A and R stated, the
-                    largest one. ``other_process_mib`` is set when other processes hold anything.
+                    memory held on the card outside this process, ``other``, is ``>= OTHER_PROCESS_SHARE``
+                    (10 %) of the capacity AND ``other + free >= tried``: a foreign process (or the driver)
+                    holds a real share and without it the request would have fit, so no memory move of
+                    ours is the answer. ``other`` is: the "Process P has M" lines of other processes; else
+                    (>= 2.1 with "this process has W") capacity - free - W; else (<= 2.0, ROCm/Windows
+                    messages without process lines, or every process listed at 0 bytes) capacity - free -
+                    PyTorch's reserved memory - ``OWN_CONTEXT_MIB`` (this process's own CUDA context and
+                    library workspaces, which the message does not state). Without a "this process has"
+                    clause (pid namespaces, containers) this process is the smallest listed one holding at
+                    least PyTorch's reserved memory (A + R), since a process holds at least what its
+                    allocator reserved (its M is then ``process_in_use_mib``); with no A and R stated, the
+                    largest one. Confidence high when the message names the processes or W, else medium.
     gpu_oom_fragmentation
-                    idle reserved memory ``R`` (>= 2.1: reserved but unallocated; <= 2.0: reserved in
-                    total - already allocated) is ``R >= tried`` AND ``R >= FRAGMENTATION_SHARE`` (5 %)
-                    of the total capacity. Before raising, the caching allocator has already released
-                    its unsplit cached blocks and retried, so idle reserved memory that could hold the
-                    request is held in split blocks: fragmentation. The 5 % floor keeps a nearly full
-                    card with a few hundred MiB of slack a plain gpu_oom: defragmenting it would gain
-                    too little to fit the next step. (A missed fragmentation still gets memory moves.)
-                    Precedence: other_process > fragmentation > gpu_oom.
+                    idle reserved memory ``R`` (>= 2.1: reserved but unallocated; 1.4-2.0: reserved in
+                    total - already allocated; <= 1.3: "cached") could have served the request, alone or
+                    with the free memory: ``R + free >= tried``, on any card. Before raising, the caching
+                    allocator has already released every whole free segment and retried, so idle reserved
+                    memory at OOM time sits in split blocks; expandable segments would have joined it with
+                    the free memory, and the allocator setting is the cheapest first move. Confidence high
+                    when ``R >= tried``, medium when the free memory is needed too, low when the free memory
+                    alone covered the request (then the driver's own fragmentation, or memory freed between
+                    the failure and the message, is as likely). Precedence: other_process > fragmentation
+                    > gpu_oom.
     gpu_driver_oom  ``CUDA error: out of memory``, ``CUDA driver error: out of memory``,
                     ``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED``,
                     ``cudaErrorMemoryAllocation``, ``CUDA_ERROR_OUT_OF_MEMORY``; and
@@ -52,32 +64,77 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     lines. Alone, ``CUDNN_STATUS_NOT_SUPPORTED`` is not_oom (an unsupported input) and the
                     other two are unknown (they can hide an OOM, but nothing shows it).
     nccl_oom        ``Cuda failure 'out of memory'`` (NCCL WARN or "Last error:"), ``Failed to CUDA
-                    calloc``, ``failed to extend /dev/shm/nccl-*``, ``Error while creating shared memory
-                    segment /dev/shm/nccl-*`` (even after a "No space left on device": /dev/shm is memory);
-                    a following ``DistBackendError`` line joins the evidence. ``gpu`` is the CUDA device
-                    NCCL prints as ``host:pid:tid [N] ... NCCL WARN``.
-    host_oom        ``Detected N oom-kill event(s)`` / ``oom_kill event`` (Slurm cgroup, old and
-                    >= 23.02), ``srun: error: node: task N: Out Of Memory``, ``exceeded memory limit ...
-                    being killed``; or the record: state ``OUT_OF_MEMORY`` or exit code ``0:125``.
+                    calloc N bytes`` (cause ``device``; N as ``nccl_bytes``, also from a WARN line just after),
+                    ``failed to extend /dev/shm/nccl-*``, ``Error while creating/attaching to shared memory
+                    segment`` (cause ``shm``: host memory; even after a "No space left on device": /dev/shm is
+                    memory) -- except that a segment error next to "Permission denied" or "No such file or
+                    directory" is not_oom (``nccl_shm_permission`` / ``nccl_shm_attach``: no memory ran out).
+                    A following ``DistBackendError`` line joins the evidence. ``gpu`` is the CUDA device NCCL
+                    prints as ``host:pid:tid [N] ... NCCL WARN``.
+    host_oom        cause ``cgroup``: ``Detected N oom-kill event(s)`` / ``oom_kill event`` (Slurm cgroup,
+                    old and >= 23.02), ``srun: error: node: task N: Out Of Memory``, ``exceeded memory limit
+                    ... being killed``, or the record: state ``OUT_OF_MEMORY`` or exit code ``0:125``; cause
+                    ``oom_killer``: the kernel's ``Out of memory: Kill(ed) process`` / ``Memory cgroup out of
+                    memory`` (its anon-rss as ``host_used_mib``); cause ``shm``: a DataLoader worker's bus
+                    error "insufficient shared memory (shm)" (medium). Confidence high otherwise.
     cpu_alloc_oom   ``DefaultCPUAllocator: can't allocate memory`` / ``not enough memory`` (``you tried
-                    to allocate N bytes``), numpy ``Unable to allocate X for an array``, ``MemoryError``.
+                    to allocate N bytes``, also wrapped), THC's ``Torch: not enough memory``, c10's
+                    ``posix_memalign(...) == 0. 12 vs 0`` (ENOMEM), numpy ``Unable to allocate X for an
+                    array``, ``MemoryError``.
     SIGKILL         launcher ``exits with return code = -9``, torchrun ``exitcode: -9`` / ``Signal 9
-                    (SIGKILL) received``, ``<Signals.SIGKILL: 9>``, exit code/status 137, a bare
-                    ``Killed`` line (also bash's ``line N: PID Killed``, srun's ``task N: Killed``, a
-                    DataLoader worker "killed by signal: Killed"); record signal 9 or exit 137 / -9.
-                    SIGKILL is host_oom only when confirmed (a cgroup event, OUT_OF_MEMORY or 0:125);
-                    alone it is ``unknown``: "killed by SIGKILL, probably host memory; confirm with
-                    sacct". The kernel OOM killer, an admin or a node health check all send SIGKILL,
-                    and a memory move for a non-memory kill wastes an attempt.
-    not_oom         device faults (illegal memory access, device-side assert, misaligned address,
-                    unspecified launch failure, uncorrectable ECC error); ``DUE TO TIME LIMIT`` (time
-                    limit), ``DUE TO PREEMPTION``, ``DUE TO NODE FAIL``, ``*** JOB/STEP .. CANCELLED AT``
-                    (cancelled), NCCL watchdog timeout, ``No space left on device`` (disk full), disk
-                    quota, ImportError/ModuleNotFoundError (import error), ``command not found``; record
-                    states TIMEOUT, CANCELLED, PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE, COMPLETED
-                    ("completed"); any other Python exception line (``pkg.NameError: ...``) except the
-                    wrappers that only report a failure elsewhere (ChildFailedError, CalledProcessError,
-                    DistBackendError, DistNetworkError, DistStoreError, SignalException, SystemExit).
+                    (SIGKILL) received``, ``<Signals.SIGKILL: 9>``, exit code/status 137, ``returncode=-9``,
+                    a bare ``Killed`` line or one ending a progress bar (``...it/s]Killed``), bash's ``line
+                    N: PID Killed``, zsh's ``[1] PID killed``, srun's ``task N: Killed``, a DataLoader worker
+                    "killed by signal: Killed"; DeepSpeed's ``sigkill_handler] Killing subprocess`` when no
+                    other return code follows; record signal 9 or exit 137 / -9. A lone SIGKILL that is the
+                    first failure is host_oom, cause ``sigkill``, confidence ``medium``: the kernel's or
+                    Slurm's OOM killer sends nearly all of them (an admin, a health check or a launcher's
+                    shutdown send the rest), and ``confirm`` names what settles it (sacct State/MaxRSS
+                    against ReqMem, dmesg). It is not the first failure when a Python exception with a
+                    message comes before it (not_oom naming it), or when torchrun's "Root Cause (first
+                    observed failure)" names another rank or another exit code (unknown,
+                    ``child_failed_bare``). The host memory stated just before it (a DeepSpeed
+                    ``see_memory_usage`` or monitor line) is ``host_used_mib``.
+    not_oom         with ``cause``: device faults (``illegal_memory_access``, ``device_assert``,
+                    ``misaligned_address``, ``launch_failure``, ``ecc``); ``DUE TO TIME LIMIT``
+                    (``time_limit``), ``DUE TO PREEMPTION``, ``DUE TO NODE FAIL``, ``*** JOB/STEP ..
+                    CANCELLED AT`` (``cancelled``), NCCL watchdog timeout (``nccl_timeout``), ``No space
+                    left on device`` (``disk_full``), disk quota, ImportError/ModuleNotFoundError
+                    (``import_error``), ``command not found``; NaN/Inf stops ("returned nan values", "Loss
+                    is nan", "Network outputs is NAN", non-finite loss: ``nan``); ``Segmentation fault``,
+                    SIGSEGV, exit -11 / 139 (``segfault``); ``CUDNN_STATUS_NOT_SUPPORTED`` without memory
+                    pressure (``cudnn_not_supported``); a crash after training completed (``teardown``, phase
+                    teardown: an abort -- ``terminate called without an active exception``, SIGABRT, exit
+                    -6 --, a segfault or a kill after HF Trainer's final metrics, "Training completed", a
+                    Lightning ``Trainer.fit`` stop...; a segfault whose backtrace runs through the exit
+                    handlers; an error inside ``destroy_process_group``); record states TIMEOUT, CANCELLED,
+                    PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE, COMPLETED (``completed``); any other Python
+                    exception line (``python_error``) except the wrappers that only report a failure
+                    elsewhere (ChildFailedError, CalledProcessError, DistBackendError, DistNetworkError,
+                    DistStoreError, SignalException, SystemExit).
+    unknown         an abort with nothing before it (``sigabrt_no_context``), a launcher's non -9 exit
+                    code alone (``exit_code_only``), a torchrun root cause on another rank
+                    (``child_failed_bare``), an ambiguous cuDNN/cuBLAS error, or nothing recognisable.
+
+Where and when (``phase``, ``step``, ``total_steps``)
+    phase: from the frames of the traceback that ends at the decisive line (same rank; the one just after
+    it for a THC check or a logger line printed first; frames a logger wrote without their header), the
+    first of ``_PHASE_FRAMES`` any frame shows: teardown (destroy_process_group, exit handlers), data
+    (inside a DataLoader worker), checkpoint (save*, state_dict, save_pretrained), eval (evaluate,
+    evaluation_loop, prediction_step, validation_step...), generate, load (from_pretrained,
+    load_state_dict, Module._apply i.e. ``model.to()/.cuda()``, ``_broadcast_model``, torch.load), optimizer
+    (torch/optim, _multi_tensor_*, optimizer.step), backward (backward, autograd), data (DataLoader frames),
+    forward. Without a traceback only the failing line itself says it: a DataLoader worker's message ->
+    data, a logger's "during eval" -> eval, a "Loading checkpoint shards" bar ended by the kill -> load.
+    step: the last progress line at or before the decisive line (tqdm ``n/total [``, ``Epoch: [e][n/total]``,
+    ``Step n/total``, ``n/total samples``, "step n"); a bar whose description names loading or
+    preprocessing (Loading, Map, Filter, Tokenizing, Downloading, shards...) is not a step.
+
+Confidence (``confidence``, ``confirm``)
+    high: the text shows the mechanism; medium: the usual cause of what is shown (a lone SIGKILL, an old
+    message's memory outside the cache, idle cache that covers the request only with the free memory, a
+    message without numbers); low: a guess (free memory alone covered the request, a bare abort, nothing
+    found). ``confirm`` says what would raise it.
 
 Precedence (first rule that applies). An OOM is a cause, not a consequence: after one rank runs out
 of memory the others hang into NCCL timeouts, the time limit or a cancellation, and the launcher
@@ -89,13 +146,19 @@ kills the rest; none of these causes an OOM. So:
     2. Record OUT_OF_MEMORY or exit 0:125 -> host_oom (SIGKILL lines join the evidence).
     3. Record COMPLETED -> not_oom, "completed".
     4. A device fault in the text -> not_oom.
-    5. The first in the log of: other not-OOM signatures -> not_oom; SIGKILL -> not_oom when the
-       record says the scheduler ended the job (TIMEOUT, CANCELLED, ...), else unknown; an
-       ambiguous cuDNN/cuBLAS error -> unknown.
+    5. The first in the log of: other not-OOM signatures, SIGKILL, segfault, abort, ambiguous
+       cuDNN/cuBLAS error. A segfault, abort or kill after training completed -> not_oom teardown;
+       a not-OOM signature -> not_oom; anything when the record says the scheduler ended the job
+       (TIMEOUT, CANCELLED, ...) -> not_oom; a SIGKILL or abort after a Python exception -> not_oom
+       naming the exception; a segfault -> not_oom segfault; a SIGKILL -> host_oom (medium) unless
+       torchrun's root cause is another rank (unknown); an abort -> unknown; ambiguous -> unknown.
     6. Record state TIMEOUT, CANCELLED, PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE -> not_oom.
-    7. Record SIGKILL -> unknown ("killed by SIGKILL ...").
-    8. The first non-wrapper Python exception line -> not_oom naming it.
-    9. Otherwise unknown.
+    7. Record SIGKILL -> host_oom, cause sigkill, medium.
+    8. DeepSpeed's "Killing subprocess" with no Python exception: host_oom (medium) when no other
+       return code follows, else unknown (exit_code_only).
+    9. The first non-wrapper Python exception line -> not_oom naming it (teardown when its frames are
+       in destroy_process_group).
+    10. A traceback frame in destroy_process_group -> not_oom teardown; otherwise unknown.
 """
 
 from __future__ import annotations
@@ -470,15 +533,28 @@ _PRESSURE = re.compile(
     r"memory allocation failed|insufficient memory|failed to allocate",
     re.IGNORECASE,
 )
-# Cheap test run on every line; a line that fails it cannot match any signature above.
-_PREFILTER = re.compile(
-    r"out of memory|Out Of Memory|oom|ALLOC_FAILED|MemoryAllocation|OUT_OF_MEMORY|MemoryError|"
-    r"calloc|/dev/shm|Unable to allocate|DefaultCPUAllocator|memory limit|illegal memory|device-side|"
-    r"misaligned|launch failure|ECC|DUE TO|CANCELLED|Watchdog|Timeout at NCCL|No space|Errno|quota|"
-    r"not found|execve|-9|137|SIGKILL|Killed|killed|CUDNN_STATUS|CUBLAS_STATUS|Error|Exception|Interrupt|Exit|Failure|"
-    r"Out of memory|Tried to allocate|Killing subprocess|shared memory|cuda runtime error|THCudaCheck|not enough memory|posix_memalign|[Nn]a[Nn]\b|[Ii]nf\b|"
-    r"[Nn]on-finite|Segmentation|SIGSEGV|-11|139|Signal|terminate called|Abort|-6\b"
+# Cheap test run on every line; a line that fails it cannot match any signature above. Its alternatives are grouped
+# by their first character: Python's re then rejects most positions of a line at one branch instead of trying each.
+_PREFILTER_WORDS = (
+    "out of memory", "Out Of Memory", "Out of memory", "oom", "ALLOC_FAILED", "MemoryAllocation", "OUT_OF_MEMORY",
+    "MemoryError", "calloc", "/dev/shm", "shared memory", "Unable to allocate", "DefaultCPUAllocator", "memory limit",
+    "illegal memory", "device-side", "misaligned", "launch failure", "ECC", "DUE TO", "CANCELLED", "Watchdog",
+    "Timeout at NCCL", "No space", "Errno", "quota", "not found", "execve", "-9", "137", "SIGKILL", "SIGSEGV",
+    "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
+    "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
+    "posix_memalign", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "on-finite", "Detected", "Segmentation",
+    r"exit ?code", "return code", "Signal", "terminate called", "Aborted",
 )
+
+
+def _grouped(alternatives) -> re.Pattern:
+    by_first: dict[str, list[str]] = {}
+    for alt in alternatives:
+        by_first.setdefault(alt[0], []).append(alt)
+    return re.compile("|".join(f"(?:{'|'.join(alts)})" if len(alts) > 1 else alts[0] for alts in by_first.values()))
+
+
+_PREFILTER = _grouped(_PREFILTER_WORDS)
 
 
 def _scan(log: _Log) -> list[_Event]:
@@ -1114,6 +1190,7 @@ _PHASE_FRAMES = (
 # that names it, a checkpoint-loading progress bar ended by the kill.
 _LINE_PHASE = (
     ("data", re.compile(r"DataLoader worker|in worker\b|insufficient shared memory \(shm\)")),
+    ("checkpoint", re.compile(r"Failed to clone\(\) tensor|returning from state_dict\(\) call")),
     ("eval", re.compile(r"\bduring eval(?:uation)?\b")),
     ("load", re.compile(r"Loading checkpoint shards")),
 )
@@ -1198,7 +1275,7 @@ def _step(log: _Log, i: int) -> tuple[int | None, int | None]:
         best = None
         for pattern in _PROGRESS:
             for m in pattern.finditer(body):
-                if _NOT_STEPS.search(body[max(0, m.start() - 80):m.start()]):
+                if _NOT_STEPS.search(body[max(0, m.start() - 400):m.start()]):
                     continue
                 if best is None or m.start() > best.start():
                     best = m
