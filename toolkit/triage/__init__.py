@@ -8,10 +8,11 @@ The modules under them know nothing of the command line.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, Iterable
 
-from ..errors import HpcmemError
+from ..errors import HpcmemError, LedgerError
 from .report import TriageReport
 
 
@@ -53,9 +54,9 @@ def _dump(data: Any) -> str:
 
 
 def _backend():
-    from ..backends.slurm import SlurmBackend
+    from ..backends import get_backend
 
-    return SlurmBackend(tries=2, backoff_s=0.5, timeout_s=30.0)
+    return get_backend("slurm", tries=2, backoff_s=0.5, timeout_s=30.0)
 
 
 class _NoLedger:
@@ -73,7 +74,11 @@ def _ledger():
 
     if not (home_dir() / "ledger.sqlite").exists():
         return _NoLedger()
-    return open_ledger()
+    try:
+        return open_ledger()
+    except LedgerError as exc:  # a ticket's log is still worth reading: go on without the record, and say so
+        sys.stderr.write(f"hpcmem: warning: triage goes on without the ledger: {exc}\n")
+        return _NoLedger()
 
 
 def _case_site(case, sites_dirs):
