@@ -290,3 +290,99 @@ def test_plan_and_launch_disagree(tmp_path):
     result = run([sys.executable, "-m", "toolkit.train", *train_args()], _env(attempt))
     assert result.returncode == 2
     assert "world_size 2" in result.stderr and "1 rank(s)" in result.stderr
+
+
+# -- checkpoints, resume and the OOM rehearsal (docs/resume.md) ---------------------------------------------
+
+def _resume_args(ckdir: Path, steps: int, *extra: str) -> list[str]:
+    return [*train_args(steps=steps), "--checkpoint-dir", str(ckdir), "--checkpoint-every-steps", "2",
+            "--checkpoint-digest", *extra]
+
+
+def _saved_digest(ckdir: Path, step: int) -> dict:
+    return json.loads((ckdir / f"step-{step:08d}" / "complete").read_text())["digest"]
+
+
+@pytest.mark.parametrize("first,then", [("torchrun", "fsdp"), ("fsdp", "torchrun")])
+def test_a_layout_change_converts_the_checkpoint(tmp_path, first, then):
+    """DDP's full state_dict into FSDP2 shards and FSDP2's torch.distributed.checkpoint into DDP: the state
+    loaded is bitwise the state saved (digests of the gathered model and optimizer)."""
+    ckdir = tmp_path / "checkpoints"
+    a1, _ = write_attempt(tmp_path, launcher=first, grad_accum=1)
+    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    a2 = tmp_path / "second"
+    a2.mkdir()
+    (a2 / "plan.json").write_text((a1 / "plan.json").read_text().replace(f'"launcher": "{first}"',
+                                                                         f'"launcher": "{then}"'))
+    assert json.loads((a2 / "plan.json").read_text())["launcher"] == then
+    result = run(torchrun(2, *_resume_args(ckdir, 4)), _env(a2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((a2 / "metrics.json").read_text())
+    assert m["resumed_from_step"] == 2 and m["steps"] == 2 and m["checkpoint"]["step"] == 4
+    assert m["resume"]["digest"] == _saved_digest(ckdir, 2)
+
+
+def test_a_deepspeed_save_is_not_read_by_ddp_and_says_why(tmp_path):
+    ckdir = tmp_path / "checkpoints"
+    a1, _ = write_attempt(tmp_path, launcher="deepspeed", zero_stage=2, grad_accum=1)
+    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    a2 = tmp_path / "second"
+    a2.mkdir()
+    (a2 / "plan.json").write_text((a1 / "plan.json").read_text().replace('"launcher": "deepspeed"',
+                                                                         '"launcher": "torchrun"')
+                                  .replace('"zero_stage": 2', '"zero_stage": 0'))
+    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((a2 / "metrics.json").read_text())
+    assert m["resumed_from_step"] is None and m["steps"] == 2
+    assert "does not convert" in m["resume"]["restart_reason"]
+    assert "not resumed" in result.stderr
+
+
+def test_a_damaged_newest_save_falls_back_to_the_previous_one(tmp_path):
+    ckdir = tmp_path / "checkpoints"
+    a1, _ = write_attempt(tmp_path, gpus_per_node=1, grad_accum=1)
+    assert run([sys.executable, "-m", "toolkit.train", *_resume_args(ckdir, 4)], _env(a1)).returncode == 0
+    state = ckdir / "step-00000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    a2 = tmp_path / "second"
+    a2.mkdir()
+    (a2 / "plan.json").write_text((a1 / "plan.json").read_text())
+    result = run([sys.executable, "-m", "toolkit.train", *_resume_args(ckdir, 4)], _env(a2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((a2 / "metrics.json").read_text())
+    assert m["resumed_from_step"] == 2
+    assert "step-00000004" in result.stderr and "skipped, kept" in result.stderr
+    assert state.exists()
+
+
+def test_the_job_saves_before_its_time_limit(tmp_path):
+    """time_min 1 and a job that started 45 s ago: the save margin (20 s) has passed, the next step saves."""
+    import time
+
+    a1, _ = write_attempt(tmp_path, gpus_per_node=1, grad_accum=1, time_min=1)
+    ckdir = tmp_path / "checkpoints"
+    env = _env(a1, {"HPCMEM_CHECKPOINT_DIR": str(ckdir), "SLURM_JOB_START_TIME": str(int(time.time()) - 45)})
+    result = run([sys.executable, "-m", "toolkit.train", *train_args(steps=3)], env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saves = sorted(p.name for p in ckdir.iterdir())
+    assert saves == ["step-00000001"], saves  # once for the limit, not every step after it
+    assert json.loads((ckdir / "step-00000001" / "complete").read_text())["reason"] == "time-limit"
+
+
+def test_oom_rehearsal_is_the_allocator_s_own_failure_under_an_address_space_cap(tmp_path):
+    attempt, plan = write_attempt(tmp_path, gpus_per_node=1, grad_accum=1)
+    limit = 3000 * 2**20
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = _env(attempt, {"MALLOC_ARENA_MAX": "2"})
+    result = run([sys.executable, "-m", "toolkit.train", *train_args(steps=4), "--oom-at-step", "3"], env,
+                 preexec_fn=cap)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "DefaultCPUAllocator: can't allocate memory" in result.stderr
+    m = json.loads((attempt / "metrics.json").read_text())
+    assert m["status"] == "failed" and m["steps"] == 2
