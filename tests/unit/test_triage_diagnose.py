@@ -58,3 +58,25 @@ def test_where_to_look_uses_the_scheduler_state_when_the_log_says_nothing():
     advice = where_to_look(classify(None, "ValueError: bad\n"), "CANCELLED")
     assert any(a.startswith("The job was cancelled") for a in advice)
 
+
+
+def test_the_finding_carries_where_when_and_how_sure(tmp_path):
+    log = tmp_path / "slurm-11.out"
+    log.write_text(" 40%|####      | 4000/10000 [10:00<15:00,  1.50s/it]\nTraceback (most recent call last):\n"
+                   '  File "trainer.py", line 9, in evaluate\n  File "model.py", line 3, in forward\n'
+                   + new_oom(2.0, 15.77, 0.4, 15.3, 14.2, 0.3) + "\n")
+    facts = JobFacts(job_id="11", state="FAILED", exit_code=1, signal=0, partition="v100-16gb",
+                     plan_knobs={"micro_batch": 8, "global_batch": 32, "gpus_per_node": 4})
+    finding = diagnose(Case("11", "job", (log,), None, facts), EX)
+    v = finding.to_dict()["verdict"]
+    assert (v["phase"], v["step"], v["total_steps"], v["confidence"]) == ("eval", 4000, 10000, "high")
+    titles = [r.title for r in finding.remedies]
+    assert "evaluation" in titles[0] and any("4000" in t for t in titles[:2])
+
+
+def test_where_to_look_reads_the_cause():
+    teardown = classify(None, "{'train_runtime': 1.0, 'train_loss': 2.0}\nSegmentation fault (core dumped)\n")
+    assert teardown.cause == "teardown" and "teardown" in where_to_look(teardown)[0]
+    assert "completed: nothing failed" not in " ".join(where_to_look(teardown))
+    seg = classify(None, "Segmentation fault (core dumped)\n")
+    assert seg.cause == "segfault" and "PYTHONFAULTHANDLER" in where_to_look(seg)[0]

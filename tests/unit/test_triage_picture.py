@@ -127,3 +127,17 @@ def test_to_dict_is_json_with_rounded_mib():
     assert all(v == round(v, 1) for v in data["stated"].values())
     assert all(v == round(v, 1) for v in data["estimate"]["components"].values())
     assert json.loads(json.dumps(memory_picture(V100_OOM, None, None, None).to_dict()))["estimate"] is None
+
+
+def test_nccl_shm_is_host_pressure_by_its_cause_from_the_failure_table():
+    verdict = classify(None, "node1:1:2 [0] include/shm.h:48 NCCL WARN Error while creating shared memory segment "
+                             "nccl-shm-recv-b7 (size 4460544)\n")
+    assert verdict.kind == "nccl_oom" and verdict.cause == "shm"  # no "/dev/shm" in the text: the cause says it
+    plan = {"launcher": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
+            "gpus_per_node": 2, "precision": "fp16-mixed", "seq_len": 2048, "micro_batch": 1}
+    pic = memory_picture(verdict, plan, V100, LLAMA, max_rss_mib=None, mem_request_mib=None)
+    assert "host_pressure_offload" in pic.flags  # the verdict alone says host memory (no --mem to compare)
+    device = classify(None, "node1:1:2 [1] include/alloc.h:36 NCCL WARN Failed to CUDA calloc 6291456 bytes\n")
+    assert device.cause == "device" and device.numbers["nccl_bytes"] == 6291456
+    assert "host_pressure_offload" not in memory_picture(device, plan, V100, LLAMA, max_rss_mib=None,
+                                                         mem_request_mib=None).flags
