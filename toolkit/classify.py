@@ -581,7 +581,7 @@ def _line_event(log: _Log, i: int) -> _Event | None:
             if group == "disguised":
                 return _disguised_event(log, i, kind)
             return _simple_event(log, i, group, kind, detail or m.group(0).strip())
-    m = _EXCEPTION.match(body)
+    m = _EXCEPTION.match(body.lstrip())  # an indented paste (a markdown code block) keeps its exception lines
     if m and m.group(1) not in _WRAPPERS:
         message = (m.group(2) or "").strip()
         detail = f"{m.group(1)}: {message[:120]}" if message else m.group(1)
