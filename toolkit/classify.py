@@ -499,9 +499,9 @@ _SIGNATURES = (
     ("not_oom", "import error", "", _sig(r"^(?:\[stderr\])?(?:[\w.]+\.)?(?:ImportError|ModuleNotFoundError)\b")),
     ("not_oom", "command not found", "",
      _sig(r"command not found\s*$", r"execve\(\): .*No such file or directory")),
-    ("not_oom", "NaN/Inf in the loss or gradients", "", _sig(
-        r"returned nan values in its", r"\b[Ll]oss is (?:nan|NaN|inf)\b", r"outputs? (?:is|are) NA?N\b",
-        r"[Nn]on-finite (?:loss|grad)", r"Detected (?:NaN|nan|inf|Inf)\b")),
+    ("not_oom", "NaN/Inf in the loss or gradients", "", _sig(  # the stops, not a loss scaler's skipped steps
+        r"returned nan values in its", r"\b[Ll]oss is (?:nan|NaN|inf)\b.*\b[Ss]top", r"\bNA?N\b.*\b[Ss]top",
+        r"(?:Error|Exception):.*\b(?:nan|NaN|NAN|[Nn]on-finite)\b")),
     ("segfault", "segmentation fault", "", _sig(
         r"Segmentation fault", r"\bSIGSEGV\b", r"exitcode\s*:\s*-11\b", r"exits with return code = -11\b",
         r"\bexit code 139\b", r"Signals\.SIGSEGV", r"Signal 11\b")),
@@ -542,7 +542,7 @@ _PREFILTER_WORDS = (
     "Timeout at NCCL", "No space", "Errno", "quota", "not found", "execve", "-9", "137", "SIGKILL", "SIGSEGV",
     "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
     "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
-    "posix_memalign", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "on-finite", "Detected", "Segmentation",
+    "posix_memalign", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
     r"exit ?code", "return code", "Signal", "terminate called", "Aborted",
 )
 
@@ -970,6 +970,10 @@ def _decide(rec: JobRecord, events: list, log: _Log) -> tuple[_Event | None, Ver
         return cause, _not_oom(_STATE_REASONS[rec.state], cause.rank, f"the scheduler recorded {rec.state}",
                                cause=_STATE_CAUSES.get(rec.state))
     if cause and cause.group == "sigkill":
+        ended = next((e for e in events if e.group == "not_oom" and e.index > cause.index
+                      and e.kind in ("time limit", "preempted", "node failure", "cancelled")), None)
+        if ended is not None:  # Slurm kills the tasks when it ends the job: the SIGKILL is its consequence
+            return ended, _not_oom(ended.kind, ended.rank, "the SIGKILL before it is the scheduler's")
         root = _root_cause_exit(log, cause.index, cause.rank)
         if root is not None and root != -9:  # a torchrun summary whose first failure is another rank's
             said = "was on another rank" if root == "another rank" else f"exited with code {root}"

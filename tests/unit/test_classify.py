@@ -996,3 +996,15 @@ def test_no_traceback_no_phase_and_step_from_progress_lines():
 def test_a_preprocessing_bar_is_not_a_step():
     text = "Map: 100%|##########| 5000/5000 [00:03<00:00, 1500 examples/s]\n" + new_oom() + "\n"
     assert classify(None, text).step is None
+
+
+def test_a_kill_followed_by_the_schedulers_time_limit_is_the_time_limit():
+    text = ("srun: error: node1: task 0: Killed\n"
+            "slurmstepd: error: *** STEP 12.0 ON node1 CANCELLED AT 2026-11-20T10:00:00 DUE TO TIME LIMIT ***\n")
+    v = classify(None, text)
+    assert v.kind == "not_oom" and v.cause == "time_limit"
+
+
+def test_a_loss_scalers_skipped_step_is_not_a_nan_stop():
+    text = "[deepspeed] OVERFLOW! Rank 0 Skipping step. Detected inf or nan in gradients\nKilled\n"
+    assert classify(None, text).kind == "host_oom"
