@@ -16,7 +16,7 @@ Lines and ranks
     Evidence lines are verbatim (prefix included) with their line numbers; at most ``MAX_EVIDENCE``.
 
 Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
-    gpu_oom*        ``CUDA out of memory`` (or HIP) after an exception name, or followed by
+    gpu_oom*        ``CUDA out of memory`` (or HIP, XPU, ``MPS backend``) after an exception name, or followed by
                     ``. Tried to allocate``; a sentence merely mentioning the words is not an event.
                     PyTorch >= 2.1: ``Tried to allocate X. GPU N has a total capacity of Y of which Z is
                     free. [Process P has M memory in use.] Including non-PyTorch memory, this process has
@@ -57,7 +57,8 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     > gpu_oom.
     gpu_driver_oom  ``CUDA error: out of memory``, ``CUDA driver error: out of memory``,
                     ``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED``,
-                    ``cudaErrorMemoryAllocation``, ``CUDA_ERROR_OUT_OF_MEMORY``; and
+                    ``cudaErrorMemoryAllocation``, ``CUDA_ERROR_OUT_OF_MEMORY``, ``cudaMalloc... failed: out of
+                    memory``; and
                     ``CUDNN_STATUS_NOT_SUPPORTED``, ``CUDNN_STATUS_INTERNAL_ERROR``,
                     ``CUBLAS_STATUS_NOT_INITIALIZED`` only with memory pressure (an "out of memory",
                     "OOM", "ALLOC_FAILED", "failed to allocate"... line) within ``PRESSURE_WINDOW`` (20)
@@ -80,7 +81,7 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
     cpu_alloc_oom   ``DefaultCPUAllocator: can't allocate memory`` / ``not enough memory`` (``you tried
                     to allocate N bytes``, also wrapped), THC's ``Torch: not enough memory``, c10's
                     ``posix_memalign(...) == 0. 12 vs 0`` (ENOMEM), numpy ``Unable to allocate X for an
-                    array``, ``MemoryError``.
+                    array``, ``MemoryError``, Windows' ``[WinError 1455]`` (paging file, i.e. commit limit).
     SIGKILL         launcher ``exits with return code = -9``, torchrun ``exitcode: -9`` / ``Signal 9
                     (SIGKILL) received``, ``<Signals.SIGKILL: 9>``, exit code/status 137, ``returncode=-9``,
                     a bare ``Killed`` line or one ending a progress bar (``...it/s]Killed``), bash's ``line
@@ -454,8 +455,8 @@ def _sig(*patterns: str) -> re.Pattern:
 
 
 _GPU_OOM = _sig(
-    r"(?:Error|Exception):\s*(?:CUDA|HIP) out of memory",  # an exception line
-    r"(?:CUDA|HIP) out of memory\.\s*Tried to allocate",  # the message, logged without the exception name
+    r"(?:Error|Exception):\s*(?:CUDA|HIP|XPU|MPS backend) out of memory",  # an exception line
+    r"(?:CUDA|HIP|XPU) out of memory\.\s*Tried to allocate",  # the message, logged without the exception name
     r"^Tried to allocate \S+ \S+ \(GPU \d+; ",  # the allocator's own clause (a message pasted from its middle)
 )
 
@@ -467,12 +468,13 @@ _SIGNATURES = (
      _sig(r"failed to extend /dev/shm/nccl", r"Error while (?:creating|attaching to) shared memory segment")),
     ("oom", "gpu_driver_oom", "", _sig(
         r"CUDA (?:driver )?error: out of memory", r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED",
-        r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY")),
+        r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY", r"\bcudaMalloc\w* failed\W.*out of memory")),
     ("oom", "gpu_oom", "CUDA out of memory (THC, PyTorch < 1.0)",
      _sig(r"cuda runtime error \(2\) : out of memory", r"THCudaCheck FAIL .*error=2 : out of memory")),
     ("oom", "cpu_alloc_oom", "", _sig(
         r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)", r"Unable to allocate .+ for an array",
-        r"^(?:[\w.]+\.)?MemoryError\b", r"Torch: not enough memory", r"posix_memalign\(.*\) == 0\. 12 vs 0")),
+        r"^(?:[\w.]+\.)?MemoryError\b", r"Torch: not enough memory", r"posix_memalign\(.*\) == 0\. 12 vs 0",
+        r"WinError 1455\b")),  # Windows: the paging file (commit limit) is exhausted
     ("oom", "host_oom", "the Slurm cgroup out-of-memory handler killed a task",
      _sig(r"Detected \d+ oom[-_ ]kill event")),
     ("oom", "host_oom", "srun reported a task out of memory", _sig(r"\btasks? [\d,\-]+: Out Of Memory")),
@@ -542,7 +544,7 @@ _PREFILTER_WORDS = (
     "Timeout at NCCL", "No space", "Errno", "quota", "not found", "execve", "-9", "137", "SIGKILL", "SIGSEGV",
     "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
     "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
-    "posix_memalign", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
+    "posix_memalign", "WinError 1455", "MPS backend", "XPU out", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
     r"exit ?code", "return code", "Signal", "terminate called", "Aborted",
 )
 

@@ -1008,3 +1008,16 @@ def test_a_kill_followed_by_the_schedulers_time_limit_is_the_time_limit():
 def test_a_loss_scalers_skipped_step_is_not_a_nan_stop():
     text = "[deepspeed] OVERFLOW! Rank 0 Skipping step. Detected inf or nan in gradients\nKilled\n"
     assert classify(None, text).kind == "host_oom"
+
+
+@pytest.mark.parametrize("line, kind", [
+    ("RuntimeError: MPS backend out of memory (MPS allocated: 18.04 GB, other allocations: 30.58 MB, max allowed: "
+     "18.13 GB). Tried to allocate 256.00 MB on private pool.", "gpu_oom"),
+    ("torch.OutOfMemoryError: XPU out of memory. Tried to allocate 2.00 GiB.", "gpu_oom"),
+    ("RuntimeError: cudaMalloc failed: out of memory", "gpu_driver_oom"),
+    ("OSError: [WinError 1455] The paging file is too small for this operation to complete. Error loading "
+     "\"caffe2_detectron_ops.dll\"", "cpu_alloc_oom"),
+])
+def test_other_allocators_running_out(line, kind):
+    v = classify(None, line + "\n")
+    assert v.kind == kind
