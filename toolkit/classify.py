@@ -106,7 +106,7 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     SIGSEGV, exit -11 / 139 (``segfault``); ``CUDNN_STATUS_NOT_SUPPORTED`` without memory
                     pressure (``cudnn_not_supported``); a crash after training completed (``teardown``, phase
                     teardown: an abort -- ``terminate called without an active exception``, SIGABRT, exit
-                    -6 --, a segfault or a kill after HF Trainer's final metrics, "Training completed", a
+                    -6 -- or a segfault after HF Trainer's final metrics, "Training completed", a
                     Lightning ``Trainer.fit`` stop...; a segfault whose backtrace runs through the exit
                     handlers; an error inside ``destroy_process_group``); record states TIMEOUT, CANCELLED,
                     PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE, COMPLETED (``completed``); any other Python
@@ -148,7 +148,8 @@ kills the rest; none of these causes an OOM. So:
     3. Record COMPLETED -> not_oom, "completed".
     4. A device fault in the text -> not_oom.
     5. The first in the log of: other not-OOM signatures, SIGKILL, segfault, abort, ambiguous
-       cuDNN/cuBLAS error. A segfault, abort or kill after training completed -> not_oom teardown;
+       cuDNN/cuBLAS error. A segfault or abort after training completed -> not_oom teardown (not a
+       SIGKILL: writing the final model can run out of host memory);
        a not-OOM signature -> not_oom; anything when the record says the scheduler ended the job
        (TIMEOUT, CANCELLED, ...) -> not_oom; a SIGKILL or abort after a Python exception -> not_oom
        naming the exception; a segfault -> not_oom segfault; a SIGKILL -> host_oom (medium) unless
@@ -958,11 +959,10 @@ def _decide(rec: JobRecord, events: list, log: _Log) -> tuple[_Event | None, Ver
         return fault, _not_oom(fault.kind, fault.rank)
     cause = _first(events, "not_oom", "sigkill", "ambiguous", "segfault", "abort")
     exc = _first(events, "exception")
-    if cause and cause.group in ("segfault", "abort", "sigkill"):
+    if cause and cause.group in ("segfault", "abort"):  # not a SIGKILL: saving the final model can run out of RAM
         done = _completed_before(log, cause.index)
-        if done is not None or (cause.group != "sigkill" and _exit_frames_near(log, cause.index)):
-            what = "a segmentation fault" if cause.group == "segfault" else (
-                "an abort (SIGABRT)" if cause.group == "abort" else "a SIGKILL")
+        if done is not None or _exit_frames_near(log, cause.index):
+            what = "a segmentation fault" if cause.group == "segfault" else "an abort (SIGABRT)"
             said = "training had completed" if done is not None else "the crash is in the interpreter's exit handlers"
             return cause, Verdict("not_oom", rank=cause.rank, cause="teardown", phase="teardown", reason=(
                 f"Training completed, then the process crashed in teardown{_on(cause.rank)}: {what} after {said}."))
