@@ -70,7 +70,7 @@ def as_file(tmp_path, name, doc, data) -> "Path":
     return path
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(200))
 @given(data=st.data())
 def test_fuzz_job_spec(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("spec")
@@ -83,7 +83,7 @@ def test_fuzz_job_spec(tmp_path_factory, data):
         render_outcome(spec, CPU, plan, tmp, tmp / "INJECTED")
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(200))
 @given(data=st.data())
 def test_fuzz_site_profile(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("site")
@@ -98,7 +98,7 @@ def test_fuzz_site_profile(tmp_path_factory, data):
             render_outcome(spec, part, plan, tmp / part.name.replace("/", "_")[:40], tmp / "INJECTED")
 
 
-@settings(max_examples=examples(80))
+@settings(max_examples=examples(250))
 @given(doc=st.one_of(documents, st.fixed_dictionaries({"partitions": st.dictionaries(
     st.one_of(st.sampled_from(["cpu", "v100"]), hostile_text), st.one_of(documents, st.dictionaries(
         st.sampled_from(["gpus", "gpu_mem_gib", "bf16", "fp16", "cuda_context_mib", "allocator_overhead_frac",
@@ -125,7 +125,7 @@ knob_pairs = st.lists(st.tuples(st.one_of(st.sampled_from(KNOBS), hostile_text),
                                           st.sampled_from([v for vs in CHOICES.values() for v in vs]))), max_size=4)
 
 
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(400))
 @given(pairs=knob_pairs, sep=st.sampled_from(["=", " = ", "=="]))
 def test_fuzz_set_parser(pairs, sep):
     texts = [f"{k}{sep}{v}" for k, v in pairs]
@@ -140,7 +140,7 @@ def test_fuzz_set_parser(pairs, sep):
         assert Plan.from_dict(json.loads(plan.to_json())) == plan
 
 
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(400))
 @given(name=st.sampled_from(KNOBS), text=hostile_text)
 def test_fuzz_parse_knob_reads_only_what_it_should(name, text):
     kind, value = outcome(lambda: parse_knob(name, text), 5)
@@ -148,7 +148,7 @@ def test_fuzz_parse_knob_reads_only_what_it_should(name, text):
         assert text.strip().lstrip("-").isascii() and text.strip().lstrip("-").isdigit()
 
 
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(400))
 @given(doc=st.one_of(documents, st.dictionaries(st.sampled_from(KNOBS + ("world_size",)), scalars, max_size=6)))
 def test_fuzz_plan_from_dict(doc):
     kind, plan = outcome(lambda: Plan.from_dict(doc), 5)

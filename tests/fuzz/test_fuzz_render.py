@@ -29,7 +29,7 @@ def injection(marker):
         hostile_text).map("".join))
 
 
-@settings(max_examples=examples(40))
+@settings(max_examples=examples(120))
 @given(data=st.data(), partition=st.sampled_from(["cpu", "v100"]))
 def test_fuzz_knobs_in_the_script(tmp_path_factory, data, partition):
     tmp = tmp_path_factory.mktemp("knobs")
@@ -47,7 +47,7 @@ def test_fuzz_knobs_in_the_script(tmp_path_factory, data, partition):
         render_outcome(SPEC, part, plan, tmp, marker)
 
 
-@settings(max_examples=examples(40))
+@settings(max_examples=examples(120))
 @given(data=st.data())
 def test_fuzz_partition_fields_in_the_script(tmp_path_factory, data):
     """Values a Partition may get from code (detect, calibration), not only from a checked site file."""
@@ -76,7 +76,7 @@ def test_fuzz_partition_fields_in_the_script(tmp_path_factory, data):
     render_outcome(SPEC, hostile, plan, tmp, marker)
 
 
-@settings(max_examples=examples(30))
+@settings(max_examples=examples(100))
 @given(data=st.data())
 def test_fuzz_spec_values_in_the_script(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("spec")

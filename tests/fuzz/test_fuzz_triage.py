@@ -67,7 +67,7 @@ scripts = st.lists(st.one_of(script_words, hostile_text, st.integers(-3, 2**70).
     lambda ws: " ".join(w if not w.startswith("#SBATCH") else "\n" + w + "\n" for w in ws))
 
 
-@settings(max_examples=examples(200))
+@settings(max_examples=examples(500))
 @given(text=st.one_of(scripts, hostile_text, st.text(max_size=300)))
 def test_fuzz_read_script(text):
     kind, found = outcome(lambda: read_script(text), 10)
@@ -76,7 +76,7 @@ def test_fuzz_read_script(text):
     assert set(found["knob_origin"]) == set(found["knobs"])
 
 
-@settings(max_examples=examples(200))
+@settings(max_examples=examples(500))
 @given(cfg=st.one_of(documents, st.dictionaries(st.sampled_from(
     ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "fp16", "bf16",
      "zero_optimization", "optimizer"]), st.one_of(scalars, st.dictionaries(
@@ -90,7 +90,7 @@ def test_fuzz_read_ds_config(cfg):
     check_read_knobs(knobs, "ds_config.json")
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(200))
 @given(content=st.one_of(documents.map(lambda d: json.dumps(d, default=str)), nested_json, hostile_text,
                          st.dictionaries(st.sampled_from(KNOBS + ("world_size",)), scalars).map(json.dumps)),
        name=st.sampled_from(["plan.json", "ds_config.json"]))
@@ -107,7 +107,7 @@ def test_fuzz_plan_and_ds_config_files(tmp_path_factory, content, name):
     assert all(len(m) < 2000 for m in facts.missing)
 
 
-@settings(max_examples=examples(120))
+@settings(max_examples=examples(300))
 @given(text=log_text, state=st.sampled_from([None, "FAILED", "OUT_OF_MEMORY", "COMPLETED", "TIMEOUT", "CANCELLED"]),
        code=st.one_of(st.none(), st.integers(-300, 300)))
 def test_fuzz_classifier(text, state, code):
@@ -118,7 +118,7 @@ def test_fuzz_classifier(text, state, code):
         assert isinstance(line, int) and line >= 1 and evidence in text
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(200))
 @given(data=log_bytes, max_bytes=st.integers(1, 4096), gz=st.booleans(), long_line=st.integers(0, 20_000))
 def test_fuzz_log_tail(tmp_path_factory, data, max_bytes, gz, long_line):
     data = data + (b"q" * long_line + b" " + LOG_LINES[0].encode() + b"\n" if long_line else b"")
@@ -155,7 +155,7 @@ odd_names = st.one_of(st.sampled_from(["slurm-12.out", "slurm-12_3.err", "rank-0
                       hostile_text.map(lambda t: (t.replace("/", "_").replace("\x00", "") or "n")[:60] + ".out"))
 
 
-@settings(max_examples=examples(40))
+@settings(max_examples=examples(120))
 @given(files=st.lists(st.tuples(odd_names, st.one_of(log_bytes, nested_json.map(str.encode),
                                                      scripts.map(lambda s: s.encode("utf-8", "surrogatepass")))),
                       min_size=1, max_size=5),
@@ -195,7 +195,7 @@ def test_fuzz_triage_directory(tmp_path_factory, files, links, fifo):
             assert "not a regular file" in str(text) or "no such file" in str(text), text
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(300))
 @given(report=documents, evidence=st.lists(st.one_of(hostile_text, st.integers(0, 300_000).map(
     lambda n: "x" * n + LOG_LINES[0] + "y" * (n // 3))), max_size=3))
 def test_fuzz_safe_report(report, evidence):
@@ -208,7 +208,7 @@ def test_fuzz_safe_report(report, evidence):
         assert len(e["text"]) <= 1100 + 200
 
 
-@settings(max_examples=examples(40))
+@settings(max_examples=examples(120))
 @given(text=log_text, gz=st.booleans())
 def test_fuzz_triage_stdin(text, gz):
     from toolkit.triage import run_triage
