@@ -79,3 +79,29 @@ def test_a_cgroup_oom_retry_resumes_at_the_saved_step_with_identical_state(slurm
     assert marker(view["run_dir"], 6)["digest"] == marker(ref["run_dir"], 6)["digest"]
     if launcher != "deepspeed":
         assert set(metrics["resume"]["digest"]) == {"model", "optimizer"}
+
+
+def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
+    """A 1-minute job that would train for hours: the runtime saves once before the limit (no signal needed),
+    Slurm ends it with TIMEOUT, and the run shows the save. (Retrying a TIMEOUT is the controller's decision.)"""
+    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "1000000",
+            "--warmup-steps", "0"]
+    text = textwrap.dedent(f"""\
+        name: out-of-time
+        command:
+          module: toolkit.train
+          args: {json.dumps(args)}
+        gpus_per_node: 1
+        mem_mib: 2000
+        time: "00:01:00"
+        training: {{global_batch: 2, micro_batch: 2, seq_len: 32}}
+        retry: {{max_attempts: 1}}
+        """)
+    result, view, logs = submit(tmp_path, "out-of-time", text)
+    first = view["attempts"][0]
+    assert first["state"] == "TIMEOUT", logs
+    runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
+    saved = runs["attempts"][0]["checkpoint"]
+    assert saved and saved["step"] > 0, logs
+    meta = marker(view["run_dir"], saved["step"])
+    assert meta["reason"] == "time-limit"
