@@ -79,6 +79,19 @@ def test_a_plan_json_with_a_huge_global_batch_beside_a_log_is_quick(tmp_path):
     assert any("global_batch" in m and "at most" in m for m in case.facts.missing)
 
 
+def test_triage_of_a_log_beside_a_plan_with_global_batch_1e11_answers_quickly(tmp_path):
+    """The issue's reproduction: within the bounds, so it is used, and remedies come in seconds, not minutes."""
+    from toolkit.triage.diagnose import diagnose
+
+    log = write(tmp_path / "slurm-9.out", OOM + "\n")
+    write(tmp_path / "plan.json", Plan(global_batch=100000000000, micro_batch=100000000000).to_json())
+    start = time.monotonic()
+    kind, finding = outcome(lambda: diagnose(cases(str(log))[0], sites.load_site("example-hpc"),
+                                             partition="v100-16gb"), 60)
+    assert kind == "ok" and finding.remedies
+    assert time.monotonic() - start < 30  # ~1 s here
+
+
 # ---------------------------------------------------------------- item 3: terminal escapes
 
 
