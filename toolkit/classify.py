@@ -464,7 +464,7 @@ _GPU_OOM = _sig(
 # (group, kind or label, detail for the reason, pattern); the first match on a line wins.
 _SIGNATURES = (
     ("oom", "nccl_oom", "NCCL could not allocate device memory",
-     _sig(r"Cuda failure '?out of memory", r"Failed to CUDA calloc")),
+     _sig(r"Cuda failure (?:\d+ )?'?out of memory", r"Failed to CUDA calloc")),
     ("oom", "nccl_oom", "NCCL could not extend its shared memory in /dev/shm",
      _sig(r"failed to extend /dev/shm/nccl", r"Error while (?:creating|attaching to) shared memory segment")),
     ("oom", "gpu_driver_oom", "", _sig(
@@ -507,15 +507,17 @@ _SIGNATURES = (
         r"(?:Error|Exception):.*\b(?:nan|NaN|NAN|[Nn]on-finite)\b")),
     ("segfault", "segmentation fault", "", _sig(
         r"Segmentation fault", r"\bSIGSEGV\b", r"exitcode\s*:\s*-11\b", r"exits with return code = -11\b",
-        r"\bexit code 139\b", r"Signals\.SIGSEGV", r"Signal 11\b")),
+        r"\bexit code 139\b", r"Signals\.SIGSEGV", r"Signal 11\b",
+        r"exit code -1073741819\b", r"0xC0000005")),  # Windows' access violation
     ("abort", "SIGABRT", "", _sig(
-        r"terminate called without an active exception", r"^\s*Aborted(?: \(core dumped\))?\s*$",
+        r"terminate called without an active exception", r"terminate called after throwing an instance of",
+        r"^\s*Aborted(?: \(core dumped\))?\s*$",
         r"Signal 6 \(SIGABRT\)", r"exitcode\s*:\s*-6\b", r"exits with return code = -6\b", r"Signals\.SIGABRT")),
     ("sigkill", "SIGKILL", "", _sig(
         r"exits with return code = -9\b", r"exitcode\s*:\s*-9\b", r"Signal 9 \(SIGKILL\)", r"Signals\.SIGKILL",
         r"\bexit (?:code|status)\s*[=:]?\s*137\b", r"^\s*[Kk]illed\s*$", r"\]\s*Killed\s*$", r"line \d+:\s*\d+ Killed\b",
         r"\btasks? [\d,\-]+: Killed\b", r"killed by signal: Killed", r"\[\d+\]\s+\d+ killed\s",
-        r"\breturn ?code\s*[=:]\s*-9\b")),
+        r"\breturn ?code\s*[=:]\s*-9\b", r"^\[\d+\][+-]?\s+Killed\s")),
     ("launcher_kill", "the launcher killed its subprocesses", "", _sig(r"sigkill_handler\] Killing subprocess")),
     ("disguised", "CUDNN_STATUS_NOT_SUPPORTED", "", _sig(r"CUDNN_STATUS_NOT_SUPPORTED")),
     ("disguised", "CUDNN_STATUS_INTERNAL_ERROR", "", _sig(r"CUDNN_STATUS_INTERNAL_ERROR")),
@@ -546,7 +548,7 @@ _PREFILTER_WORDS = (
     "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
     "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
     "posix_memalign", "WinError 1455", "MPS backend", "XPU out", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
-    r"exit ?code", "return code", "Signal", "terminate called", "Aborted",
+    r"exit ?code", "return code", "Signal", "terminate called", "Aborted", "0xC0000005",
 )
 
 
@@ -643,9 +645,9 @@ def _simple_event(log: _Log, i: int, group: str, kind: str, detail: str) -> _Eve
         gpu = int(m.group(1)) if m else None
         shm = "shared memory" in detail
         cause = SHM_CAUSE if shm else "device"
-        m = re.search(r"(?:calloc|to) (\d+) bytes", body) or re.search(r"\(size (\d+)\)", body)
+        m = re.search(r"(?:calloc(?: async)?|to) (\d+) bytes", body) or re.search(r"\(size (\d+)\)", body)
         if m is None and not shm:  # "Cuda failure 'out of memory'" first, the size on a later WARN line
-            m = next((x for x in (re.search(r"Failed to CUDA calloc (\d+) bytes", log.raw[j])
+            m = next((x for x in (re.search(r"Failed to CUDA calloc(?: async)? (\d+) bytes", log.raw[j])
                                   for j in range(i + 1, min(len(log), i + 20))) if x), None)
         if m:
             numbers = {"nccl_bytes": int(m.group(1))}

@@ -1021,3 +1021,18 @@ def test_a_loss_scalers_skipped_step_is_not_a_nan_stop():
 def test_other_allocators_running_out(line, kind):
     v = classify(None, line + "\n")
     assert v.kind == kind
+
+
+@pytest.mark.parametrize("line, kind, cause", [
+    ("node1:1:2 [0] NCCL WARN Cuda failure 2 'out of memory'", "nccl_oom", "device"),
+    ("[1]+  Killed                  python train.py", "host_oom", "sigkill"),
+    ("Process finished with exit code -1073741819 (0xC0000005)", "not_oom", "segfault"),
+])
+def test_newer_and_other_platform_wordings(line, kind, cause):
+    v = classify(None, line + "\n")
+    assert (v.kind, v.cause) == (kind, cause)
+
+
+def test_nccl_calloc_async_states_its_size():
+    v = classify(None, "node1:1:2 [3] include/alloc.h:125 NCCL WARN Failed to CUDA calloc async 608 bytes\n")
+    assert v.kind == "nccl_oom" and v.numbers["nccl_bytes"] == 608 and v.gpu == 3
