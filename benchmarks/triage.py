@@ -6,7 +6,8 @@ Accuracy over ``tests/fixtures/corpus/`` (real logs from public issue trackers, 
 non-OOM logs called OOM (must be 0), stated numbers read exactly, phase on the logs that show a traceback (a line
 ``Traceback (most recent call last)`` anywhere in a line), per kind, per group (gpu/host/other), per
 launcher, and on the held-out fifth (every 5th stem in sorted order, ``HELD_OUT``) kept aside while the rules were
-developed. ``tests/unit/test_corpus.py`` asserts the issue's figures with the same scoring (``score_corpus``).
+developed; also the step where labelled and the cause where labelled (among the logs whose kind is right).
+``tests/unit/test_corpus.py`` asserts the issue's figures with the same scoring (``score_corpus``).
 
 Each figure is the whole command as support staff run it (``hpcmem triage ... --format json`` in a
 fresh process: interpreter start, imports, reading, classifying, remedies), wall time and the
@@ -86,6 +87,7 @@ def score_case(case: dict) -> dict:
         "phase_want": label.get("phase"), "phase_got": phase, "phase_ok": phase == label.get("phase"),
         "step_want": label.get("step"), "step_got": getattr(v, "step", None),
         "confidence": getattr(v, "confidence", None),
+        "cause_want": label.get("cause"), "cause_ok": getattr(v, "cause", None) == label.get("cause"),
     }
 
 
@@ -94,6 +96,7 @@ def summarise(rows: list[dict]) -> dict:
     nums = [ok for r in rows for ok in r["numbers_ok"].values()]
     tb = [r for r in rows if r["traceback"]]
     steps = [r for r in rows if r["step_want"] is not None]
+    causes = [r for r in rows if r["cause_want"] is not None and r["kind_ok"]]
     return {
         "cases": len(rows),
         "kind_exact": sum(r["kind_ok"] for r in rows) / len(rows) if rows else None,
@@ -102,6 +105,7 @@ def summarise(rows: list[dict]) -> dict:
         "traceback_logs": len(tb), "phase_exact": sum(r["phase_ok"] for r in tb) / len(tb) if tb else None,
         "steps": len(steps),
         "step_exact": sum(r["step_got"] == r["step_want"] for r in steps) / len(steps) if steps else None,
+        "causes": len(causes), "cause_exact": sum(r["cause_ok"] for r in causes) / len(causes) if causes else None,
     }
 
 
@@ -123,7 +127,8 @@ def print_corpus(result: dict, misses: bool = False) -> None:
     def line(name, s):
         print(f"  {name:<24} {s['cases']:>4} logs  kind {pct(s['kind_exact'])}  false OOM {s['false_oom']}  "
               f"numbers {pct(s['numbers_exact'])} of {s['numbers']:>3}  phase {pct(s['phase_exact'])} of "
-              f"{s['traceback_logs']:>2} traceback logs  step {pct(s['step_exact'])} of {s['steps']}")
+              f"{s['traceback_logs']:>2} traceback logs  step {pct(s['step_exact'])} of {s['steps']}  "
+              f"cause {pct(s['cause_exact'])} of {s['causes']}")
 
     print("triage corpus (tests/fixtures/corpus): goals kind >= 95 %, false OOM 0, numbers >= 98 %, phase >= 90 %")
     for name in ("all", "development", "held_out"):

@@ -1032,6 +1032,11 @@ def _decide(rec: JobRecord, events: list, log: _Log) -> tuple[_Event | None, Ver
         return None, Verdict("not_oom", cause="teardown", phase="teardown", reason=(
             "The process failed in teardown (destroy_process_group): while shutting down after its work."))
     said = f" (the scheduler recorded {_describe_record(rec)})" if _describe_record(rec) else ""
+    bare = _bare_ending(log)
+    if bare:
+        return None, Verdict("unknown", cause=bare, confidence="low", reason=(
+            f"{_BARE_REASON[bare]}; the cause is not in the log{said}."), confirm="the failing rank's own output "
+            "(torchrun --tee 3, or @record on the entry point) and sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,ReqMem")
     return None, Verdict("unknown", reason=f"No recognisable failure signature in the log{said}.",
                          confidence="low", confirm="sacct -j JOBID -o JobID,State,ExitCode,MaxRSS,ReqMem and every "
                          "rank's own log")
@@ -1075,6 +1080,22 @@ def _teardown_frame(log: _Log) -> int | None:
     for j in range(len(log) - 1, max(-1, len(log) - 200), -1):
         if re.search(r"\bin destroy_process_group\b", log.raw[j]):
             return j
+    return None
+
+
+_BARE_REASON = {"child_failed_bare": "torchrun reported a failed rank (ChildFailedError) with no error of its own",
+                "exit_code_only": "A process exited with a non-zero code and nothing else"}
+_EXIT_LINE = re.compile(r"exitcode\s*:\s*-?[1-9]|exit(?:ed with)? (?:code|status) -?[1-9]|return code = -?[1-9]|"
+                        r"returncode[ =:]+-?[1-9]")
+
+
+def _bare_ending(log: _Log) -> str | None:
+    """What a log with no failure signature still shows at its end: a ChildFailedError summary, an exit code."""
+    tail = range(max(0, len(log) - 300), len(log))
+    if any("ChildFailedError" in log.raw[j] for j in tail):
+        return "child_failed_bare"
+    if any(_EXIT_LINE.search(log.raw[j]) for j in tail):
+        return "exit_code_only"
     return None
 
 
