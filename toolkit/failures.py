@@ -74,8 +74,15 @@ def pressure_of(kind: str, cause: str | None = None) -> str:
 
 
 def is_host(verdict) -> bool:
-    """Whether a verdict (anything with ``kind`` and ``cause``) is host-memory pressure: the host ladder applies."""
-    return pressure_of(verdict.kind, getattr(verdict, "cause", None)) == "host"
+    """Whether a verdict (anything with ``kind`` and ``cause``) is host-memory pressure: the host ladder applies.
+
+    A verdict read back from an older ledger has no cause: an nccl_oom whose reason or evidence names /dev/shm is
+    then the shared-memory one."""
+    cause = getattr(verdict, "cause", None)
+    if cause is None and verdict.kind == "nccl_oom":
+        text = " ".join([getattr(verdict, "reason", ""), *(line for _, line in getattr(verdict, "evidence", ()))])
+        cause = SHM_CAUSE if "/dev/shm" in text else None
+    return pressure_of(verdict.kind, cause) == "host"
 
 
 def text_of(kind: str) -> str:
