@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slurm
 
 
-def spec_text(name, launcher, extra_args="", zero=None):
+def spec_text(name, launcher, extra_args="", zero=None, mem_mib=2000, allow="mem"):
     args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "6",
             "--warmup-steps", "0", "--checkpoint-every-steps", "2", "--checkpoint-digest", *extra_args.split()]
     zero_line = f", zero_stage: {zero}" if zero is not None else ""
@@ -32,10 +32,10 @@ def spec_text(name, launcher, extra_args="", zero=None):
           args: {json.dumps(args)}
         launcher: {launcher}
         gpus_per_node: 2
-        mem_mib: 2000
+        mem_mib: {mem_mib}
         time: "00:10:00"
         training: {{global_batch: 8, micro_batch: 4, seq_len: 64{zero_line}}}
-        retry: {{max_attempts: 3, allow: [mem]}}
+        retry: {{max_attempts: 3, allow: [{allow}]}}
         """)
 
 
@@ -105,3 +105,23 @@ def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
     assert saved and saved["step"] > 0, logs
     meta = marker(view["run_dir"], saved["step"])
     assert meta["reason"] == "time-limit"
+
+
+def test_activations_oom_is_answered_by_a_smaller_micro_batch_that_resumes(slurm_cluster, tmp_path):
+    """``--oom-kind activations`` scales with the micro-batch: 450 MiB a sample is 1800 MiB at micro-batch 4 (over
+    --mem 2600 with two ranks), 900 MiB at 2. The retry (micro-batch 2 x 2, the same global batch) resumes from
+    the step-4 save with the state an uninterrupted micro-batch-4 run had there."""
+    ref_result, ref, ref_logs = submit(tmp_path, "ref-act", spec_text("ref-act", "torchrun", mem_mib=2600))
+    assert ref_result.returncode == 0 and ref["state"] == "succeeded", ref_logs
+    oom_args = "--oom-at-step 5 --oom-rank 0 --oom-kind activations --oom-mib 450"
+    result, view, logs = submit(tmp_path, "oom-act", spec_text("oom-act", "torchrun", oom_args, mem_mib=2600,
+                                                               allow="micro_batch"))
+    first, *rest = view["attempts"]
+    assert first["state"] == "OUT_OF_MEMORY", logs
+    assert result.returncode == 0 and view["state"] == "succeeded", logs
+    last = rest[-1]
+    assert last["plan"]["micro_batch"] < first["plan"]["micro_batch"]
+    assert last["plan"]["global_batch"] == first["plan"]["global_batch"]
+    metrics = json.loads((Path(last["attempt_dir"]) / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == 4 and metrics["steps"] == 2
+    assert metrics["resume"]["digest"] == marker(ref["run_dir"], 4)["digest"]
