@@ -3,9 +3,8 @@ is reproducible and a failure reproduces), no example database written into the 
 deadline (each property bounds its own time with ``hostile.outcome``: a loaded 2-core CI machine must not make a
 timing flaky), and 100-500 examples per property: the whole suite takes about a minute on 2 idle cores, well
 within ~2-3 minutes on a loaded CI machine.
-``HPCMEM_FUZZ_EXAMPLES`` scales every property's examples (e.g. 10 for a long local hunt)."""
+``HPCMEM_FUZZ_EXAMPLES`` scales every property's examples (e.g. 10 for a long local hunt; ``fuzz_strategies.examples``)."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,10 +17,3 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                            HealthCheck.function_scoped_fixture])
 settings.load_profile("hpcmem-fuzz")
-
-SCALE = float(os.environ.get("HPCMEM_FUZZ_EXAMPLES", "1"))
-
-
-def examples(n: int) -> int:
-    """``n`` examples, scaled by HPCMEM_FUZZ_EXAMPLES."""
-    return max(1, int(n * SCALE))

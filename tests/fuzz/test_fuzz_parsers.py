@@ -10,11 +10,10 @@ import copy
 import json
 
 import yaml
-from conftest import examples
 from hostile import outcome, render_outcome
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import documents, hostile_text, scalars
+from fuzz_strategies import examples, documents, hostile_text, scalars
 
 from toolkit import jobspec, sites
 from toolkit.plan import CHOICES, KNOBS, Plan, parse_knob, parse_sets, with_changes

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from conftest import examples
 from hostile import outcome, render_outcome
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import PIECES, hostile_text
+from fuzz_strategies import examples, PIECES, hostile_text
 
 from toolkit import jobspec, sites
 from toolkit.plan import KNOBS, Plan, parse_knob, with_changes

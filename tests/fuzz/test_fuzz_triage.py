@@ -13,11 +13,10 @@ import json
 import os
 import re
 
-from conftest import examples
 from hostile import outcome
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import LOG_LINES, PIECES, documents, hostile_text, log_bytes, log_text, scalars
+from fuzz_strategies import examples, LOG_LINES, PIECES, documents, hostile_text, log_bytes, log_text, scalars
 
 from toolkit.classify import classify, classify_file
 from toolkit.logtail import read_stream_tail, read_tail

@@ -3,7 +3,17 @@ nested documents, log lines built from real failure messages."""
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import strategies as st
+
+SCALE = float(os.environ.get("HPCMEM_FUZZ_EXAMPLES", "1"))
+
+
+def examples(n: int) -> int:
+    """``n`` examples, scaled by HPCMEM_FUZZ_EXAMPLES (10: a longer hunt)."""
+    return max(1, int(n * SCALE))
+
 
 PIECES = ["\n", "\r", "\x00", "\x1b[31m", "\x1b]0;t\x07", "\x9b2J", "\u202e", "\u2028", "'", '"', "`", "$(", ")",
           ";", "&&", "|", "#", "\\", " ", "\t", "{", "}", "{plan_json}", "{nope}", "%j", "..", "/", "~", "*", "?",
