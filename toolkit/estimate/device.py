@@ -62,7 +62,7 @@ class DeviceMemory:
 
 
 _CACHE: "OrderedDict[tuple, Replay]" = OrderedDict()
-_CACHE_SIZE = 256
+_CACHE_SIZE = 4096
 
 
 def _replay(key, events: Callable[[], Sequence] | Sequence, capacity: int | None, cfg: AllocatorConfig) -> Replay:
