@@ -130,7 +130,7 @@ def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, st
 def job_context(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, *, run_id: str = "-",
                 attempt: int = 1, workdir: Path | None = None, python: str | None = None) -> dict[str, Any]:
     """Everything the templates need, computed (pure)."""
-    attempt_dir = Path(attempt_dir).resolve()
+    attempt_dir = resolved(attempt_dir)
     paths = attempt_paths(plan, attempt_dir)
     program = spec.argv(plan, paths)
     engine = plan.strategy
@@ -190,7 +190,7 @@ def render_script(launcher: str, context: dict[str, Any]) -> str:
 
 def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, **context_args) -> Attempt:
     """Write job.sbatch, plan.json and the engine's config file into ``attempt_dir``."""
-    attempt_dir = Path(attempt_dir).resolve()
+    attempt_dir = resolved(attempt_dir)
     partition.check_plan(plan)
     check_program(spec)
     # everything is decided and rendered before the directory exists: a refusal leaves nothing behind
@@ -227,6 +227,14 @@ def check_syntax(text: str) -> None:
     if done.returncode != 0:
         problem = (done.stderr.strip().splitlines() or ["a syntax error"])[-1]
         raise RenderError(f"the job script would not parse (bash -n: {problem[:200]}); look at the site's setup lines")
+
+
+def resolved(path) -> Path:
+    """``path`` made absolute with symlinks resolved; a symlink loop is a one-line ConfigError."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as exc:
+        raise ConfigError(f"{path}: cannot resolve the path ({exc})") from None
 
 
 def make_dirs(directory: Path) -> list[Path]:

@@ -357,10 +357,11 @@ def test_a_corrupt_calibration_file_is_one_line_and_never_overwritten(tmp_path, 
     assert cal.read_text() == calibration
 
 
-@pytest.mark.parametrize("out", ["/proc/hpcmem-test/x", "/proc/self/x", "FILE", "FILE/sub"])
+@pytest.mark.parametrize("out", ["/proc/hpcmem-test/x", "/proc/self/x", "FILE", "FILE/sub", "LOOP/x"])
 def test_render_output_that_cannot_be_a_directory_is_one_line(tmp_path, out):
     afile = write(tmp_path / "afile", "x")
-    out = out.replace("FILE", str(afile))
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    out = out.replace("FILE", str(afile)).replace("LOOP", str(tmp_path / "loop"))
     r = run_cli("render", "quickstart", "--site", "testcluster", "-p", "cpu", "-o", out, home=tmp_path / "home",
                 timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr

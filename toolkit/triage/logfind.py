@@ -74,7 +74,10 @@ def log_candidates(job_id: str, record: dict, remembered: dict, script: dict,
 
 def attempt_of_path(path: Path) -> tuple[str, int] | None:
     """``.../runs/<run_id>/attempt-<n>/x`` -> (run_id, n)."""
-    parent = Path(path).resolve().parent
+    try:
+        parent = Path(path).resolve().parent
+    except (RuntimeError, OSError):  # a symlink loop
+        return None
     match = _ATTEMPT_DIR.match(parent.name)
     if match and RUN_ID.match(parent.parent.name):
         return parent.parent.name, int(match.group(1))
