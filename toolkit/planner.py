@@ -41,16 +41,20 @@ class Candidate:
     """Relative samples per second (the first plan = 1.0)."""
     moves: tuple[str, ...]
     """What changed from the first plan."""
+    screened: bool = False
+    """The estimate is the quick lower bound (no allocator replay): enough to rule the plan out, never to choose it."""
 
     def fits_with_margin(self) -> bool:
-        return self.estimate.fits and self.estimate.headroom_mib >= MARGIN * self.estimate.capacity_mib
+        return (not self.screened and self.estimate.fits
+                and self.estimate.headroom_mib >= MARGIN * self.estimate.capacity_mib)
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
         return {"plan": self.plan.to_dict(), "moves": list(self.moves), "peak_allocated_mib": e.peak_allocated_mib,
                 "device_used_mib": e.device_used_mib, "host_mib_per_node": e.host_mib_per_node,
                 "capacity_mib": e.capacity_mib, "headroom_mib": e.headroom_mib, "fits": e.fits,
-                "fits_with_margin": self.fits_with_margin(), "relative_throughput": round(self.throughput, 4)}
+                "fits_with_margin": self.fits_with_margin(), "relative_throughput": round(self.throughput, 4),
+                "screened": self.screened}
 
 
 def speed(plan: Plan, partition: Partition) -> float:
@@ -120,13 +124,37 @@ def micro_batches(per_rank: int, base_micro: int, most: int = MAX_MICRO_BATCHES)
     return sorted(set(picks) | ({base_micro} if per_rank % base_micro == 0 else set()))
 
 
+SHOWN_FITTING = 12
+"""Candidates that fit, fastest first, whose estimates are replayed through the allocator model."""
+
+
 def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: Iterable[str],
-                    method: str = "analytic") -> list[Candidate]:
-    """Every candidate with its estimate and relative throughput, fastest first."""
+                    method: str = "analytic", fitting: int = SHOWN_FITTING) -> list[Candidate]:
+    """Every candidate with its estimate and relative throughput, fastest first.
+
+    Analytic: every candidate is first screened with the quick lower bound (``allocator_model=False``: no
+    caching-allocator replay, about 1 ms); then, fastest first, the base plan and the candidates the screen
+    lets through get the full estimate until ``fitting`` of them fit with the margin (the fastest that fits is
+    among them). The others keep their screen and are marked ``screened``: a plan whose lower bound does not
+    fit does not fit, and a screened plan is never chosen. Traced: every candidate is traced.
+    """
     base_speed = speed(base, partition)
-    cands = [Candidate(p, estimate(model, p, partition, method), speed(p, partition) / base_speed,
-                       ladder.move_names(base, p)) for p in candidate_plans(base, partition, allow)]
-    return sorted(cands, key=lambda c: (-c.throughput, c.estimate.device_used_mib))
+    plans = candidate_plans(base, partition, allow)
+    if method != "analytic":
+        cands = [Candidate(p, estimate(model, p, partition, method), speed(p, partition) / base_speed,
+                           ladder.move_names(base, p)) for p in plans]
+        return sorted(cands, key=lambda c: (-c.throughput, c.estimate.device_used_mib))
+    screened = sorted(((p, estimate(model, p, partition, allocator_model=False), speed(p, partition) / base_speed)
+                       for p in plans), key=lambda t: (-t[2], t[1].device_used_mib))
+    out, fit = [], 0
+    for plan, screen, throughput in screened:
+        if plan == base or (fit < fitting and screen.fits):
+            cand = Candidate(plan, estimate(model, plan, partition), throughput, ladder.move_names(base, plan))
+            fit += cand.fits_with_margin()
+        else:
+            cand = Candidate(plan, screen, throughput, ladder.move_names(base, plan), screened=True)
+        out.append(cand)
+    return out
 
 
 def choose(candidates: list[Candidate]) -> Candidate | None:

@@ -132,3 +132,20 @@ def test_submit_plan_starts_from_the_planners_choice(tmp_path):
         assert view["attempts"][0]["plan"] == chosen
     finally:
         hpcmem("cancel", view["run_id"], tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("job, part", [("bert-large-cls", "v100-16gb"), ("gpt2-clm", "a100-40gb")])
+def test_screening_chooses_what_estimating_every_candidate_would(job, part):
+    """The quick lower bound only rules plans out: the plan chosen after screening is the one chosen when every
+    candidate gets the full allocator replay, and a screened candidate is never reported as fitting."""
+    from toolkit.estimate import estimate
+
+    spec, partition = load_spec(job), EX.partition(part)
+    plan, model = spec.first_plan(partition), spec_model(spec)
+    quick = planner.plan_candidates(model, plan, partition, spec.allow)
+    assert any(c.screened for c in quick) and all(not c.fits_with_margin() for c in quick if c.screened)
+    full = [planner.Candidate(c.plan, estimate(model, c.plan, partition), c.throughput, c.moves) for c in quick]
+    for screened, replayed in zip(quick, full):  # the screen is a lower bound of the replayed estimate
+        assert screened.estimate.device_used_mib <= replayed.estimate.device_used_mib + 1e-6
+    full.sort(key=lambda c: (-c.throughput, c.estimate.device_used_mib))
+    assert planner.choose(quick).plan == planner.choose(full).plan

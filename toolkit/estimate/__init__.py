@@ -152,14 +152,21 @@ def saving_model(model: ModelRef, partition):
     """
     from ..ladder import footprint
 
+    known: dict = {}  # plan -> device used: the ladder asks about the same plans many times in one decision
+
+    def used(plan) -> float:
+        if plan not in known:
+            known[plan] = estimate(model, plan, partition).device_used_mib
+        return known[plan]
+
     def saving(plan, new_plan, numbers, context_mib):
         fp = footprint(plan, numbers, context_mib)
         if fp is None:
             return None
-        before = estimate(model, plan, partition).device_used_mib
+        before = used(plan)
         if before <= 0:
             return None
-        after = estimate(model, new_plan, partition).device_used_mib * max(1.0, fp.demand_mib / before)
+        after = used(new_plan) * max(1.0, fp.demand_mib / before)
         return fp.demand_mib - after
 
     return saving
