@@ -418,3 +418,18 @@ def test_nothing_hangs_on_a_plan_json_from_a_wrong_shape(tmp_path):
                 {"world_size": 3}, {7: 1}):
         kind, _ = outcome(lambda: Plan.from_dict(doc) if isinstance(doc, dict) else Plan.from_dict(doc))
         assert kind == "error"
+
+
+def test_a_script_with_huge_padding_and_overlong_paths_is_quick(tmp_path):
+    """``--output=%9999999999j.out`` would build a 10 GB file name; names longer than the system takes make
+    ``Path.is_file`` raise: neither may stop triage."""
+    write(tmp_path / "job.sbatch", "#!/bin/bash\n#SBATCH --output=%9999999999j.out\n#SBATCH --error=" + "e" * 5000
+          + "\ndeepspeed t.py --deepspeed " + "d" * 5000 + "\ncd " + "c" * 5000 + "\n")
+    log = write(tmp_path / "slurm-5.out", OOM + "\n")
+    kind, found = outcome(lambda: cases(str(log)), 20)
+    assert kind == "ok" and any("DeepSpeed config" in m for m in found[0].facts.missing)
+    from toolkit.triage.logfind import log_candidates
+    from toolkit.triage.scriptread import read_script
+
+    paths = log_candidates("5", {}, {}, read_script("#SBATCH --output=%9999999999j.out\n"))
+    assert all(len(str(p)) < 5000 for _origin, ps in paths for p in ps)

@@ -15,6 +15,7 @@ say so in ``missing``. Every knob is checked against the Plan's field types and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -289,7 +290,7 @@ def add_ds_config(builder: FactsBuilder, search: list[Path], named: str | None =
         return
     candidates = [Path(named)] if named and os.path.isabs(named) else \
         [d / named for d in search] if named else [d / DS_CONFIG_JSON for d in search]
-    path = next((p for p in candidates if p.is_file()), None)
+    path = next((p for p in candidates if is_file(p)), None)
     if path is None:
         if named:
             builder.miss(f"DeepSpeed config {named} named by the job script was not found "
@@ -306,10 +307,10 @@ def add_files_near(builder: FactsBuilder, directory: Path, extra_dirs: list[Path
     (job.sbatch, or the one ``*.sbatch``/``*.slurm``/``*.sh`` with ``#SBATCH`` lines) and its DeepSpeed
     config (named by the script, else ``ds_config.json`` here or in ``extra_dirs``)."""
     directory = Path(directory)
-    if (directory / PLAN_JSON).is_file():
+    if is_file(directory / PLAN_JSON):
         add_plan_json(builder, directory / PLAN_JSON)
     for spec in (directory / "spec.yaml", directory.parent / "spec.yaml"):
-        if spec.is_file() and not builder.get("model"):
+        if is_file(spec) and not builder.get("model"):
             add_spec(builder, spec)
             break
     search = list(dict.fromkeys([*extra_dirs, directory]))
@@ -325,10 +326,11 @@ def find_script(directory: Path) -> Path | None:
     """The job script in ``directory``: ``job.sbatch``, else the only ``*.sbatch``/``*.slurm``/``*.sh``
     holding ``#SBATCH`` lines (None when there are none, or several)."""
     directory = Path(directory)
-    if (directory / "job.sbatch").is_file():
+    if is_file(directory / "job.sbatch"):
         return directory / "job.sbatch"
     try:
-        names = sorted(p for p in directory.iterdir() if p.suffix in (".sbatch", ".slurm", ".sh", ".job") and p.is_file())
+        names = sorted(p for p in itertools.islice(directory.iterdir(), 10000)
+                       if p.suffix in (".sbatch", ".slurm", ".sh", ".job") and is_file(p))
     except OSError:
         return None
     with_directives = [p for p in names if _has_directives(p)]
@@ -344,9 +346,17 @@ def ledger_attempts(attempts: list, chosen_n: int) -> tuple:
 # ---------------------------------------------------------------- small helpers
 
 
+def is_file(path) -> bool:
+    """A regular file (symlinks followed) at ``path``; False, never an exception, for a path that cannot be
+    looked at (too long, a NUL byte, a symlink loop, no permission): paths here come from untrusted scripts."""
+    return os.path.isfile(path)
+
+
 def _has_directives(path: Path) -> bool:
     try:
-        with open(path, "rb") as handle:
+        from ..logtail import open_regular
+
+        with open_regular(path) as handle:
             return b"#SBATCH" in handle.read(65536)
     except OSError:
         return False

@@ -37,6 +37,7 @@ _LOG_JOB_ID = (
     re.compile(r"StepId=(\d+(?:_\d+)?)\.(?:batch|extern|\d+)"),
     re.compile(r"\*\*\* JOB (\d+(?:_\d+)?) ON \S+ CANCELLED"),
 )
+_PAD = re.compile(r"%([0-9]+)(?=[%AajJNnstux])")
 _SLURM_LOG_NAME = re.compile(r"^slurm-(\d+(?:_\d+)?)\.(?:out|err)(?:\.gz)?$")
 
 
@@ -60,6 +61,8 @@ def log_candidates(job_id: str, record: dict, remembered: dict, script: dict,
               "node": info.get("nodes")}
 
     def place(pattern: str) -> Path:
+        # a zero-padding width is at most 10 digits wide in Slurm: %9999999999j must not build a 10 GB name
+        pattern = _PAD.sub(lambda m: "%" + str(min(int(m.group(1)[-3:]), 10)), pattern[:4096])
         path = Path(expand_filename_pattern(pattern, **expand))
         return path if path.is_absolute() else workdir / path
     default = "slurm-%A_%a.out" if "_" in job_id else "slurm-%j.out"

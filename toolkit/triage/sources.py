@@ -356,11 +356,11 @@ class _Gathering:
         # the scheduler's record, when there is one, says these better: they are added after it
         job.fallback = {"partition": attempt.partition, "state": attempt.state, "exit_code": attempt.exit_code}
         attempt_dir = Path(attempt.attempt_dir)
-        if (attempt_dir / F.PLAN_JSON).is_file():
+        if F.is_file(attempt_dir / F.PLAN_JSON):
             F.add_plan_json(job.builder, attempt_dir / F.PLAN_JSON)
         job.builder.knobs({k: v for k, v in (attempt.plan or {}).items() if k != "world_size"}, F.LEDGER)
         spec = Path(run.run_dir) / "spec.yaml"
-        if spec.is_file():
+        if F.is_file(spec):
             F.add_spec(job.builder, spec)
         return True
 
@@ -381,7 +381,7 @@ class _Gathering:
         rest = []
         for job in jobs:
             script = Path(job.attempt.attempt_dir) / "job.sbatch" if job.attempt is not None else None
-            if script is not None and script.is_file():
+            if script is not None and F.is_file(script):
                 self.script_from_file(job, script)
             else:
                 rest.append(job)
@@ -429,7 +429,7 @@ class _Gathering:
     def find_logs(self, jobs: list[_Job]) -> None:
         """Each job's log: the first place in ``log_candidates`` that has it (stdout, and stderr when separate)."""
         unknown = [j for j in jobs if not (j.attempt is not None and j.job_id
-                                           and Backend.log_path(Path(j.attempt.attempt_dir), j.job_id).is_file())]
+                                           and F.is_file(Backend.log_path(Path(j.attempt.attempt_dir), j.job_id)))]
         remembered = self.remembered([j.job_id for j in unknown if JOB_ID.match(j.job_id or "")])
         for job in jobs:
             if not job.job_id:
@@ -440,7 +440,7 @@ class _Gathering:
                 self.script_from_command(job, extra.get("command"))
             candidates = log_candidates(job.job_id, job.record or {}, extra, job.script or {}, job.attempt)
             for _origin, paths in candidates:
-                found = [p for p in dict.fromkeys(paths) if p.is_file()]
+                found = [p for p in dict.fromkeys(paths) if F.is_file(p)]
                 if found:
                     job.log_paths = found
                     break
