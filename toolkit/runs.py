@@ -183,14 +183,14 @@ def run_view(ledger: Ledger, run_id: str) -> dict[str, Any]:
 
 
 def resume_facts(attempt: AttemptRow) -> dict[str, Any]:
-    """``resumed_from_step`` and ``checkpoint`` ({path, step} of its last complete save) of an attempt
-    (docs/resume.md): from its recorded metrics, else from the rank files a killed job left."""
+    """``resumed_from_step``, ``checkpoint`` ({path, step} of its last complete save) and ``inflight_moves`` of an
+    attempt (docs/resume.md): from its recorded metrics, else from the rank files a killed job left."""
     sources = [attempt.metrics] if isinstance(attempt.metrics, dict) else []
     if not any("checkpoint" in s for s in sources):
         from .runtime.metrics import read_rank_files
 
         sources += sorted(read_rank_files(Path(attempt.attempt_dir)), key=lambda r: r.get("rank", 0))
-    out: dict[str, Any] = {"resumed_from_step": None, "checkpoint": None}
+    out: dict[str, Any] = {"resumed_from_step": None, "checkpoint": None, "inflight_moves": None}
     for key in out:
         out[key] = next((s[key] for s in sources if s.get(key) is not None), None)
     return out
