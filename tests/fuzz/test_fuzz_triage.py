@@ -61,7 +61,9 @@ script_words = st.sampled_from(["#SBATCH --nodes=2", "#SBATCH --gres=gpu:²", "#
                                 "--gradient_accumulation_steps", "--bf16", "--fsdp 'full_shard offload'", "\\",
                                 "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "accelerate launch",
                                 "--num_processes", "--optim", "adamw_torch", "--max_seq_length", "99999999999999999999",
-                                "cd /tmp", "python -m torch.distributed.run", "--nnodes=0", "'", '"'])
+                                "cd /tmp", "python -m torch.distributed.run", "--nnodes=0", "'", '"',
+                                "#SBATCH --output=%9999999999j.out", "#SBATCH --error=%4a-%x-%99u.err",
+                                "--deepspeed " + "d" * 5000, "cd " + "c/" * 3000, "--deepspeed /dev/zero"])
 scripts = st.lists(st.one_of(script_words, hostile_text, st.integers(-3, 2**70).map(str)), max_size=40).map(
     lambda ws: " ".join(w if not w.startswith("#SBATCH") else "\n" + w + "\n" for w in ws))
 
