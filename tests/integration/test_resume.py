@@ -18,9 +18,6 @@ from hpcmem_cli import run_cli as hpcmem
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slurm
-
-
 def spec_text(name, launcher, extra_args="", zero=None, mem_mib=2000, allow="mem"):
     args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "6",
             "--warmup-steps", "0", "--checkpoint-every-steps", "2", "--checkpoint-digest", *extra_args.split()]
@@ -39,11 +36,11 @@ def spec_text(name, launcher, extra_args="", zero=None, mem_mib=2000, allow="mem
         """)
 
 
-def submit(tmp_path, name, text):
+def submit(tmp_path, name, text, site=("--site", "testcluster", "--partition", "cpu")):
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(text)
-    result = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--wait", "--json",
-                    "--interval", "1", home=tmp_path / "home", timeout=600)
+    result = hpcmem("submit", str(spec), *site, "--wait", "--json", "--interval", "1", home=tmp_path / "home",
+                    timeout=600, env={"MALLOC_ARENA_MAX": "2"})
     view = json.loads(result.stdout)
     logs = "\n".join(p.read_text()[-2500:] for a in view["attempts"] for p in Path(a["attempt_dir"]).glob("slurm-*.out"))
     return result, view, logs
@@ -53,6 +50,7 @@ def marker(run_dir, step):
     return json.loads((Path(run_dir) / "checkpoints" / f"step-{step:08d}" / "complete").read_text())
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("launcher,zero", [("torchrun", None), ("fsdp", None), ("deepspeed", 2)])
 def test_a_cgroup_oom_retry_resumes_at_the_saved_step_with_identical_state(slurm_cluster, tmp_path, launcher, zero):
     ref_result, ref, ref_logs = submit(tmp_path, f"ref-{launcher}", spec_text(f"ref-{launcher}", launcher, zero=zero))
@@ -81,6 +79,7 @@ def test_a_cgroup_oom_retry_resumes_at_the_saved_step_with_identical_state(slurm
         assert set(metrics["resume"]["digest"]) == {"model", "optimizer"}
 
 
+@pytest.mark.slurm
 def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
     """A 1-minute job that would train for hours: the runtime saves once before the limit (no signal needed),
     Slurm ends it with TIMEOUT, and the run shows the save. (Retrying a TIMEOUT is the controller's decision.)"""
@@ -107,6 +106,7 @@ def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
     assert meta["reason"] == "time-limit"
 
 
+@pytest.mark.slurm
 def test_activations_oom_is_answered_by_a_smaller_micro_batch_that_resumes(slurm_cluster, tmp_path):
     """``--oom-kind activations`` scales with the micro-batch: 450 MiB a sample is 1800 MiB at micro-batch 4 (over
     --mem 2600 with two ranks), 900 MiB at 2. The retry (micro-batch 2 x 2, the same global batch) resumes from
@@ -125,3 +125,28 @@ def test_activations_oom_is_answered_by_a_smaller_micro_batch_that_resumes(slurm
     metrics = json.loads((Path(last["attempt_dir"]) / "metrics.json").read_text())
     assert metrics["resumed_from_step"] == 4 and metrics["steps"] == 2
     assert metrics["resume"]["digest"] == marker(ref["run_dir"], 4)["digest"]
+
+
+def test_in_job_recovery_is_one_job_and_the_run_shows_the_move(tmp_path):
+    """The local backend caps a job's address space at its --mem: an activations OOM at step 3 is answered in the
+    job (--inflight-recovery): one attempt, COMPLETED, the same global batch, the move in hpcmem runs."""
+    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "4",
+            "--warmup-steps", "0", "--oom-at-step", "3", "--oom-mib", "400", "--inflight-recovery"]
+    text = textwrap.dedent(f"""\
+        name: in-job
+        command:
+          module: toolkit.train
+          args: {json.dumps(args)}
+        gpus_per_node: 1
+        mem_mib: 2000
+        env: {{MALLOC_ARENA_MAX: "2"}}
+        training: {{global_batch: 8, micro_batch: 4, seq_len: 64}}
+        retry: {{max_attempts: 2}}
+        """)
+    result, view, logs = submit(tmp_path, "in-job", text, site=("--site", "local"))
+    assert result.returncode == 0 and view["state"] == "succeeded", logs
+    (attempt,) = view["attempts"]
+    assert attempt["state"] == "COMPLETED"
+    runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
+    (move,) = runs["attempts"][0]["inflight_moves"]
+    assert move["step"] == 3 and move["to"]["micro_batch"] == 2 and move["global_batch"] == 8
