@@ -24,6 +24,7 @@ import pytest
 from toolkit import sites
 from toolkit.errors import ConfigError
 from toolkit.estimate import COMPONENTS
+from toolkit.estimate import activations as inv
 from toolkit.estimate import analytic as an
 from toolkit.estimate.analytic import estimate_analytic
 from toolkit.models import load_model_config, random_image_batch, transformers_config
@@ -125,12 +126,12 @@ def test_the_layer_inventory_reduces_to_korthikanti():
     s, b, h, a = 1024, 4, 768, 12
     p = plan(launcher="deepspeed", precision="fp16-mixed", attention="eager", seq_len=s, micro_batch=b)
     dt = an.dtypes_for(p, gpu=True)
-    ln_stats = 2 * an.LN_STATS_BYTES * s * b  # LayerNorm's mean and rstd, which the paper leaves out
-    assert s * b * an.layer_bytes_per_token(shape, p, dt) - ln_stats == an.korthikanti_layer_bytes(s, b, h, a)
+    ln_stats = 2 * inv.LN_STATS_BYTES * s * b  # LayerNorm's mean and rstd, which the paper leaves out
+    assert s * b * inv.layer_bytes_per_token(shape, p, dt) - ln_stats == inv.korthikanti_layer_bytes(s, b, h, a)
     flash = p.replace(attention="sdpa")
     lse = 4 * a * s * b
-    assert s * b * an.layer_bytes_per_token(shape, flash, dt) - ln_stats - lse == \
-        an.korthikanti_layer_bytes(s, b, h, a, stores_scores=False)
+    assert s * b * inv.layer_bytes_per_token(shape, flash, dt) - ln_stats - lse == \
+        inv.korthikanti_layer_bytes(s, b, h, a, stores_scores=False)
 
 
 def test_more_micro_batch_more_activations_and_checkpointing_fewer():
@@ -139,8 +140,8 @@ def test_more_micro_batch_more_activations_and_checkpointing_fewer():
     assert peaks[0] < peaks[1] < peaks[2]
     for shape in (GPT2, LLAMA7B):
         base = plan(precision="bf16-mixed", micro_batch=8, seq_len=1024)
-        full = an.activations(shape, base, an.dtypes_for(base, True))
-        ckpt = an.activations(shape, base.replace(checkpointing=True), an.dtypes_for(base, True))
+        full = inv.activations(shape, base, an.dtypes_for(base, True))
+        ckpt = inv.activations(shape, base.replace(checkpointing=True), an.dtypes_for(base, True))
         assert ckpt.kept_layer_bytes < full.kept_layer_bytes / 10
         assert estimate_analytic(shape, base.replace(checkpointing=True), A100).peak_allocated_mib < \
             estimate_analytic(shape, base, A100).peak_allocated_mib
@@ -150,7 +151,7 @@ def test_eager_attention_stores_the_score_matrix():
     sdpa = plan(precision="bf16-mixed", micro_batch=4, seq_len=1024)
     dt = an.dtypes_for(sdpa, True)
     for shape in (GPT2, LLAMA7B):
-        extra = an.layer_bytes_per_token(shape, sdpa.replace(attention="eager"), dt) - an.layer_bytes_per_token(shape, sdpa, dt)
+        extra = inv.layer_bytes_per_token(shape, sdpa.replace(attention="eager"), dt) - inv.layer_bytes_per_token(shape, sdpa, dt)
         assert extra > shape.heads * 1024 * 4  # at least an fp32 a x s row per token
 
 
@@ -196,7 +197,7 @@ def test_components_add_up_and_device_used_follows():
 def test_the_peak_is_the_largest_phase_not_the_sum():
     p = plan(precision="fp32", micro_batch=1, seq_len=128)
     dt = an.dtypes_for(p, True)
-    all_phases = an.phases(GPT2, p, dt, an.model_states(GPT2, p, dt), an.activations(GPT2, p, dt))
+    all_phases = an.phases(GPT2, p, dt, an.model_states(GPT2, p, dt), inv.activations(GPT2, p, dt))
     e = estimate_analytic(GPT2, p, A100)
     assert e.peak_allocated_mib == pytest.approx(max(ph.total for ph in all_phases) / MIB)
     assert e.peak_allocated_mib < 16 * GPT2.n_params / MIB + sum(ph.activations for ph in all_phases) / MIB
@@ -275,8 +276,8 @@ def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     real = forward_saved_bytes({**cfg, layers_key: 3}, task, p) - forward_saved_bytes({**cfg, layers_key: 2}, task, p)
     shape = ModelShape.from_config(cfg, task)
     dt = an.dtypes_for(p, gpu=False)
-    tokens = 3 * an.sequence_length(shape, p)  # a ViT's patches + CLS, else seq_len 96
-    predicted = tokens * an.layer_bytes_per_token(shape, p, dt) + (2 * shape.layer_linear_params if dt.autocast else 0)
+    tokens = 3 * inv.sequence_length(shape, p)  # a ViT's patches + CLS, else seq_len 96
+    predicted = tokens * inv.layer_bytes_per_token(shape, p, dt) + (2 * shape.layer_linear_params if dt.autocast else 0)
     assert predicted == pytest.approx(real, rel=0.005)
 
 
@@ -328,7 +329,7 @@ def test_image_cls_ignores_the_plans_seq_len_and_says_so():
     assert any("197 tokens per sample" in n and "does not apply" in n for n in long.notes)
     assert not any("longer than the model" in n for n in long.notes)
     dt = an.dtypes_for(p, True)
-    assert an.activations(VIT_BASE, p, dt).layer_bytes == 64 * 197 * an.layer_bytes_per_token(VIT_BASE, p, dt)
+    assert inv.activations(VIT_BASE, p, dt).layer_bytes == 64 * 197 * inv.layer_bytes_per_token(VIT_BASE, p, dt)
 
 
 def test_image_cls_scales_with_micro_batch_and_checkpointing_saves():
@@ -369,7 +370,7 @@ def test_the_stream_reaches_the_phase_models_peak(shape, knobs):
 
     p = plan(**knobs)
     dt = an.dtypes_for(p, True)
-    states, acts = an.model_states(shape, p, dt), an.activations(shape, p, dt)
+    states, acts = an.model_states(shape, p, dt), inv.activations(shape, p, dt)
     peak = max(ph.total for ph in an.phases(shape, p, dt, states, acts))
     r = replay(step_events(shape, p, dt, states, acts, steps=2))
     # the same tensors, one as a sum per phase, one event by event (512 B rounding, small-pool bundles)

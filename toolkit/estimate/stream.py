@@ -112,7 +112,7 @@ class _Layer:
 
 def layer_tensors(shape: ModelShape, plan, dt, acts) -> _Layer:
     """Split a layer's totals from ``analytic.activations`` into tensors of the sizes the runtime makes."""
-    from .analytic import _attention_bytes, _ffn_bytes, sequence_length, stores_scores
+    from .activations import _attention_bytes, _ffn_bytes, sequence_length, stores_scores
 
     seq = sequence_length(shape, plan)
     b = plan.micro_batch
@@ -160,7 +160,7 @@ def layer_tensors(shape: ModelShape, plan, dt, acts) -> _Layer:
 def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], int]:
     """(tensors saved outside the layers except the log-probs, the log-probs' bytes: fp32 when the
     loss upcasts the logits, else the compute dtype)."""
-    from .analytic import sequence_length
+    from .activations import sequence_length
 
     tokens = plan.micro_batch * sequence_length(shape, plan)
     elem = 4 if runtime.logits_fp32 else dt.compute

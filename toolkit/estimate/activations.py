@@ -1,0 +1,233 @@
+"""The activation inventory: what autograd saves per transformer layer and outside the layers, tensor by
+tensor for the model family's HF blocks (bytes; pure arithmetic on a ``ModelShape``, a ``Plan`` and the engine's
+``Dtypes``). ``analytic`` sums it by phase, ``stream`` lays it out as the allocator sees it; both import it from
+here, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from ..modelshape import ModelShape
+from ..plan import Plan
+from ..strategies import Dtypes
+from .gpu import DEFAULT_RUNTIME, Runtime
+
+LN_STATS_BYTES = 8
+"""LayerNorm saves fp32 mean and rstd per token."""
+ID_BYTES = 8
+
+
+# -- activations -------------------------------------------------------------------------------
+
+# Tensors of the FFN's width an activation function leaves saved, counting the output the
+# next matmul saves: a fused kernel keeps its input and output (2); HF's python GELUs keep
+# their intermediates (gelu_new: x, tanh, 1 + tanh, x/2 and the product); ReLU only its output.
+ACTIVATION_SAVED = {"gelu_new": 5, "quick_gelu": 3, "relu": 1}
+DEFAULT_ACTIVATION_SAVED = 2
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, stores_scores: bool = True) -> float:
+    """Korthikanti et al. (2022): bytes one Megatron GPT layer saves with 16-bit activations.
+
+    s·b·h·(34 + 5·a·s/h); without the attention matrix (flash/SDPA) s·b·h·34.
+    """
+    return s * b * h * (34 + (5 * a * s / h if stores_scores else 0))
+
+
+def _ffn_bytes(shape: ModelShape, dt: Dtypes) -> float:
+    """Per token: what the MLP's activation function and its output keep (width ffn)."""
+    c, f = dt.compute, shape.ffn
+    if shape.gated:  # act(gate) keeps gate and act out; the product keeps both factors; down_proj the product
+        return 4 * c * f
+    if shape.activation == "gelu_new" and dt.autocast and dt.gpu:
+        # CUDA autocast runs pow in fp32: x, tanh and 1 + tanh become fp32, the product is cast back.
+        return (3 * 4 + 2 * c) * f
+    return ACTIVATION_SAVED.get(shape.activation, DEFAULT_ACTIVATION_SAVED) * c * f
+
+
+def sequence_length(shape: ModelShape, plan: Plan) -> int:
+    """Tokens per sample: fixed by an image model's config (patches + CLS), else the plan's seq_len."""
+    return shape.seq_len if shape.seq_len is not None else plan.seq_len
+
+
+def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+    """Per token: the attention kernel's saved Q, K, V and output, and the score matrix when stored."""
+    c, a, s = dt.compute, shape.heads, sequence_length(shape, plan)
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if not stores_scores(shape, plan, dt):
+        return (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
+    # Eager: K and V repeated to every head (GQA), softmax output, its 16-bit copy or dropout.
+    causal = shape.family not in ("bert", "vit")
+    # The causal mask is in the weights' dtype (fp32 under autocast) and CUDA's autocast
+    # runs softmax in fp32: then softmax's output is fp32 and a 16-bit copy feeds the matmul.
+    # LLaMA's and ViT's eager attention ask softmax for fp32 outright.
+    soft = 4 if shape.family in ("llama", "vit") or (dt.autocast and (causal or dt.gpu)) else c
+    if shape.attn_dropout > 0:
+        extra = dt.mask + c
+    else:
+        extra = c if soft != c else 0
+    return 4 * q_dim * c + a * s * (soft + extra)
+
+
+def stores_scores(shape: ModelShape, plan: Plan, dt: Dtypes) -> bool:
+    """Whether attention keeps the a x s x s matrix: eager always; PyTorch's CPU SDPA with dropout
+    (its fused CPU kernel has none, so it falls back to the math path)."""
+    if plan.attention == "eager":
+        return True
+    return not dt.gpu and shape.attn_dropout > 0
+
+
+def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+    """Bytes one transformer layer saves for backward, per token of the micro-batch.
+
+    Tensor by tensor for the HF block of the model's family (verified against a real
+    training step's live tensors on the CPU). Under autocast a matmul whose input is fp32
+    (a norm's output) saves its own 16-bit copy of it.
+    """
+    h, p, c = shape.hidden, dt.param, dt.compute
+    drop = 2 * h * dt.mask if shape.hidden_dropout > 0 else 0
+    core = _attention_bytes(shape, plan, dt) + _ffn_bytes(shape, dt) + drop
+    if shape.family == "gpt2":
+        # A KV cache (kept off by checkpointing) concatenates copies of K and V for the
+        # kernel, while Q's view keeps the fused QKV output alive too.
+        cache = 2 * shape.kv_heads * shape.head_dim * c if shape.kv_cache and not plan.checkpointing else 0
+        # ln_1 input, c_attn input, ln_2 input, c_fc input (+ LayerNorm stats)
+        return core + cache + 2 * (h * p + LN_STATS_BYTES) + 2 * h * c
+    if shape.family in ("bert", "vit"):
+        qkv_in = 3 * h * c if dt.autocast else h * p
+        # Q/K/V input, two LayerNorm inputs (BERT: after each residual add; ViT: the residual
+        # stream before attention and before the MLP), the intermediate dense's input
+        return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
+    # llama: RMSNorm in python keeps its fp32 input, rstd and the normalised tensor
+    rms = 4 * h + 4 + h * p
+    qkv_in = 3 * h * c if dt.autocast else h * p
+    mlp_in = 2 * h * c if dt.autocast else h * p
+    return core + 2 * rms + qkv_in + mlp_in
+
+
+def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
+    """Per token, what is saved outside the layers: ids, embeddings, final norm, head input, log-probs."""
+    h, p, c = shape.hidden, dt.param, dt.compute
+    if shape.family == "vit":
+        # embedding dropout, the final LayerNorm's input; the classifier's CLS view keeps the whole
+        # normalised output alive unless autocast copied the CLS rows (see outside_bytes_per_sample)
+        emb = h * dt.mask if shape.embd_dropout > 0 else 0
+        return emb + h * p + LN_STATS_BYTES + (0 if dt.autocast else h * p)
+    causal = shape.task == "causal-lm"
+    ids = ID_BYTES * (3 if causal else 1)  # input ids; labels and their shifted copy for the loss
+    logprobs = 4 * shape.vocab if causal else 0  # transformers upcasts the logits; log_softmax keeps fp32
+    if shape.family == "gpt2":
+        emb = h * dt.mask if shape.embd_dropout > 0 else 0
+        return ids + emb + h * p + LN_STATS_BYTES + h * c + logprobs
+    if shape.family == "bert":
+        emb = ID_BYTES + h * p + LN_STATS_BYTES + (h * dt.mask if shape.embd_dropout > 0 else 0)  # token types, LN
+        if causal:  # transform dense, GELU, LayerNorm, decoder inputs (CUDA autocast: LayerNorm in fp32)
+            head = 3 * h * c + 4 * h + LN_STATS_BYTES if dt.autocast and dt.gpu else 4 * h * c + LN_STATS_BYTES
+        else:  # the pooler's first-token view keeps the whole last hidden state, unless autocast copied it
+            head = 0 if dt.autocast else h * p
+        return ids + emb + head + logprobs
+    return ids + (4 * h + 4 + h * p) + h * c + logprobs
+
+
+def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
+    """Per sample, what the patch convolution saves and keeps to the end of the backward: its
+    input pixels in the compute dtype (the batch's own fp32 tensor in fp32, else a 16-bit copy).
+    0 for a text model."""
+    return 0.0 if shape.image is None else prod(shape.image) * dt.compute
+
+
+def outside_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
+    """Per sample, what an image model holds outside the layers in the forward: the patch
+    convolution's input, the batch's fp32 pixels when that is a copy of them, the label, and under
+    autocast the classifier's 16-bit copy of the CLS token. 0 for a text model."""
+    if shape.image is None:
+        return 0.0
+    batch = 4 * prod(shape.image) if dt.compute != 4 else 0
+    return input_bytes_per_sample(shape, dt) + batch + ID_BYTES + (shape.hidden * dt.compute if dt.autocast else 0)
+
+
+# Net transient of one layer's backward: gradients alive while that layer's saved tensors
+# are not yet freed, per token, as (x ffn in the compute dtype, x hidden in the residual
+# gradient's dtype: the weights' dtype, fp32 inside LLaMA's RMSNorm). Fitted on real
+# training steps on the CPU (torch 2.13, transformers 5.23; see tests/unit/test_estimate_analytic.py).
+LAYER_BACKWARD_TEMP = {("gpt2", "gelu_new"): (2.25, 0.5), "gpt2": (0.8, 2.3), "bert": (0.4, 4.4), "llama": (0.55, 5.3),
+                       "vit": (1.0, 1.0)}
+# With eager attention, in (a x s per token) in the compute dtype: GPT-2's peak inside a
+# layer's backward comes after part of its score matrix is freed.
+EAGER_BACKWARD_TEMP = {"gpt2": -1.0}
+
+
+def layer_backward_temp_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+    """Bytes per token one layer's backward holds beyond its saved tensors."""
+    ffn, hid = LAYER_BACKWARD_TEMP.get((shape.family, shape.activation)) or LAYER_BACKWARD_TEMP[shape.family]
+    grad = 4 if shape.family == "llama" else dt.param
+    temp = ffn * shape.ffn * dt.compute + hid * shape.hidden * grad
+    if shape.family == "vit" and dt.autocast:
+        temp += shape.hidden * dt.compute  # the residual's fp32 gradient cast to 16-bit for the MLP's matmul
+    if stores_scores(shape, plan, dt):
+        temp += EAGER_BACKWARD_TEMP.get(shape.family, 0.0) * shape.heads * sequence_length(shape, plan) * dt.compute
+    return temp
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of one micro-batch's forward and backward on one rank."""
+
+    layer_bytes: float
+    """one layer's saved tensors"""
+    kept_layer_bytes: float
+    """what one layer keeps until its backward: layer_bytes, or its input under checkpointing"""
+    outside_bytes: float
+    """saved outside the layers (embeddings, final norm, head input, log-probs, ids)"""
+    input_bytes: float
+    """the part of outside_bytes kept through the whole backward: an image model's pixels (0 for text)"""
+    layer_cast_bytes: float
+    """autocast's 16-bit copies of one layer's matmul weights"""
+    head_cast_bytes: float
+    loss_forward_temp_bytes: float
+    """the logits and their fp32 copy while the loss is computed"""
+    loss_backward_temp_bytes: float
+    """the gradients of the log-probs and of the logits (fp32) at the start of the backward"""
+    head_backward_temp_bytes: float
+    """the logits' gradient in the compute dtype and the head weight's 16-bit gradient"""
+    layer_backward_temp_bytes: float
+    """gradients flowing through one layer's backward (and its recompute under checkpointing)"""
+
+
+def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> Activations:
+    """Activation bytes of one micro-batch (plan.micro_batch x sequence_length tokens) on one rank."""
+    seq = sequence_length(shape, plan)
+    tokens = plan.micro_batch * seq
+    h, c = shape.hidden, dt.compute
+    layer = tokens * layer_bytes_per_token(shape, plan, dt)
+    kept = tokens * h * dt.param if plan.checkpointing else layer
+    layer_cast = 2.0 * shape.layer_linear_params if dt.autocast else 0.0
+    head_cast = 2.0 * shape.head_linear_params if dt.autocast else 0.0
+    causal = shape.task == "causal-lm"
+    logits = tokens * shape.vocab if causal else 0
+    upcast = runtime.logits_fp32 or c == 4
+    # transformers' loss upcasts the logits (an fp32 copy; log_softmax keeps fp32 log-probs and the
+    # backward makes two fp32 gradients); a loss on 16-bit logits keeps them all in the compute dtype
+    loss_fwd = logits * (c + (4 if c != 4 else 0)) if upcast else logits * c
+    if shape.image is not None and dt.autocast:
+        loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
+    loss_bwd = 8.0 * logits if upcast else 2.0 * c * logits
+    head_weight = shape.vocab * h if causal else 0
+    head_bwd = logits * c + (head_weight * c if dt.autocast else 0)
+    layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)
+    if plan.checkpointing:
+        layer_bwd += layer + layer_cast  # the layer is recomputed (and its weights re-cast) first
+        if shape.family == "vit":
+            layer_bwd -= kept  # a pre-LN layer saves its input, which is the tensor checkpointing kept
+    outside = tokens * outside_bytes_per_token(shape, dt) + plan.micro_batch * outside_bytes_per_sample(shape, dt)
+    if not upcast:
+        outside -= logits * (4 - c)  # the log-probs kept in the compute dtype
+    if shape.image is None:
+        outside += ID_BYTES * seq  # position ids
+    return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
+                       input_bytes=plan.micro_batch * input_bytes_per_sample(shape, dt),
+                       layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
+                       loss_forward_temp_bytes=loss_fwd, loss_backward_temp_bytes=loss_bwd,
+                       head_backward_temp_bytes=head_bwd, layer_backward_temp_bytes=layer_bwd)
