@@ -118,6 +118,7 @@ from typing import Callable, Iterable, Mapping, Sequence, Union
 from . import optimizers, strategies
 from .classify import Verdict
 from .errors import PlanError, UnknownNameError
+from .failures import is_host, text_of
 from .plan import Plan, with_changes
 from .sites import Partition
 
@@ -125,8 +126,6 @@ ALLOW_NAMES = ("alloc_conf", "precision", "attention", "micro_batch", "checkpoin
                "fsdp", "offload", "nvme", "gpus", "partition", "mem", "workers")
 """The moves a job spec may allow (``retry.allow``)."""
 
-GPU_KINDS = ("gpu_oom", "gpu_oom_fragmentation", "gpu_driver_oom", "nccl_oom")
-HOST_KINDS = ("host_oom", "cpu_alloc_oom")
 EXPANDABLE = "expandable_segments:True"
 LIMIT_KINDS = ("gpu_driver_oom", "nccl_oom")
 """GPU-side failures that never state numbers (outside the caching allocator): the card's memory is the limit."""
@@ -692,7 +691,7 @@ def next_plan(
     if attempts_made >= max_attempts:
         return _give_up(plan, partition, tried, f"{attempts_made} of {max_attempts} allowed attempts are used up")
     first = (tried[0] if isinstance(tried[0], Plan) else tried[0][0]) if tried else plan
-    host = verdict.kind in HOST_KINDS or _shm(verdict)
+    host = is_host(verdict)
     numbers = dict(verdict.numbers)
     if footprint(plan, numbers, partition.cuda_context_mib) is None and (host or verdict.kind in LIMIT_KINDS):
         numbers = {**(limit_numbers(plan, partition, host) or {}), **numbers}
@@ -740,12 +739,6 @@ def _cpu_host_jump(plan: Plan, ctx: _Ctx) -> Decision | None:
 
 def _said(verdict: Verdict) -> str:
     return f": {verdict.reason.rstrip('.')}" if verdict.reason else ""
-
-
-def _shm(verdict: Verdict) -> bool:
-    """An nccl_oom about /dev/shm is host shared memory, not the GPU's."""
-    text = " ".join([verdict.reason, *(line for _, line in verdict.evidence)])
-    return verdict.kind == "nccl_oom" and "/dev/shm" in text
 
 
 # --------------------------------------------------------------------------- GPU ladder
@@ -979,15 +972,10 @@ def describe(plan: Plan) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-_KIND_TEXT = {
-    "gpu_oom": "CUDA out of memory", "gpu_oom_fragmentation": "CUDA out of memory from fragmentation",
-    "gpu_driver_oom": "GPU memory ran out outside PyTorch's allocator", "nccl_oom": "NCCL ran out of memory",
-    "host_oom": "Host memory ran out", "cpu_alloc_oom": "Host memory ran out inside the process",
-}
 
 
 def _kind_text(ctx: _Ctx) -> str:
-    return _KIND_TEXT.get(ctx.kind, ctx.kind)
+    return text_of(ctx.kind)
 
 
 def _gap_text(ctx: _Ctx) -> str:
