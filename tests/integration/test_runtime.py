@@ -427,3 +427,23 @@ def test_a_fixed_oom_is_not_answered_in_the_job(tmp_path):
     assert "DefaultCPUAllocator: can't allocate memory" in result.stderr
     m = json.loads((attempt / "metrics.json").read_text())
     assert m["status"] == "failed" and [mv["to"]["micro_batch"] for mv in m["inflight_moves"]] == [1]
+
+
+def test_a_deepspeed_zero2_save_converts_to_another_world_size(tmp_path):
+    """ZeRO-2 on two ranks -> ZeRO-2 on one: DeepSpeed's universal checkpoint (ds_to_universal, load_universal);
+    the model state loaded is bitwise the state saved; the save itself is left as it was."""
+    ckdir = tmp_path / "checkpoints"
+    a1, _ = write_attempt(tmp_path, launcher="deepspeed", zero_stage=2, grad_accum=1)
+    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    before = sorted(p.relative_to(ckdir) for p in (ckdir / "step-00000002").rglob("*"))
+    (tmp_path / "one").mkdir()
+    a2, _ = write_attempt(tmp_path / "one", launcher="deepspeed", zero_stage=2, gpus_per_node=1, micro_batch=8,
+                          grad_accum=1)
+    result = run(torchrun(1, *_resume_args(ckdir, 4)), _env(a2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((a2 / "metrics.json").read_text())
+    assert m["resumed_from_step"] == 2 and m["resume"]["from_layout"]["world_size"] == 2
+    assert m["resume"]["digest"] == _saved_digest(ckdir, 2)
+    assert sorted(p.relative_to(ckdir) for p in (ckdir / "step-00000002").rglob("*")) == before
+    assert (ckdir / ".universal-step-00000002" / "state").is_dir()

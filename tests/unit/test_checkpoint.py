@@ -91,10 +91,12 @@ def test_which_layouts_read_which_saves(saved_fmt, now_fmt, ok):
     assert (why is None) == ok
 
 
-def test_deepspeed_needs_the_same_world_size_and_stage_and_torch_formats_do_not():
+def test_deepspeed_converts_between_zero_1_2_layouts_only_and_torch_formats_anywhere():
     ds = {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 2}
-    assert "zero_stage" in ck.readable(ds, {**ds, "zero_stage": 3})
-    assert "world_size" in ck.readable(ds, {**ds, "world_size": 4})
+    assert "ZeRO-3" in ck.readable(ds, {**ds, "zero_stage": 3})
+    assert ck.readable(ds, {**ds, "world_size": 4}) is None and ck.readable(ds, {**ds, "zero_stage": 1}) is None
+    assert ck.readable({**ds, "zero_stage": 3}, {**ds, "zero_stage": 3}) is None
+    assert "ZeRO-3" in ck.readable({**ds, "zero_stage": 3}, {**ds, "zero_stage": 3, "world_size": 4})
     full = {**LAYOUT, "format": ck.FORMAT_FULL}
     assert ck.readable(full, {**full, "world_size": 4, "format": ck.FORMAT_DCP}) is None
     assert "optimizer" in ck.readable(full, {**full, "optimizer": "sgd"})

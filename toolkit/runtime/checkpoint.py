@@ -159,11 +159,16 @@ def readable(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
     if fmt in torch_formats and engine in torch_formats:
         return None
     if fmt == FORMAT_DEEPSPEED and engine == FORMAT_DEEPSPEED:
-        for key in ("world_size", "zero_stage"):
-            if saved.get(key) != now.get(key):
-                return (f"a DeepSpeed save of {key} {saved.get(key)} does not load into {key} {now.get(key)} "
-                        "(DeepSpeed converts only offline, with ds_to_universal; not done here)")
-        return None
+        same = all(saved.get(k) == now.get(k) for k in ("world_size", "zero_stage"))
+        if same:
+            return None
+        # Another world size or ZeRO 1 <-> 2: DeepSpeed's universal checkpoint (strategies/deepspeed.py) converts.
+        if saved.get("zero_stage") in (1, 2) and now.get("zero_stage") in (1, 2):
+            return None
+        return (f"a DeepSpeed save of ZeRO-{saved.get('zero_stage')} x{saved.get('world_size')} does not load into "
+                f"ZeRO-{now.get('zero_stage')} x{now.get('world_size')}: DeepSpeed's universal checkpoint converts "
+                "between ZeRO-1/2 layouts here; into or out of ZeRO-3 its loader fails (DeepSpeed 0.19.8: "
+                "KeyError 'optimizer_state_dict' for a ZeRO-2 save) and stage 0 has no partitions to convert")
     return (f"a {fmt} save ({saved.get('launcher')}) does not convert into {engine} ({now.get('launcher')}): only "
             "DDP and FSDP saves convert into each other (torch.distributed.checkpoint)")
 

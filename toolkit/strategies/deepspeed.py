@@ -234,10 +234,30 @@ class DeepSpeed(Strategy):
         return FORMAT_DEEPSPEED
 
     def load_state(self, directory, saved, engine, optimizer=None) -> None:
-        """``engine.load_checkpoint`` (model, optimizer partitions, scheduler); a save it cannot find is an error."""
-        path, _client = engine.load_checkpoint(f"{directory}/ds", tag="state")
+        """``engine.load_checkpoint`` (model, optimizer partitions, scheduler); a save it cannot find is an error.
+
+        A save of another ZeRO stage or world size is converted first with DeepSpeed's universal checkpoint
+        (``ds_to_universal``, by rank 0, into ``.universal-step-<n>`` beside the save, which stays as it was) and
+        loaded with ``load_universal_checkpoint``."""
+        import torch.distributed as dist
+
+        layout = saved.layout
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if layout.get("zero_stage") == engine.zero_optimization_stage() and layout.get("world_size") == world:
+            path, _client = engine.load_checkpoint(f"{directory}/ds", tag="state")
+            if path is None:
+                raise ValueError(f"DeepSpeed found no loadable checkpoint in {directory}/ds")
+            return
+        universal = universal_checkpoint(directory, is_main=engine.global_rank == 0)
+        if world > 1:
+            dist.barrier()
+        engine._config.load_universal_checkpoint = True
+        try:
+            path, _client = engine.load_checkpoint(str(universal), tag="state")
+        finally:
+            engine._config.load_universal_checkpoint = False
         if path is None:
-            raise ValueError(f"DeepSpeed found no loadable checkpoint in {directory}/ds")
+            raise ValueError(f"DeepSpeed found no loadable universal checkpoint in {universal}")
 
     def state_digest(self, engine, optimizer=None):
         """sha256 of the model's parameters (rank 0): ZeRO's optimizer partitions are left out; under ZeRO-3 the
@@ -256,6 +276,38 @@ class DeepSpeed(Strategy):
         if not getattr(engine, "global_rank", 0) == 0:
             return None
         return state_digest(sd, None)
+
+
+def universal_checkpoint(directory, is_main: bool):
+    """``<checkpoints>/.universal-<step dir>``: the save in ``directory`` converted by DeepSpeed's ``ds_to_universal``
+    (made once, by rank 0, atomically: a temporary directory renamed into place)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    directory = Path(directory)
+    target = directory.parent / f".universal-{directory.name}"
+    if is_main and not (target / "state").is_dir():
+        tmp = directory.parent / f".partial-universal-{directory.name}-{os.getpid()}"
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(directory / "ds" / "state"), "--output_folder", str(tmp / "state"),
+                               "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                              capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise ValueError(f"ds_to_universal failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        # The engine looks for its own stage's model-states name (ZeRO-3: zero_pp_rank_0_...; else mp_rank_...):
+        # offer both, as links to the one file the conversion wrote.
+        for plain in (tmp / "state").glob("mp_rank_*_model_states.pt"):
+            zero3 = plain.with_name(f"zero_pp_rank_0_{plain.name}")
+            if not zero3.exists():
+                os.link(plain, zero3)
+        for zero3 in (tmp / "state").glob("zero_pp_rank_0_mp_rank_*_model_states.pt"):
+            plain = zero3.with_name(zero3.name[len("zero_pp_rank_0_"):])
+            if not plain.exists():
+                os.link(zero3, plain)
+        os.rename(tmp, target)
+    return target
 
 
 def _zero_section(plan, nvme_path: str | None, gpu: bool, largest_param: int | None) -> dict[str, Any]:
