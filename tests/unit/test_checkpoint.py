@@ -165,3 +165,43 @@ def test_the_reference_trainer_resumes_where_an_uninterrupted_run_is(tmp_path, m
     digest = lambda d, step: json.loads((d / f"step-{step:08d}" / "complete").read_text())["digest"]  # noqa: E731
     assert resumed["resume"]["digest"] == digest(tmp_path / "b", 2)
     assert digest(tmp_path / "a", 4) == digest(tmp_path / "b", 4)
+
+
+# -- the OOM rehearsal's limits and amounts (toolkit/runtime/oom.py) ----------------------------------------------
+
+def test_cgroup_limit_v2_takes_the_tightest_ancestor(tmp_path):
+    from toolkit.runtime.oom import cgroup_limit_bytes
+
+    root = tmp_path / "cg"
+    (root / "slurm" / "job_7" / "step_batch").mkdir(parents=True)
+    (root / "slurm" / "memory.max").write_text("max\n")
+    (root / "slurm" / "job_7" / "memory.max").write_text(f"{2000 * 2**20}\n")
+    (root / "slurm" / "job_7" / "step_batch" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/slurm/job_7/step_batch\n")
+    assert cgroup_limit_bytes(str(proc), str(root)) == 2000 * 2**20
+    proc.write_text("0::/elsewhere\n")
+    assert cgroup_limit_bytes(str(proc), str(root)) is None
+
+
+def test_cgroup_limit_v1(tmp_path):
+    from toolkit.runtime.oom import cgroup_limit_bytes
+
+    root = tmp_path / "cg"
+    (root / "memory" / "slurm" / "uid_0" / "job_9").mkdir(parents=True)
+    (root / "memory" / "slurm" / "uid_0" / "job_9" / "memory.limit_in_bytes").write_text(str(3 * 2**30))
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:cpuacct,cpu:/slurm/uid_0/job_9\n4:memory:/slurm/uid_0/job_9\n")
+    assert cgroup_limit_bytes(str(proc), str(root)) == 3 * 2**30
+
+
+def test_rehearsal_amounts():
+    from toolkit.runtime.oom import MIB, OomRehearsal
+
+    act = OomRehearsal(3, kind="activations", mib=100)
+    assert not act.active(2) and act.active(3) and act.active(9)
+    assert act.amount(4) == 400 * MIB and act.amount(2) == 200 * MIB  # scales with the micro-batch
+    fixed = OomRehearsal(3, kind="fixed", mib=100)
+    assert fixed.amount(4) == fixed.amount(1) == 100 * MIB
+    only = OomRehearsal(3, rank=1, my_rank=0)
+    assert not only.active(5)
