@@ -20,6 +20,7 @@ scheduler forgot the job). Run states: running, succeeded, failed, gave_up, canc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from .backends.base import JobStatus, fault
 from .classify import Verdict, classify, classify_paths
 from .errors import HpcmemError, MaybeSubmittedError, SchedulerError
 from .estimate import estimate, saving_model, spec_model
+from .failures import is_host
 from .jobspec import JobSpec
 from .ladder import Decision, next_plan
 from .ledger import AttemptRow, Ledger, Run
@@ -176,8 +178,11 @@ def _poll(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
 def _record_end(ledger: Ledger, run: Run, attempt: AttemptRow, status: JobStatus) -> None:
     """Write the end of an attempt: state, exit code, verdict, metrics (the decision comes next tick)."""
     attempt_dir = Path(attempt.attempt_dir)
+    verdict = attempt_verdict(attempt_dir, status)
+    if status.max_rss_mib is not None and is_host(verdict):  # the scheduler's own measure, kept for the decision
+        verdict = dataclasses.replace(verdict, numbers={**verdict.numbers, "max_rss_mib": float(status.max_rss_mib)})
     fields = {"state": status.state, "exit_code": status.exit_code, "finished": time.time(),
-              "verdict": attempt_verdict(attempt_dir, status).to_dict()}
+              "verdict": verdict.to_dict()}
     metrics = runs.read_metrics(attempt_dir)
     if metrics is not None:
         fields["metrics"] = metrics
@@ -211,6 +216,11 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
         runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
                      f"{verdict.reason} Not a memory failure: not retried.")
         return
+    confirmed, why = host_oom_confirmed(verdict, Plan.from_dict(last.plan).mem_mib or partition.default_mem_mib)
+    if not confirmed:
+        runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
+                     f"{verdict.reason.rstrip('.')}. Not retried: {why}. {verdict.confirm}".rstrip())
+        return
     tried = [(Plan.from_dict(a.plan), site.partition(a.partition)) for a in attempts]
     bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
               and (p.gpu_mem_gib, p.host_mem_gib) > (partition.gpu_mem_gib, partition.host_mem_gib)]
@@ -225,6 +235,28 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
         runs.end_run(ledger, run, "gave_up", decision.reason)
     else:
         runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}): {decision.reason}")
+
+
+HOST_CONFIRM_SHARE = 0.9
+"""A host OOM the log only suggests (a lone SIGKILL: confidence below high) is retried when the scheduler saw the
+job use at least this share of its --mem (sacct MaxRSS): memory it was, so a memory move is the answer."""
+
+
+def host_oom_confirmed(verdict: Verdict, limit_mib: float | None) -> tuple[bool, str]:
+    """Whether a memory move may answer ``verdict`` (pure). Only host-memory verdicts below high confidence are
+    checked: they need the scheduler's record to agree (``max_rss_mib``, stored from sacct when the attempt ended,
+    at least ``HOST_CONFIRM_SHARE`` of ``limit_mib``, the job's --mem). A MaxRSS below it proves nothing either
+    way (sacct samples and can miss the peak), so the run stops and says what would settle it."""
+    if not verdict.is_oom or verdict.confidence == "high" or not is_host(verdict):
+        return True, ""
+    rss = verdict.numbers.get("max_rss_mib")
+    if rss is None or not limit_mib:
+        return False, "the log alone suggests host memory (confidence " + verdict.confidence + \
+            ") and the scheduler recorded no MaxRSS against a known --mem to confirm it"
+    if rss >= HOST_CONFIRM_SHARE * limit_mib:
+        return True, ""
+    return False, (f"the scheduler saw at most {rss:.0f} MiB of the {limit_mib:.0f} MiB --mem, which does not "
+                   f"confirm a host OOM (confidence {verdict.confidence})")
 
 
 def _estimator_saving(spec: JobSpec, partition: Partition):

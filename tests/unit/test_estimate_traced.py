@@ -478,7 +478,7 @@ def test_vit_base_traced_and_analytic_agree_on_a_gpu_partition():
 
 def test_the_recorded_stream_replays_to_a_reserved_peak_at_least_the_allocated_one():
     from toolkit.estimate.allocator import replay
-    from toolkit.estimate.record import record_training
+    from toolkit.estimate.traced import record_training
 
     p = plan()
     events = record_training(config("tiny-gpt2"), "causal-lm", p, steps=2)

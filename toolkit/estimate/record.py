@@ -74,37 +74,3 @@ class StorageRecorder(TorchDispatchMode):
     def closed(self) -> list[tuple]:
         """The events, with storages still alive left allocated (what stays between steps)."""
         return list(self.events)
-
-
-def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
-                    steps: int = 2, set_to_none: bool = True) -> list[tuple]:
-    """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
-    traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
-    ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
-    rounds them as CUDA's allocator does)."""
-    import gc
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from . import traced as tr
-
-    layout = tr._layout(plan)
-    notes: list[str] = []
-    rec = StorageRecorder()
-    with (tr._quiet(), tr._no_automatic_gc(), FakeTensorMode(allow_non_fake_inputs=True),
-          tr._device_behaviour(target, notes), tr._unpacked_batches(model_factory is None), tr._value_free_init(True)):
-        with rec:
-            traced = tr._build(model_config, task, plan, layout, target, model_factory, notes)
-            rec.adopt(traced.module.parameters())
-            rec.adopt(traced.module.buffers())
-            params = [p for p in traced.module.parameters() if p.requires_grad]
-            optimizer = tr._make_optimizer(plan, params, layout, target, notes)
-            buckets = tr._ddp_buckets(plan, params, notes)
-            rec.adopt(buckets)
-            for step in range(steps):
-                rec.mark(f"step {step + 1}")
-                tr._train_step(traced, plan, layout, optimizer, None, set_to_none)
-                gc.collect(0)
-        events = rec.closed()
-        del traced, params, optimizer, buckets
-    return events

@@ -155,7 +155,7 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     ``TracedModel``; then ``model_config`` and ``task`` are not used). The peak is the
     highest traced total over all steps after ZeRO/offload arithmetic.
     On a GPU partition the step's real alloc/free stream is recorded from a second fake run
-    (``record.record_training``: every storage, in order) and replayed through the caching-allocator
+    (``record_training``: every storage, in order, seen by ``record.StorageRecorder``) and replayed through the caching-allocator
     model (``allocator.py``) under the plan's ``alloc_conf``: ``peak_reserved_mib`` is its reserved
     peak (for a sharded engine, whose rank the unsharded trace is not, the traced peak plus what the
     allocator adds over the analytic stream of the same plan). ``device_used_mib`` = CUDA context
@@ -197,7 +197,6 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 
     capacity = partition.gpu_mem_gib * 1024 - context
     if plan.launcher == "torchrun":
-        from .record import record_training
 
         events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory,
                                  set_to_none=runtime is None or runtime.frees_grads)
@@ -912,3 +911,35 @@ def _quiet() -> Iterator[None]:
         finally:
             if hf_logging:
                 hf_logging.set_verbosity(level)
+
+
+# -- the recorded stream --------------------------------------------------------------
+
+def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
+                    steps: int = 2, set_to_none: bool = True) -> list[tuple]:
+    """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
+    traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
+    ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
+    rounds them as CUDA's allocator does)."""
+    from .record import StorageRecorder
+
+    layout = _layout(plan)
+    notes: list[str] = []
+    rec = StorageRecorder()
+    with (_quiet(), _no_automatic_gc(), FakeTensorMode(allow_non_fake_inputs=True),
+          _device_behaviour(target, notes), _unpacked_batches(model_factory is None), _value_free_init(True)):
+        with rec:
+            traced = _build(model_config, task, plan, layout, target, model_factory, notes)
+            rec.adopt(traced.module.parameters())
+            rec.adopt(traced.module.buffers())
+            params = [p for p in traced.module.parameters() if p.requires_grad]
+            optimizer = _make_optimizer(plan, params, layout, target, notes)
+            buckets = _ddp_buckets(plan, params, notes)
+            rec.adopt(buckets)
+            for step in range(steps):
+                rec.mark(f"step {step + 1}")
+                _train_step(traced, plan, layout, optimizer, None, set_to_none)
+                gc.collect(0)
+        events = rec.closed()
+        del traced, params, optimizer, buckets
+    return events

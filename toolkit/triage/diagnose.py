@@ -220,11 +220,11 @@ def run_spec(facts, ledger, partition: Partition | None) -> tuple[str | None, An
     """
     if not facts.run_id or ledger is None or partition is None:
         return None, None
-    from ..jobspec import load_spec
+    from ..runs import spec_for
 
     try:
         run = ledger.run(facts.run_id)
-        spec = load_spec(run.spec_path)
+        spec = spec_for(run)  # the spec as recorded with the run, never the user's (maybe edited) file
         return run.spec_path, spec.first_plan(partition)
     except (HpcmemError, OSError, KeyError):
         return None, None
