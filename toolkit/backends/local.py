@@ -289,16 +289,10 @@ class LocalBackend(Backend):
         else:
             state = FAILED
             reason = f"the local runner (pid {record['runner_pid']}) ended without recording a result"
-        try:
-            job_pid = int(pid_path(attempt_dir, job_id).read_text())
-        except (OSError, ValueError):
-            job_pid = None
+        job_pid = _job_pid(attempt_dir, job_id)
         if job_pid:
-            try:
-                os.killpg(job_pid, signal.SIGKILL)
+            if _kill_group(job_pid):
                 reason += "; its job was killed with it"
-            except (ProcessLookupError, PermissionError):
-                pass
         elif state == FAILED:
             take_claim(claim_path(self.state_dir, job_id), {"by": "abandoned", "at": time.time(), "reason": reason})
             state, reason = BOOT_FAIL, f"the local runner (pid {record['runner_pid']}) died before starting the job"
@@ -341,15 +335,9 @@ class LocalBackend(Backend):
         attempt_dir, job_id = Path(record["attempt_dir"]), record["job_id"]
         if record["runner_pid"] and _alive(record["runner_pid"], record["runner_start"]):
             _kill(record["runner_pid"], signal.SIGKILL)
-        try:
-            job_pid = int(pid_path(attempt_dir, job_id).read_text())
-        except (OSError, ValueError):
-            job_pid = None
+        job_pid = _job_pid(attempt_dir, job_id)
         if job_pid:
-            try:
-                os.killpg(job_pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_group(job_pid)
         result = {
             "job_id": job_id, "state": CANCELLED, "exit_code": None, "signal": signal.SIGKILL.value,
             "start": None, "end": None, "elapsed_s": time.time() - record["submitted"], "max_rss_mib": None,
@@ -626,3 +614,20 @@ def _kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _job_pid(attempt_dir: Path, job_id: str) -> int | None:
+    """The job's process group id as the runner wrote it (None when it never got that far)."""
+    try:
+        return int(pid_path(attempt_dir, job_id).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill_group(pgid: int) -> bool:
+    """SIGKILL a job's whole process group; False when it is already gone (or not ours)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
