@@ -1,5 +1,6 @@
 """toolkit.runtime.adapters: the plan in HF Trainer and Accelerate terms (checked against the real classes)."""
 
+import json
 import warnings
 
 import pytest
@@ -107,3 +108,35 @@ def test_hf_model_kwargs():
     assert hf_model_kwargs(Plan(attention="flash", precision="bf16-true")) == {
         "attn_implementation": "flash_attention_2", "dtype": "bfloat16"}
     assert hf_model_kwargs(Plan(attention="eager"))["attn_implementation"] == "eager"
+
+
+def test_fsdp_plan_for_accelerate_hf_and_fabric(tmp_path):
+    """FSDP's arguments in each framework's words: a real accelerate plugin, HF TrainingArguments' fsdp and
+    fsdp_config (with checkpointing by the config, not the Trainer's flag), Lightning Fabric's FSDPStrategy."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from toolkit.runtime import fabric_kwargs
+
+    plan = Plan(launcher="fsdp", gpus_per_node=2, global_batch=16, micro_batch=4, grad_accum=2,
+                precision="bf16-mixed", reshard_after_forward=False, offload_params="cpu", checkpointing=True)
+    cfg = tmp_path / "fsdp_config.json"
+    cfg.write_text(json.dumps(plan.strategy.config(plan)))
+    kwargs = accelerate_kwargs(plan, cfg)
+    plugin = kwargs["fsdp_plugin"]
+    assert isinstance(plugin, FullyShardedDataParallelPlugin) and plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is False and plugin.activation_checkpointing is True
+    assert kwargs["gradient_accumulation_steps"] == 2 and kwargs["mixed_precision"] == "bf16"
+    args = hf_training_args(plan, cfg, cpu=True)
+    assert args["fsdp"] == "shard_grad_op auto_wrap offload" and args["fsdp_config"] == str(cfg)
+    assert args["gradient_checkpointing"] is False  # FSDP's own activation checkpointing (fsdp_config) instead
+    assert json.loads(cfg.read_text())["mixed_precision_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+    class Block:  # stands in for a model's transformer block class
+        pass
+
+    fabric = fabric_kwargs(plan, {Block})
+    assert (fabric["strategy"], fabric["precision"], fabric["devices"]) == ("fsdp", "bf16-mixed", 2)
+    assert fabric["strategy_kwargs"] == {"sharding_strategy": "SHARD_GRAD_OP", "cpu_offload": True,
+                                         "auto_wrap_policy": {Block}, "activation_checkpointing_policy": {Block}}
+    ds = fabric_kwargs(Plan(launcher="deepspeed", zero_stage=3, offload_params="cpu", offload_optimizer="cpu"))
+    assert ds["strategy_kwargs"] == {"stage": 3, "offload_optimizer": True, "offload_parameters": True}

@@ -66,12 +66,21 @@ def accelerate_kwargs(plan: Plan, ds_config_path: str | os.PathLike | None = Non
     return {"mixed_precision": ACCELERATE_PRECISION[plan.precision], **plan.strategy.accelerate_kwargs(plan, config)}
 
 
-def fabric_kwargs(plan: Plan) -> dict[str, Any]:
-    """Keyword arguments for ``lightning.Fabric``: precision, devices and the engine's strategy (its name and
-    the arguments of Lightning's DDPStrategy / DeepSpeedStrategy / FSDPStrategy)."""
-    precision = {"fp32": "32-true", "fp16-mixed": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
-    return {"precision": precision[plan.precision], "devices": plan.gpus_per_node, "num_nodes": plan.nodes,
-            **plan.strategy.fabric_kwargs(plan)}
+FABRIC_PRECISION = {"fp32": "32-true", "fp16-mixed": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
+
+
+def fabric_kwargs(plan: Plan, block_classes: set | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Fabric``: precision, devices and the engine's strategy: its name under
+    ``strategy`` and the arguments of Lightning's DDPStrategy / DeepSpeedStrategy / FSDPStrategy under
+    ``strategy_kwargs`` (build the strategy with them). For FSDP, ``block_classes`` (the model's transformer
+    block classes) become its ``auto_wrap_policy`` and, with checkpointing, ``activation_checkpointing_policy``."""
+    out = {"precision": FABRIC_PRECISION[plan.precision], "devices": plan.gpus_per_node, "num_nodes": plan.nodes,
+           **plan.strategy.fabric_kwargs(plan)}
+    if block_classes and plan.launcher == "fsdp":
+        out["strategy_kwargs"]["auto_wrap_policy"] = set(block_classes)
+        if plan.checkpointing:
+            out["strategy_kwargs"]["activation_checkpointing_policy"] = set(block_classes)
+    return out
 
 
 def hf_model_kwargs(plan: Plan) -> dict[str, Any]:

@@ -94,6 +94,18 @@ class FSDP(Strategy):
         half = SIXTEEN_BIT[plan.precision]
         return {"param_dtype": half, "reduce_dtype": "float32" if plan.reduce_dtype == "fp32" else half}
 
+    def mixed_precision_policy(self, plan):
+        """``torch.distributed.fsdp.MixedPrecisionPolicy`` for the plan (None when the model runs in its own dtype);
+        the one object both the reference trainer's ``fully_shard`` and accelerate's plugin take."""
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        names = self.mixed_precision(plan)
+        if names is None:
+            return None
+        return MixedPrecisionPolicy(param_dtype=getattr(torch, names["param_dtype"]),
+                                    reduce_dtype=getattr(torch, names["reduce_dtype"]))
+
     def trainer_flags(self, plan, config_path: str | None) -> list[str]:
         words = ["full_shard" if plan.reshard_after_forward else "shard_grad_op", "auto_wrap"]
         if plan.offload_params == "cpu":
@@ -114,15 +126,15 @@ class FSDP(Strategy):
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, reshard_after_forward=plan.reshard_after_forward, auto_wrap_policy="transformer_based_wrap",
             cpu_offload=plan.offload_params == "cpu", activation_checkpointing=plan.checkpointing,
-            state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=self.mixed_precision(plan))
+            state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=self.mixed_precision_policy(plan))
         return {"fsdp_plugin": plugin, "gradient_accumulation_steps": plan.grad_accum}
 
     def fabric_kwargs(self, plan) -> dict[str, Any]:
-        # Lightning's FSDPStrategy speaks FSDP1's sharding strategies.
+        # Lightning's FSDPStrategy speaks FSDP1's sharding strategies; the wrapping and checkpointing policies
+        # are the model's block classes, which the caller adds (runtime.fabric_kwargs(plan, block_classes)).
         return {"strategy": "fsdp", "strategy_kwargs": {
             "sharding_strategy": "FULL_SHARD" if plan.reshard_after_forward else "SHARD_GRAD_OP",
-            "cpu_offload": plan.offload_params == "cpu", "auto_wrap_policy": "transformer block (model._no_split_modules)",
-            "activation_checkpointing_policy": "transformer block" if plan.checkpointing else None}}
+            "cpu_offload": plan.offload_params == "cpu"}}
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -191,15 +203,13 @@ class FSDP(Strategy):
     def shard(self, model, plan, device):
         """Apply ``fully_shard`` to each transformer block, then to the root; returns what was applied and why
         anything differs from the plan (``{knob: (value, reason)}``)."""
-        import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         applied: dict[str, tuple[Any, str]] = {}
-        policy = self.mixed_precision(plan)
         kwargs: dict[str, Any] = {"reshard_after_forward": plan.reshard_after_forward}
-        if policy:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, policy["param_dtype"]),
-                                                       reduce_dtype=getattr(torch, policy["reduce_dtype"]))
+        policy = self.mixed_precision_policy(plan)
+        if policy is not None:
+            kwargs["mp_policy"] = policy
         if plan.offload_params == "cpu":
             if device.type == "cuda":
                 kwargs["offload_policy"] = CPUOffloadPolicy()
