@@ -205,3 +205,17 @@ def test_rehearsal_amounts():
     assert fixed.amount(4) == fixed.amount(1) == 100 * MIB
     only = OomRehearsal(3, rank=1, my_rank=0)
     assert not only.active(5)
+
+
+def test_hf_resume_checkpoint_skips_a_half_written_one(tmp_path, capsys):
+    from toolkit.runtime import hf_resume_checkpoint
+
+    assert hf_resume_checkpoint(tmp_path / "none") is None
+    for step, done in ((500, True), (1000, True), (1500, False)):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"w")
+        if done:
+            (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    assert hf_resume_checkpoint(tmp_path) == str(tmp_path / "checkpoint-1000")
+    assert "checkpoint-1500" in capsys.readouterr().err and (tmp_path / "checkpoint-1500").exists()

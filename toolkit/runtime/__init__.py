@@ -8,9 +8,11 @@
 
 Modules: ``jobenv`` (environment: plan, attempt dir, DeepSpeed config, ranks,
 GPU memory cap), ``adapters`` (the plan for HF Trainer / Accelerate), ``metrics``
-(rank records -> metrics.json), ``monitor`` (the MemoryMonitor).
+(rank records -> metrics.json), ``monitor`` (the MemoryMonitor), ``checkpoint`` (saves shared by a run's
+attempts, resume; ``hf_resume_checkpoint`` for the HF Trainer), ``oom`` (the OOM rehearsal).
 """
 
+from .checkpoint import hf_resume_checkpoint
 from .adapters import accelerate_kwargs, fabric_kwargs, hf_model_kwargs, hf_training_args
 from .jobenv import (
     Ranks,
@@ -37,6 +39,7 @@ __all__ = [
     "ds_config",
     "ds_config_path",
     "hf_model_kwargs",
+    "hf_resume_checkpoint",
     "hf_training_args",
     "in_hpcmem_job",
     "load_plan",

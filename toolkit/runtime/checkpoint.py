@@ -610,3 +610,39 @@ def torch_digest(model, optimizer) -> dict[str, str] | None:
     if not model_sd:  # ranks other than 0 get nothing with cpu_offload
         return None
     return state_digest(model_sd, optim_sd)
+
+
+# -- the HF Trainer's own checkpoints ----------------------------------------------------------------------------
+
+HF_COMPLETE = "trainer_state.json"  # the Trainer writes it after the model, optimizer, scheduler and RNG files
+
+
+def hf_resume_checkpoint(output_dir: str | os.PathLike | None = None, *,
+                         report: Callable[[str], None] | None = warn) -> str | None:
+    """For ``Trainer.train(resume_from_checkpoint=...)``: the newest ``checkpoint-<step>`` under ``output_dir``
+    (default ``HPCMEM_CHECKPOINT_DIR``) that the Trainer finished writing (it has ``trainer_state.json``, written
+    last); None on a fresh start. A half-written one (a job killed while saving) is skipped with a warning and
+    kept, where ``resume_from_checkpoint=True`` would pick it and fail::
+
+        args = TrainingArguments(output_dir=os.environ["HPCMEM_CHECKPOINT_DIR"], save_steps=500, ...)
+        trainer.train(resume_from_checkpoint=runtime.hf_resume_checkpoint())
+    """
+    root = Path(output_dir) if output_dir is not None else checkpoint_dir()
+    if root is None or not root.is_dir():
+        return None
+    found = []
+    for entry in root.iterdir():
+        m = re.fullmatch(r"checkpoint-(\d+)", entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry))
+    for step, entry in sorted(found, reverse=True):
+        try:
+            state = json.loads((entry / HF_COMPLETE).read_text())
+        except (OSError, ValueError) as exc:
+            if report:
+                report(f"checkpoint {entry} is incomplete ({type(exc).__name__}: no readable {HF_COMPLETE}): "
+                       "skipped, kept")
+            continue
+        if isinstance(state, dict):
+            return str(entry)
+    return None
