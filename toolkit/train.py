@@ -127,6 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "and no step interval; 0: off)")
     ck.add_argument("--checkpoint-margin-s", type=float, default=None, metavar="S",
                     help="save this long before the job's time limit (default 10%% of the limit, 20-300 s)")
+    ck.add_argument("--checkpoint-keep", type=int, default=0, metavar="K",
+                    help="keep the K newest complete saves, remove older ones (default 0: keep all; partial and "
+                         "damaged saves are never removed)")
     ck.add_argument("--checkpoint-digest", action="store_true",
                     help="record a sha256 of the model and optimizer state with each save and resume (gathers it)")
     ck.add_argument("--no-resume", dest="resume", action="store_false",
@@ -605,7 +608,8 @@ class Trainer:
                              deadline=deadline, margin_s=ckpt.margin_s(limit_s, args.checkpoint_margin_s))
         attempt_dir = jobenv.attempt_dir(required=False)
         saver = ckpt.Checkpointer(Path(root), policy, self.ranks, plan, monitor=self.monitor, device=device,
-                                  digest=args.checkpoint_digest, attempt=attempt_dir.name if attempt_dir else None)
+                                  digest=args.checkpoint_digest, attempt=attempt_dir.name if attempt_dir else None,
+                                  keep=max(0, args.checkpoint_keep))
         saver.install_signal()
         return saver
 

@@ -219,3 +219,16 @@ def test_hf_resume_checkpoint_skips_a_half_written_one(tmp_path, capsys):
             (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     assert hf_resume_checkpoint(tmp_path) == str(tmp_path / "checkpoint-1000")
     assert "checkpoint-1500" in capsys.readouterr().err and (tmp_path / "checkpoint-1500").exists()
+
+
+def test_prune_keeps_the_newest_and_never_partial_or_damaged(tmp_path):
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step)
+    bad = save(tmp_path, 0)
+    (bad.path / "state.pt").unlink()
+    partial = ck.begin(tmp_path, 5)
+    assert ck.prune(tmp_path, 0) == []
+    removed = ck.prune(tmp_path, 2)
+    assert sorted(p.name for p in removed) == ["step-00000001", "step-00000002"]
+    assert [s.step for s in ck.candidates(tmp_path, report=None)] == [4, 3]
+    assert bad.path.exists() and partial.exists()

@@ -241,6 +241,22 @@ def commit(tmp: Path, step: int, meta: Mapping[str, Any]) -> Saved:
     return Saved(final, step, record)
 
 
+def prune(root: Path, keep: int, *, report: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove complete saves beyond the ``keep`` newest (0: keep all). Partial and damaged saves are never removed
+    (they are evidence), nor anything that is not a ``step-<n>`` directory. Returns what was removed."""
+    import shutil
+
+    if keep <= 0:
+        return []
+    removed = []
+    for saved in candidates(root, report=None)[keep:]:
+        shutil.rmtree(saved.path, ignore_errors=True)
+        removed.append(saved.path)
+        if report:
+            report(f"removed old checkpoint {saved.path} (--checkpoint-keep {keep})")
+    return removed
+
+
 def rank_file(directory: Path, rank: int) -> Path:
     return Path(directory) / f"rank-{rank:05d}.pt"
 
@@ -347,7 +363,8 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, policy: Policy, ranks, plan: Mapping[str, Any], *, monitor=None,
-                 device=None, digest: bool = False, attempt: str | None = None):
+                 device=None, digest: bool = False, attempt: str | None = None, keep: int = 0):
+        self.keep = keep
         self.root, self.policy, self.ranks, self.plan = Path(root), policy, ranks, dict(plan)
         self.monitor, self.device, self.digest, self.attempt = monitor, device, digest, attempt
         self.requested = False
@@ -503,6 +520,8 @@ class Checkpointer:
                 saved = commit(tmp, step, meta)
             except FileExistsError:
                 warn(f"checkpoint of step {step} exists already; this one is left as {tmp}")
+            else:
+                prune(self.root, self.keep)
         saved = self._from_rank0(None if saved is None else (str(saved.path), saved.step, saved.meta))
         self._barrier()
         self.last_save = time.time()
