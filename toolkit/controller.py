@@ -24,7 +24,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from . import render, runs
 from .backends import get_backend
@@ -207,14 +207,20 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
     attempts = ledger.attempts(run.run_id)
     partition = site.partition(last.partition)
     if not verdict.is_oom:
+        resume = resume_decision(spec.resume, last, attempts, partition)
+        if resume.action == "retry":
+            ledger.add_attempt(run.run_id, last.n + 1, resume.plan.to_dict(), _attempt_dir(run, last.n + 1),
+                               partition.name, resume.to_dict())
+            return
         if spec.retry_transient and last.state in TRANSIENT_STATES and not _retried_transient(attempts):
             retry = Decision(action="retry", plan=Plan.from_dict(last.plan), partition=partition,
                              moves=("transient-retry",), reason=f"{last.state} is a node failure; one retry as is")
             ledger.add_attempt(run.run_id, last.n + 1, retry.plan.to_dict(), _attempt_dir(run, last.n + 1),
                                partition.name, retry.to_dict())
             return
+        why = f" {resume.reason}" if resume.reason else ""
         runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
-                     f"{verdict.reason} Not a memory failure: not retried.")
+                     f"{verdict.reason} Not a memory failure: not retried.{why}")
         return
     confirmed, why = host_oom_confirmed(verdict, Plan.from_dict(last.plan).mem_mib or partition.default_mem_mib)
     if not confirmed:
@@ -225,7 +231,8 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
     bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
               and (p.gpu_mem_gib, p.host_mem_gib) > (partition.gpu_mem_gib, partition.host_mem_gib)]
     decision = next_plan(Plan.from_dict(last.plan), verdict, partition, allow=spec.allow, tried=tried,
-                         attempts_made=len(attempts), max_attempts=spec.max_attempts, bigger=bigger,
+                         attempts_made=len([a for a in attempts if not _resumed(a)]), max_attempts=spec.max_attempts,
+                         bigger=bigger,
                          saving=_estimator_saving(spec, partition))
     if decision.action == "retry":
         ledger.add_attempt(run.run_id, last.n + 1, decision.plan.to_dict(), _attempt_dir(run, last.n + 1),
@@ -273,6 +280,40 @@ def _estimator_saving(spec: JobSpec, partition: Partition):
 
 def _attempt_dir(run: Run, n: int) -> str:
     return str(Path(run.run_dir) / f"attempt-{n}")
+
+
+RESUME_MOVE = "resume"
+
+
+def resume_decision(allowed: Mapping[str, int], last: AttemptRow, attempts: list[AttemptRow],
+                    partition: Partition) -> Decision:
+    """After a scheduler ending that loses no memory verdict (TIMEOUT, PREEMPTED): resubmit the same plan to
+    resume from the run's checkpoint (pure on the recorded attempts). Only when the spec allows another one for
+    that state (``retry.resume``) and the attempt saved a checkpoint newer than the one it resumed from, so a job
+    that makes no progress is never resubmitted for ever. ``stop`` with the reason otherwise ("" when the state
+    is not resumable at all)."""
+    stop = Decision(action="stop", plan=None, partition=partition)
+    if last.state not in allowed:
+        return stop
+    used = sum(1 for a in attempts if _resumed(a) == last.state)
+    if used >= allowed[last.state]:
+        return Decision("stop", None, partition, reason=f"{used} resume(s) after {last.state} already made "
+                                                         f"(retry.resume allows {allowed[last.state]})")
+    facts = runs.resume_facts(last)
+    saved = (facts["checkpoint"] or {}).get("step")
+    start = facts["resumed_from_step"] or 0
+    if not saved or saved <= start:
+        return Decision("stop", None, partition, reason=f"it left no checkpoint newer than step {start} to resume from")
+    return Decision("retry", Plan.from_dict(last.plan), partition, moves=(f"{RESUME_MOVE}:{last.state}",),
+                    reason=f"{last.state}: resuming from the checkpoint of step {saved}")
+
+
+def _resumed(attempt: AttemptRow) -> str | None:
+    """The scheduler state an attempt was resubmitted to resume after (None for every other attempt)."""
+    for move in (attempt.decision or {}).get("moves", ()):
+        if move.startswith(RESUME_MOVE + ":"):
+            return move.split(":", 1)[1]
+    return None
 
 
 def _retried_transient(attempts: list[AttemptRow]) -> bool:

@@ -25,6 +25,8 @@ DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpo
                  "mem", "workers")
 """Retry moves allowed when a spec says nothing: all that keep what is learned and the resources asked."""
 DEFAULT_MAX_ATTEMPTS = 6
+DEFAULT_RESUME = {"TIMEOUT": 1, "PREEMPTED": 1}
+"""One resume each after a time limit or a preemption, when the attempt left a newer checkpoint (docs/resume.md)."""
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 PATH_PLACEHOLDERS = ("plan_json", "config", "ds_config", "attempt_dir", "spec_dir", "checkpoint_dir")
@@ -52,6 +54,9 @@ class JobSpec:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     allow: tuple[str, ...] = DEFAULT_ALLOW
     retry_transient: bool = False
+    resume: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_RESUME))
+    """Scheduler endings answered by resubmitting the same plan to resume from the run's checkpoint, and how
+    many times each (``retry.resume``); never counted against the OOM ladder's attempts."""
     env: tuple[tuple[str, str], ...] = ()
     description: str = ""
 
@@ -180,7 +185,7 @@ def load_spec(ref: str | Path) -> JobSpec:
         launcher=doc.get("launcher", "torchrun"), nodes=doc.get("nodes", 1), gpus_per_node=doc.get("gpus_per_node", 1),
         time_min=parse_minutes(doc.get("time", "00:30:00")), mem_mib=doc.get("mem_mib"), model=doc.get("model", {}),
         max_attempts=retry.get("max_attempts", DEFAULT_MAX_ATTEMPTS), allow=tuple(retry.get("allow", DEFAULT_ALLOW)),
-        retry_transient=retry.get("retry_transient", False),
+        retry_transient=retry.get("retry_transient", False), resume={**DEFAULT_RESUME, **retry.get("resume", {})},
         env=tuple((k, _text(v)) for k, v in doc.get("env", {}).items()), description=doc.get("description", ""),
     )
     _check_text_fields(spec, path)

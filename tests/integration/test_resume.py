@@ -150,3 +150,31 @@ def test_in_job_recovery_is_one_job_and_the_run_shows_the_move(tmp_path):
     runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
     (move,) = runs["attempts"][0]["inflight_moves"]
     assert move["step"] == 3 and move["to"]["micro_batch"] == 2 and move["global_batch"] == 8
+
+
+@pytest.mark.slurm
+def test_a_one_minute_job_finishes_over_several_attempts_each_continuing_the_last(slurm_cluster, tmp_path):
+    """Training that needs longer than its 1-minute limit: each attempt saves before the limit, Slurm ends it with
+    TIMEOUT, and the controller resubmits the same plan (retry.resume), which resumes where the last one saved."""
+    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "8000",
+            "--warmup-steps", "0"]
+    text = textwrap.dedent(f"""\
+        name: long-run
+        command:
+          module: toolkit.train
+          args: {json.dumps(args)}
+        gpus_per_node: 1
+        mem_mib: 2000
+        time: "00:01:00"
+        training: {{global_batch: 2, micro_batch: 2, seq_len: 32}}
+        retry: {{max_attempts: 1, resume: {{TIMEOUT: 8}}}}
+        """)
+    result, view, logs = submit(tmp_path, "long-run", text)
+    attempts = view["attempts"]
+    assert result.returncode == 0 and view["state"] == "succeeded", logs
+    assert len(attempts) >= 2 and all(a["state"] == "TIMEOUT" for a in attempts[:-1]), logs
+    assert attempts[-1]["state"] == "COMPLETED"
+    shown = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)["attempts"]
+    for before, after in zip(shown, shown[1:]):
+        assert after["decision"]["moves"] == ["resume:TIMEOUT"] and after["plan"] == before["plan"]
+        assert after["resumed_from_step"] == before["checkpoint"]["step"] > (before["resumed_from_step"] or 0), logs
