@@ -37,7 +37,7 @@ def test_ci_small_matrix_runs_collects_once_and_reports(slurm_cluster, hpcmem_ho
     assert cells[("tiny-gpt2", "fp16-mixed")]["status"] == "skipped"
     assert "no GPU" in cells[("tiny-gpt2", "fp16-mixed")]["reason"]
     submitted = [c for c in manifest["cells"] if c["status"] == "submitted"]
-    assert {c["technique"] for c in submitted} >= {"vanilla", "zero3-offload-cpu"} and len(submitted) == 6
+    assert {c["technique"] for c in submitted} >= {"vanilla", "zero3-offload-cpu", "fsdp"} and len(submitted) == 7
     assert all(c["run_id"] and c["job_id"] for c in submitted)
     assert Path(manifest["path"]) == hpcmem_home / "bench" / f"{NIGHT}-ci-small-testcluster.json"
 
