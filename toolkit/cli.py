@@ -51,9 +51,30 @@ _site_opt = click.option("--site", default="local", show_default=True, help="Sit
 _partition_opt = click.option("--partition", "-p", default=None, help="Partition of the site (optional if it has one).")
 _set_opt = click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", help="Override a plan knob (repeatable).")
 _json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+class _Count(click.ParamType):
+    """A whole number >= ``low`` written in ASCII digits only (click's int takes ``1_6`` and Unicode digits)."""
+
+    name = "integer"
+
+    def __init__(self, low: int = 1):
+        self.low = low
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            if not (text.isascii() and text.isdigit()):
+                self.fail(f"{value!r} is not a whole number (digits 0-9 only)", param, ctx)
+            number = int(text)
+        if number < self.low:
+            self.fail(f"{number} is below {self.low}", param, ctx)
+        return number
+
+
 _launcher_opt = click.option("--launcher", type=click.Choice(PLAN_CHOICES["launcher"]), default=None,
                              help="Training engine: torchrun (DDP), deepspeed, fsdp (default: the spec's).")
-_gpus_opt = click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+_gpus_opt = click.option("--gpus-per-node", type=_Count(), default=None,
                          help="Ranks per node (default: the spec's; 1 with --model).")
 
 
@@ -353,9 +374,9 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
 @_METHOD_OPT
 @click.option("--model", help="Instead of JOB: a model name in jobs/models, a config.json (or its directory), or a HF id in the local cache.")
 @click.option("--task", type=click.Choice(["causal-lm", "seq-cls", "image-cls"]), default="causal-lm", show_default=True)
-@click.option("--seq-len", type=int, default=512, show_default=True)
-@click.option("--micro-batch", type=int, default=1, show_default=True)
-@click.option("--grad-accum", type=int, default=1, show_default=True)
+@click.option("--seq-len", type=_Count(), default=512, show_default=True)
+@click.option("--micro-batch", type=_Count(), default=1, show_default=True)
+@click.option("--grad-accum", type=_Count(), default=1, show_default=True)
 @click.option("--precision", type=click.Choice(PLAN_CHOICES["precision"]), default="fp32", show_default=True)
 @click.option("--optimizer", type=click.Choice(PLAN_CHOICES["optimizer"]), default="adamw", show_default=True)
 @click.option("--checkpointing", is_flag=True)
@@ -363,7 +384,7 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
 @click.option("--offload-optimizer", type=click.Choice(PLAN_CHOICES["offload_optimizer"]), default="none", show_default=True)
 @click.option("--offload-params", type=click.Choice(PLAN_CHOICES["offload_params"]), default="none", show_default=True)
-@click.option("--nodes", type=int, default=1, show_default=True)
+@click.option("--nodes", type=_Count(), default=1, show_default=True)
 @_launcher_opt
 @_gpus_opt
 @_json_opt

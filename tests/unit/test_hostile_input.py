@@ -433,3 +433,19 @@ def test_a_script_with_huge_padding_and_overlong_paths_is_quick(tmp_path):
 
     paths = log_candidates("5", {}, {}, read_script("#SBATCH --output=%9999999999j.out\n"))
     assert all(len(str(p)) < 5000 for _origin, ps in paths for p in ps)
+
+
+@pytest.mark.parametrize("value", ["1_6", "٣", "-2", "0"])
+def test_estimate_integer_options_take_ascii_digits_only(tmp_path, value):
+    result = run_cli("estimate", "--model", "tiny-gpt2", "--site", "testcluster", "-p", "cpu", "--micro-batch", value,
+                     home=tmp_path, check=False)
+    assert result.returncode == 2 and "--micro-batch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_json_evidence_is_cut_around_its_error_too(tmp_path):
+    log = tmp_path / "one-line.log"
+    log.write_text("x" * 3_000_000 + " RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.78 GiB "
+                   "total capacity; 13.00 GiB already allocated; 1.00 GiB free; 13.50 GiB reserved in total by PyTorch)\n")
+    out = run_cli("triage", str(log), "--format", "json", home=tmp_path, check=True)
+    (line,) = json.loads(out.stdout)["findings"][0]["verdict"]["evidence"]
+    assert len(line["text"]) < 1200 and "CUDA out of memory" in line["text"] and "characters]..." in line["text"]

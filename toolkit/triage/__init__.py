@@ -33,7 +33,11 @@ def run_triage(targets: Iterable[str], site, fmt: str, *, stdin=None, colour: bo
                           partition=partition)
                  for case in target_cases(list(targets), backend=backend, ledger=ledger, stdin=stdin)]
     data = TriageReport(tuple(found)).to_dict()
-    return _dump(data) if fmt == "json" else render_report(data, fmt, colour)
+    if fmt == "json":
+        from .formats import clip_evidence
+
+        return _dump(clip_evidence(data))
+    return render_report(data, fmt, colour)
 
 
 def run_since(since: str, site, fmt: str, *, partition: str | None = None, user: str | None = None,

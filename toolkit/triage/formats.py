@@ -42,6 +42,12 @@ def safe_report(report: Mapping[str, Any]) -> dict[str, Any]:
     string, at any depth, terminal-safe (``templating.safe_data``: control characters, ESC above all, and
     bidirectional overrides shown escaped). Done once here, for both formats and every template, on a terminal
     and in a pipe alike; colour is added after, by ``paint``."""
+    return safe_data(clip_evidence(report))
+
+
+def clip_evidence(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report with every evidence line cut to ``EVIDENCE_WIDTH`` around its error: for every format, JSON
+    too (a single-line log's 8 MiB line is no evidence anyone reads; what was cut is said in the line)."""
     report = dict(report)
     findings = []
     for f in report.get("findings") or ():
@@ -53,7 +59,7 @@ def safe_report(report: Mapping[str, Any]) -> dict[str, Any]:
         findings.append(f)
     if "findings" in report:
         report["findings"] = findings
-    return safe_data(report)
+    return report
 
 
 def _render(fmt: str, stem: str, colour: bool, **context: Any) -> str:
