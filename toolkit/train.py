@@ -110,6 +110,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", "--max_steps", type=int, default=10, help="optimizer steps (default 10)")
     p.add_argument("--warmup-steps", "--warmup_steps", type=int, default=1,
                    help="first steps left out of the timing (default 1)")
+    p.add_argument("--min-step-s", type=float, default=0.0, metavar="S",
+                   help="pad every step to at least S seconds (rehearsals and tests: a job's length that does not "
+                        "depend on how fast the machine is)")
     p.add_argument("--lr", "--learning_rate", type=float, default=None,
                    help=f"learning rate (default {DEFAULT_LR}; a DeepSpeed optimizer section keeps its own unless given)")
     p.add_argument("--seed", type=int, default=1234)
@@ -708,6 +711,13 @@ class Trainer:
 
     def end_step(self, step: int, loss: float) -> None:
         plan = self.plan
+        if self.args.min_step_s > 0:  # the padding is part of the step, as a slower machine's would be
+            import time
+
+            last = getattr(self, "_step_clock", None)
+            if last is not None:
+                time.sleep(max(0.0, self.args.min_step_s - (time.perf_counter() - last)))
+            self._step_clock = time.perf_counter()
         took = self.monitor.step(samples=plan.micro_batch * plan.grad_accum, loss=loss)
         if not self.ranks.is_main:
             return

@@ -46,6 +46,22 @@ def submit(tmp_path, name, text, site=("--site", "testcluster", "--partition", "
     return result, view, logs
 
 
+def one_minute_spec(name, train_args, retry):
+    """A one-rank tiny GPT-2 job with a 1-minute limit on the cpu partition."""
+    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--warmup-steps", "0", *train_args]
+    return textwrap.dedent(f"""\
+        name: {name}
+        command:
+          module: toolkit.train
+          args: {json.dumps(args)}
+        gpus_per_node: 1
+        mem_mib: 2000
+        time: "00:01:00"
+        training: {{global_batch: 2, micro_batch: 2, seq_len: 32}}
+        retry: {retry}
+        """)
+
+
 def marker(run_dir, step):
     return json.loads((Path(run_dir) / "checkpoints" / f"step-{step:08d}" / "complete").read_text())
 
@@ -83,19 +99,7 @@ def test_a_cgroup_oom_retry_resumes_at_the_saved_step_with_identical_state(slurm
 def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
     """A 1-minute job that would train for hours: the runtime saves once before the limit (no signal needed),
     Slurm ends it with TIMEOUT, and the run shows the save. (Retrying a TIMEOUT is the controller's decision.)"""
-    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "1000000",
-            "--warmup-steps", "0"]
-    text = textwrap.dedent(f"""\
-        name: out-of-time
-        command:
-          module: toolkit.train
-          args: {json.dumps(args)}
-        gpus_per_node: 1
-        mem_mib: 2000
-        time: "00:01:00"
-        training: {{global_batch: 2, micro_batch: 2, seq_len: 32}}
-        retry: {{max_attempts: 1}}
-        """)
+    text = one_minute_spec("out-of-time", ["--steps", "1000000"], "{max_attempts: 1}")
     result, view, logs = submit(tmp_path, "out-of-time", text)
     first = view["attempts"][0]
     assert first["state"] == "TIMEOUT", logs
@@ -156,19 +160,9 @@ def test_in_job_recovery_is_one_job_and_the_run_shows_the_move(tmp_path):
 def test_a_one_minute_job_finishes_over_several_attempts_each_continuing_the_last(slurm_cluster, tmp_path):
     """Training that needs longer than its 1-minute limit: each attempt saves before the limit, Slurm ends it with
     TIMEOUT, and the controller resubmits the same plan (retry.resume), which resumes where the last one saved."""
-    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "8000",
-            "--warmup-steps", "0"]
-    text = textwrap.dedent(f"""\
-        name: long-run
-        command:
-          module: toolkit.train
-          args: {json.dumps(args)}
-        gpus_per_node: 1
-        mem_mib: 2000
-        time: "00:01:00"
-        training: {{global_batch: 2, micro_batch: 2, seq_len: 32}}
-        retry: {{max_attempts: 1, resume: {{TIMEOUT: 8}}}}
-        """)
+    # 2000 steps of at least 50 ms: 100 s of training on any machine, so it needs two or three 1-minute attempts
+    text = one_minute_spec("long-run", ["--steps", "2000", "--min-step-s", "0.05"],
+                           "{max_attempts: 1, resume: {TIMEOUT: 8}}")
     result, view, logs = submit(tmp_path, "long-run", text)
     attempts = view["attempts"]
     assert result.returncode == 0 and view["state"] == "succeeded", logs
