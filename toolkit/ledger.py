@@ -15,7 +15,6 @@ run directories exist beside it was lost, not new: it is not silently re-created
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from contextlib import contextmanager
