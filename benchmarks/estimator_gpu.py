@@ -107,6 +107,8 @@ class Case:
     shape: ModelShape
     partition: Partition
     gaps: list[str] = field(default_factory=list)
+    runtime: Any = None
+    """``estimate.gpu.Runtime`` from the source's ``runtime`` facts (None: hpcmem's own runtime)."""
 
     @property
     def label(self) -> str:
@@ -178,6 +180,7 @@ def check_source(path: Path, doc: dict) -> None:
             raise DataError(f"{where}.{name}: missing (null when unknown)")
     if doc["context_mib"] is not None and not isinstance(doc["context_mib"], (int, float)):
         raise DataError(f"{where}.context_mib: expected a number or null, got {doc['context_mib']!r}")
+    runtime_of(path, doc)
     if doc["measured"] == "nvidia_smi_used" and doc["context_mib"] is None:
         raise DataError(f"{where}.context_mib: an nvidia-smi measurement needs the CUDA context it includes")
     if not isinstance(doc["gpu_mem_gib"], (int, float)) or isinstance(doc["gpu_mem_gib"], bool) or doc["gpu_mem_gib"] <= 0:
@@ -200,6 +203,31 @@ def check_source(path: Path, doc: dict) -> None:
             raise DataError(f"{rw}.measured_mib: must be positive, got {row['measured_mib']}")
         if not row["quote"].strip():
             raise DataError(f"{rw}.quote: empty")
+
+
+RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str}
+
+
+def runtime_of(path: Path, doc: dict):
+    """The source's ``runtime`` facts (what its software did that changes memory: torch version, a loss on
+    16-bit logits, ...) as an ``estimate.gpu.Runtime``; None when the file states none. ``note`` is prose."""
+    from toolkit.estimate.gpu import Runtime
+
+    facts = doc.get("runtime")
+    if facts is None:
+        return None
+    if not isinstance(facts, dict):
+        raise DataError(f"{path}.runtime: expected an object, got {facts!r}")
+    kwargs = {}
+    for name, value in facts.items():
+        if name == "note":
+            continue
+        if name not in RUNTIME_FIELDS:
+            raise DataError(f"{path}.runtime.{name}: unknown; known: {', '.join(RUNTIME_FIELDS)}, note")
+        if not isinstance(value, RUNTIME_FIELDS[name]):
+            raise DataError(f"{path}.runtime.{name}: expected {RUNTIME_FIELDS[name].__name__}, got {value!r}")
+        kwargs[name] = value
+    return Runtime(**kwargs)
 
 
 def build_case(source: Source, index: int) -> Case:
@@ -240,7 +268,7 @@ def build_case(source: Source, index: int) -> Case:
         partition.check_plan(plan)
     except HpcmemError as exc:
         raise DataError(f"{where}: the row's plan cannot run on {doc['gpu']}: {exc}") from None
-    return Case(source, index, row, plan, shape, partition, gaps)
+    return Case(source, index, row, plan, shape, partition, gaps, runtime_of(source.path, doc))
 
 
 def plan_optimizer(row: dict) -> tuple[str, str | None]:
@@ -334,7 +362,7 @@ def score(cases: list[Case], methods: tuple[str, ...]) -> list[dict]:
         for method in methods:
             t0 = time.perf_counter()
             try:
-                est = estimate(ref, case.plan, case.partition, method)
+                est = estimate(ref, case.plan, case.partition, method, runtime=case.runtime)
             except Exception as exc:  # a report: one failed row must not hide the others
                 out.append(_result(case, method, None, f"estimate failed: {type(exc).__name__}: {exc}",
                                    time.perf_counter() - t0))
