@@ -9,7 +9,8 @@
 Modules: ``jobenv`` (environment: plan, attempt dir, DeepSpeed config, ranks,
 GPU memory cap), ``adapters`` (the plan for HF Trainer / Accelerate), ``metrics``
 (rank records -> metrics.json), ``monitor`` (the MemoryMonitor), ``checkpoint`` (saves shared by a run's
-attempts, resume; ``hf_resume_checkpoint`` for the HF Trainer), ``oom`` (the OOM rehearsal).
+attempts, resume; ``hf_resume_checkpoint`` for the HF Trainer), ``userloops`` (saves and resume for an
+Accelerate loop, the HF Trainer's time-limit save), ``oom`` (the OOM rehearsal).
 """
 
 from .checkpoint import hf_resume_checkpoint
@@ -27,8 +28,10 @@ from .jobenv import (
 )
 from .metrics import collect, merge_ranks, write_json_atomic
 from .monitor import MemoryMonitor
+from .userloops import AccelerateCheckpoints, hf_time_limit_callback
 
 __all__ = [
+    "AccelerateCheckpoints",
     "MemoryMonitor",
     "Ranks",
     "accelerate_kwargs",
@@ -40,6 +43,7 @@ __all__ = [
     "ds_config_path",
     "hf_model_kwargs",
     "hf_resume_checkpoint",
+    "hf_time_limit_callback",
     "hf_training_args",
     "in_hpcmem_job",
     "load_plan",

@@ -41,6 +41,7 @@ _STEP_DIR = re.compile(r"step-(\d{8,})")
 FORMAT_FULL = "full"        # DDP / single process: one full state_dict (model + FQN-keyed optimizer) by rank 0
 FORMAT_DCP = "dcp"          # FSDP2: torch.distributed.checkpoint, sharded, reshardable on load
 FORMAT_DEEPSPEED = "deepspeed"  # engine.save_checkpoint: per-rank ZeRO partitions
+FORMAT_ACCELERATE = "accelerate"  # accelerator.save_state in a user's loop (userloops.py)
 
 
 def warn(text: str) -> None:
@@ -169,6 +170,12 @@ def readable(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
                 f"ZeRO-{now.get('zero_stage')} x{now.get('world_size')}: DeepSpeed's universal checkpoint converts "
                 "between ZeRO-1/2 layouts here; into or out of ZeRO-3 its loader fails (DeepSpeed 0.19.8: "
                 "KeyError 'optimizer_state_dict' for a ZeRO-2 save) and stage 0 has no partitions to convert")
+    if fmt == FORMAT_ACCELERATE and engine == FORMAT_ACCELERATE:
+        # accelerate's save_state: full model and optimizer under DDP, but its own shards under FSDP/DeepSpeed.
+        if all(saved.get(k) == now.get(k) for k in ("launcher", "world_size", "zero_stage")):
+            return None
+        return (f"an Accelerate save of {saved.get('launcher')} x{saved.get('world_size')} is resumed only by the "
+                f"same launcher and world size (this attempt: {now.get('launcher')} x{now.get('world_size')})")
     return (f"a {fmt} save ({saved.get('launcher')}) does not convert into {engine} ({now.get('launcher')}): only "
             "DDP and FSDP saves convert into each other (torch.distributed.checkpoint)")
 
