@@ -3,7 +3,13 @@
 Pure parts: ``step_summary`` (timing of the steps after warm-up), ``merge_ranks``
 (the job record from the rank records). Files: ``write_json_atomic``,
 ``read_rank_files``, ``collect`` (merge whatever rank files an attempt left, also
-after the job was killed). Memory in MiB, time in seconds.
+after the job was killed), ``attempt_rank_records`` (the rank records of an attempt, for
+``toolkit/peaks.py``). Memory in MiB, time in seconds.
+
+Each rank record carries ``step_peaks``: its bounded per-step series of sequence length and peak memory
+(``peaks.SeriesRecorder``: at most ``peaks.SERIES_CAP`` evenly spaced steps, about 30 KB of JSON per rank
+however long the run) and ``memory_snapshot``: the allocator snapshot it wrote on a CUDA OOM (else None).
+metrics.json keeps them in ``ranks``; ``memory_snapshots`` lists the snapshot files of all ranks.
 """
 
 from __future__ import annotations
@@ -105,6 +111,9 @@ def merge_ranks(records: Iterable[Mapping[str, Any]], world_size: int, plan: Map
         values = [r[key] for r in ordered if r.get(key) is not None]
         if any(key in r for r in ordered):
             out[key] = values[0] if values else None
+    snapshots = [r["memory_snapshot"] for r in ordered if r.get("memory_snapshot")]
+    if snapshots:
+        out["memory_snapshots"] = snapshots
     if missing:
         out["missing_ranks"] = missing
     out["ranks"] = {str(r["rank"]): r for r in ordered}
@@ -177,6 +186,19 @@ def collect(attempt_dir: str | os.PathLike, world_size: int | None = None,
     merged = merge_ranks(records, world_size, plan=plan)
     write_json_atomic(Path(attempt_dir) / METRICS_FILE, merged)
     return merged
+
+
+def attempt_rank_records(attempt_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rank records an attempt left: metrics.json's ``ranks`` when it has them, else the rank files (a job
+    the OOM killer ended has only those). Empty when there are none."""
+    try:
+        merged = json.loads((Path(attempt_dir) / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        merged = None
+    ranks = merged.get("ranks") if isinstance(merged, dict) else None
+    if isinstance(ranks, dict) and ranks:
+        return [r for r in ranks.values() if isinstance(r, dict)]
+    return read_rank_files(attempt_dir)
 
 
 def _read_plan_json(path: Path) -> dict[str, Any] | None:

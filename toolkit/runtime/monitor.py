@@ -7,6 +7,18 @@ and the peak RSS the kernel kept (``ru_maxrss``). ``step(samples, loss)`` only r
 the clock: the caller's ``loss.item()`` already synchronised the device, so the
 monitor adds no synchronisation of its own.
 
+Per step (``begin_step(step, seq_len)`` ... ``step(samples, loss)``) it also records the batch's sequence length
+and the step's peak memory: on a GPU ``max_memory_allocated`` with ``reset_peak_memory_stats`` at each step's
+start (the run's own peaks are kept as running maxima), on a CPU the process RSS's peak within the step (the
+sampling thread, and a reading at each step's end). The series is bounded (``peaks.SeriesRecorder``: at most
+``peaks.SERIES_CAP`` evenly spaced steps, plus the last, the longest and the one in progress) and goes into the
+rank record as ``step_peaks``; ``toolkit/peaks.py`` reads it (a long batch, a leak, a first-step failure).
+
+On CUDA the allocator's history is recorded (``torch.cuda.memory._record_memory_history``, at most
+``HISTORY_MAX_ENTRIES`` events, Python stacks; ``HPCMEM_MEMORY_HISTORY=0`` turns it off) and, when training
+ends in an out-of-memory error, the snapshot is written to ``<attempt_dir>/memory-snapshot-rank<r>.pickle``
+(open it at https://pytorch.org/memory_viz; ``toolkit/triage/snapshot.py`` reads it). On a CPU nothing is recorded.
+
 Files: every rank writes ``<attempt_dir>/metrics/rank-<r>.json`` (also every few
 seconds while running, so a job killed by the host's OOM killer leaves what it saw);
 at a clean end rank 0 waits at a barrier and merges them into ``metrics.json``.
@@ -27,11 +39,15 @@ from typing import Any, Mapping
 
 from . import metrics
 from .jobenv import MIB, Ranks, ranks as env_ranks
+from ..peaks import SeriesRecorder
 
 SAMPLE_INTERVAL_S = 0.1
 FLUSH_INTERVAL_S = 5.0
 # A rank file written on another node may show up late on a shared filesystem.
 RANK_FILE_WAIT_S = 10.0
+HISTORY_MAX_ENTRIES = 20000
+"""Allocator events kept for the OOM snapshot (a ring buffer; a few KB each with their stacks)."""
+SNAPSHOT_FILE = "memory-snapshot-rank{rank}.pickle"
 
 
 class MemoryMonitor:
@@ -71,6 +87,11 @@ class MemoryMonitor:
         self.result: dict[str, Any] | None = None
         # resume and checkpoint facts (docs/resume.md): resumed_from_step, checkpoint, resume, inflight_moves
         self.fields: dict[str, Any] = {"resumed_from_step": None, "checkpoint": None}
+        self._series: SeriesRecorder | None = None
+        self._step_rss_peak = 0
+        self._cuda_run_peaks = [0, 0]  # max_memory_allocated / reserved of the steps already reset
+        self.history_recording = False
+        self.snapshot_path: Path | None = None
         self._host = socket.gethostname()
         self._package_versions = metrics.versions()  # read once: package metadata costs milliseconds
         if device is not None:
@@ -103,6 +124,8 @@ class MemoryMonitor:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._sample()
+        if error is not None:
+            self._dump_snapshot(error)
         record = self.record(metrics.STATUS_FAILED if error else metrics.STATUS_OK, error)
         self._shutdown_nvml()
         if self.attempt_dir is None:
@@ -139,6 +162,7 @@ class MemoryMonitor:
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
             self._cuda_index = index
             self._nvml = _nvml_handle(index)
+            self.history_recording = _start_history(torch)
             if self._nvml is not None:
                 try:
                     self._driver = _text(self._nvml[0].nvmlSystemGetDriverVersion())
@@ -149,8 +173,36 @@ class MemoryMonitor:
         """Restart the step clock (call right before the training loop)."""
         self._last_mark = time.perf_counter()
 
+    def begin_step(self, step: int, seq_len: int | None = None) -> None:
+        """Optimizer step ``step`` begins with batches of ``seq_len`` tokens (the longest in the batch; None for
+        inputs without a length). Resets the step's peak; a batch longer than every completed one (and than the
+        plan's seq_len) writes the rank file at once, so a job the OOM killer ends still names it."""
+        if self._series is None:
+            plan_seq = (self.plan or {}).get("seq_len")
+            self._series = SeriesRecorder("max_memory_allocated" if self._cuda_index is not None else "rss",
+                                          plan_seq if isinstance(plan_seq, int) else None)
+        if self._cuda_index is not None:
+            import torch
+
+            self._cuda_run_peaks = [max(self._cuda_run_peaks[0], torch.cuda.max_memory_allocated(self._cuda_index)),
+                                    max(self._cuda_run_peaks[1], torch.cuda.max_memory_reserved(self._cuda_index))]
+            torch.cuda.reset_peak_memory_stats(self._cuda_index)
+        self._step_rss_peak = self._rss_now()
+        longer = self._series.begin(step, seq_len)
+        plan_seq = self._series.plan_seq_len
+        if longer and plan_seq is not None and seq_len is not None and seq_len > plan_seq:
+            self._write_now()
+
     def step(self, samples: int, loss: float) -> float:
         """Mark the end of one optimizer step of ``samples`` samples on this rank; returns its seconds."""
+        if self._series is not None and self._series.current is not None:
+            if self._cuda_index is not None:
+                import torch
+
+                peak = torch.cuda.max_memory_allocated(self._cuda_index) / MIB
+            else:
+                peak = max(self._step_rss_peak, self._rss_now()) / MIB
+            self._series.end(peak)
         now = time.perf_counter()
         took = now - self._last_mark
         self._last_mark = now
@@ -174,6 +226,10 @@ class MemoryMonitor:
         if "resume" in fields:
             self.fields["resumed_from_step"] = (fields["resume"] or {}).get("resumed_from_step")
         self.fields.update(fields)
+        self._write_now()
+
+    def _write_now(self) -> None:
+        """Write this rank's file now (while running)."""
         if self.attempt_dir is not None and self._started and not self._stopped:
             try:
                 metrics.write_json_atomic(metrics.rank_file(self.attempt_dir, self.ranks.rank), self.record())
@@ -194,7 +250,7 @@ class MemoryMonitor:
             return None
         import torch
 
-        return torch.cuda.max_memory_allocated(self._cuda_index) / MIB
+        return max(self._cuda_run_peaks[0], torch.cuda.max_memory_allocated(self._cuda_index)) / MIB
 
     def record(self, status: str = metrics.STATUS_RUNNING, error: BaseException | None = None) -> dict[str, Any]:
         """This rank's record as the rank file holds it."""
@@ -203,7 +259,7 @@ class MemoryMonitor:
         if self._cuda_index is not None:
             import torch
 
-            reserved = torch.cuda.max_memory_reserved(self._cuda_index) / MIB
+            reserved = max(self._cuda_run_peaks[1], torch.cuda.max_memory_reserved(self._cuda_index)) / MIB
         record = {
             "rank": self.ranks.rank,
             "local_rank": self.ranks.local_rank,
@@ -224,6 +280,8 @@ class MemoryMonitor:
             "device_used_mib": self._device_used_peak / MIB if self._nvml is not None else None,
             "peak_rss_mib": self.peak_rss_mib(),
             "applied": dict(self.applied),
+            "step_peaks": self._series.to_dict() if self._series is not None else None,
+            "memory_snapshot": str(self.snapshot_path) if self.snapshot_path is not None else None,
             "versions": self._versions(),
             **self.fields,
         }
@@ -243,17 +301,38 @@ class MemoryMonitor:
                     pass
 
     def _sample(self) -> None:
-        if self._proc is not None:
-            try:
-                self._rss_peak = max(self._rss_peak, self._proc.memory_info().rss)
-            except Exception:  # noqa: BLE001
-                self._proc = None
+        rss = self._rss_now()
+        self._rss_peak = max(self._rss_peak, rss)
+        self._step_rss_peak = max(self._step_rss_peak, rss)
         if self._nvml is not None:
             pynvml, handle = self._nvml
             try:
                 self._device_used_peak = max(self._device_used_peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
             except Exception:  # noqa: BLE001
                 pass
+
+    def _rss_now(self) -> int:
+        """The process's resident memory now (bytes; 0 without psutil)."""
+        if self._proc is not None:
+            try:
+                return self._proc.memory_info().rss
+            except Exception:  # noqa: BLE001
+                self._proc = None
+        return 0
+
+    def _dump_snapshot(self, error: BaseException) -> None:
+        """On an out-of-memory error with the allocator's history on: its snapshot into the attempt directory."""
+        if not self.history_recording or self.attempt_dir is None or not is_out_of_memory(error):
+            return
+        try:
+            import torch
+
+            path = self.attempt_dir / SNAPSHOT_FILE.format(rank=self.ranks.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(path))
+            self.snapshot_path = path
+        except Exception as exc:  # noqa: BLE001 - the snapshot is a help, the OOM is what must be reported
+            print(f"hpcmem: warning: no allocator snapshot: {_first_line(exc)}", file=sys.stderr, flush=True)
 
     def _shutdown_nvml(self) -> None:
         if self._nvml is not None:
@@ -273,6 +352,29 @@ class MemoryMonitor:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An out-of-memory error: CUDA's OutOfMemoryError, MemoryError, or a RuntimeError saying so."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if isinstance(error, MemoryError) or (oom_type is not None and isinstance(error, oom_type)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)
+
+
+def _start_history(torch) -> bool:
+    """Record the CUDA allocator's history (bounded) unless HPCMEM_MEMORY_HISTORY=0; True when on."""
+    if os.environ.get("HPCMEM_MEMORY_HISTORY", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, stacks="python")
+        return True
+    except Exception as exc:  # noqa: BLE001 - an older torch or a driver without it: no snapshot, training goes on
+        print(f"hpcmem: warning: the CUDA allocator's history is not recorded: {_first_line(exc)}",
+              file=sys.stderr, flush=True)
+        return False
 
 
 def _ru_maxrss_bytes() -> int:

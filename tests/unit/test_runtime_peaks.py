@@ -1,0 +1,67 @@
+"""The MemoryMonitor's step series and the allocator-snapshot wiring on CPU (this process, real files)."""
+
+import json
+
+import torch
+
+from toolkit import peaks
+from toolkit.plan import Plan
+from toolkit.runtime import metrics
+from toolkit.runtime.jobenv import Ranks
+from toolkit.runtime.monitor import MemoryMonitor, is_out_of_memory
+
+
+def test_each_step_records_its_length_and_rss_peak(tmp_path):
+    mon = MemoryMonitor(tmp_path, plan=Plan(seq_len=64).to_dict(), rank_info=Ranks(), device="cpu",
+                        flush_interval_s=3600)
+    kept = []
+    with mon:
+        for step in range(1, 6):
+            mon.begin_step(step, 48 if step % 2 else 64)
+            kept.append(torch.ones(8 * 2**20 // 4))  # 8 MiB kept every step, written: resident
+            mon.step(samples=2, loss=1.0)
+    series = json.loads(metrics.rank_file(tmp_path, 0).read_text())["step_peaks"]
+    assert series["measure"] == "rss" and series["plan_seq_len"] == 64 and series["current"] is None
+    assert [s[:2] for s in series["steps"]] == [[1, 48], [2, 64], [3, 48], [4, 64], [5, 48]]
+    rss = [s[2] for s in series["steps"]]
+    assert rss == sorted(rss) and rss[-1] - rss[0] >= 4 * 8 * 0.9  # the kept tensors show in the RSS peaks
+    assert series["longest_done"] == [2, 64] and series["last"][0] == 5
+    assert not mon.history_recording and mon.snapshot_path is None  # CPU: no allocator history
+
+
+def test_a_long_batch_is_written_down_before_its_step_runs(tmp_path):
+    mon = MemoryMonitor(tmp_path, plan=Plan(seq_len=64).to_dict(), rank_info=Ranks(), device="cpu",
+                        flush_interval_s=3600).start()
+    try:
+        mon.begin_step(1, 64)
+        mon.step(samples=1, loss=1.0)
+        mon.begin_step(2, 512)  # a job the OOM killer ends in this step leaves this much
+        on_disk = json.loads(metrics.rank_file(tmp_path, 0).read_text())["step_peaks"]
+        assert on_disk["current"] == {"step": 2, "seq_len": 512}
+        d = peaks.analyse(on_disk)
+        assert d.case == peaks.LONG_BATCH and d.numbers["longest_done"] == 64
+    finally:
+        mon.stop(MemoryError("rehearsal over"))
+
+
+def test_an_oom_on_cpu_writes_no_snapshot_and_the_failure_is_recorded(tmp_path):
+    mon = MemoryMonitor(tmp_path, plan=Plan().to_dict(), rank_info=Ranks(), device="cpu", flush_interval_s=3600)
+    try:
+        with mon:
+            mon.begin_step(1, 128)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+    except RuntimeError:
+        pass
+    record = json.loads(metrics.rank_file(tmp_path, 0).read_text())
+    assert record["status"] == "failed" and record["memory_snapshot"] is None
+    assert record["step_peaks"]["current"] == {"step": 1, "seq_len": 128}
+    assert not list(tmp_path.glob("memory-snapshot-*"))
+    merged = json.loads((tmp_path / "metrics.json").read_text())
+    assert "memory_snapshots" not in merged
+    assert peaks.diagnose(metrics.attempt_rank_records(tmp_path)).case == peaks.FIRST_STEP
+
+
+def test_what_counts_as_out_of_memory():
+    assert is_out_of_memory(MemoryError()) and is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(ValueError("out of memory"))
