@@ -203,31 +203,40 @@ def check_source(path: Path, doc: dict) -> None:
             raise DataError(f"{rw}.measured_mib: must be positive, got {row['measured_mib']}")
         if not row["quote"].strip():
             raise DataError(f"{rw}.quote: empty")
+        runtime_of(path, doc, row, rw)
 
 
-RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str}
+RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
+                  "zero_grad": str}
 
 
-def runtime_of(path: Path, doc: dict):
+def runtime_of(path: Path, doc: dict, row: dict | None = None, where: str | None = None):
     """The source's ``runtime`` facts (what its software did that changes memory: torch version, a loss on
-    16-bit logits, ...) as an ``estimate.gpu.Runtime``; None when the file states none. ``note`` is prose."""
+    16-bit logits, where the loop calls zero_grad ...), updated by the row's own ``runtime`` when it has
+    one (scripts of one source can differ), as an ``estimate.gpu.Runtime``; None when neither states any.
+    ``note`` is prose."""
     from toolkit.estimate.gpu import Runtime
 
-    facts = doc.get("runtime")
-    if facts is None:
-        return None
-    if not isinstance(facts, dict):
-        raise DataError(f"{path}.runtime: expected an object, got {facts!r}")
     kwargs = {}
-    for name, value in facts.items():
-        if name == "note":
+    for at, facts in ((str(path), doc.get("runtime")), (where or str(path), (row or {}).get("runtime"))):
+        if facts is None:
             continue
-        if name not in RUNTIME_FIELDS:
-            raise DataError(f"{path}.runtime.{name}: unknown; known: {', '.join(RUNTIME_FIELDS)}, note")
-        if not isinstance(value, RUNTIME_FIELDS[name]):
-            raise DataError(f"{path}.runtime.{name}: expected {RUNTIME_FIELDS[name].__name__}, got {value!r}")
-        kwargs[name] = value
-    return Runtime(**kwargs)
+        if not isinstance(facts, dict):
+            raise DataError(f"{at}.runtime: expected an object, got {facts!r}")
+        for name, value in facts.items():
+            if name == "note":
+                continue
+            if name not in RUNTIME_FIELDS:
+                raise DataError(f"{at}.runtime.{name}: unknown; known: {', '.join(RUNTIME_FIELDS)}, note")
+            if not isinstance(value, RUNTIME_FIELDS[name]) or isinstance(value, bool) != (RUNTIME_FIELDS[name] is bool):
+                raise DataError(f"{at}.runtime.{name}: expected {RUNTIME_FIELDS[name].__name__}, got {value!r}")
+            kwargs[name] = value
+    if not kwargs:
+        return None
+    try:
+        return Runtime(**kwargs)
+    except ValueError as exc:
+        raise DataError(f"{where or path}.runtime: {exc}") from None
 
 
 def build_case(source: Source, index: int) -> Case:
@@ -268,7 +277,7 @@ def build_case(source: Source, index: int) -> Case:
         partition.check_plan(plan)
     except HpcmemError as exc:
         raise DataError(f"{where}: the row's plan cannot run on {doc['gpu']}: {exc}") from None
-    return Case(source, index, row, plan, shape, partition, gaps, runtime_of(source.path, doc))
+    return Case(source, index, row, plan, shape, partition, gaps, runtime_of(source.path, doc, row, where))
 
 
 def plan_optimizer(row: dict) -> tuple[str, str | None]:

@@ -402,6 +402,35 @@ def test_an_older_runtime_keeps_gradients_and_a_16bit_loss_keeps_no_fp32_logits(
     assert lean.peak_allocated_mib < today.peak_allocated_mib
 
 
+def test_zero_grad_before_backward_keeps_the_previous_steps_grads_through_the_forward():
+    from toolkit.estimate.gpu import Runtime
+
+    # logits = model(x); loss = ...; optimizer.zero_grad(); loss.backward(): set_to_none frees the grads only
+    # there, so the forward's end holds params + grads + states + activations
+    p = plan(precision="bf16-mixed", micro_batch=8, seq_len=1024)
+    late = Runtime(zero_grad="before_backward")
+    dt = an.dtypes_for(p, True)
+    states = an.model_states(GPT2, p, dt)
+    acts = inv.activations(GPT2, p, dt)
+    fwd = {ph.name: ph for ph in an.phases(GPT2, p, dt, states, acts, late)}["forward end"]
+    usual = {ph.name: ph for ph in an.phases(GPT2, p, dt, states, acts)}["forward end"]
+    assert fwd.grads == states.grads_bytes and usual.grads == 0
+    today = estimate_analytic(GPT2, p, A100)
+    est = estimate_analytic(GPT2, p, A100, runtime=late)
+    # the replayed stream agrees: the reserved peak grows by at least the gradients (fp32 here: 4 B/param;
+    # more, as their freed blocks are param-sized holes the backward's tensors fit badly)
+    grads_mib = states.grads_bytes / MIB
+    assert est.peak_allocated_mib >= today.peak_allocated_mib  # GPT-2's peak is the loss's backward here
+    assert 0.8 * grads_mib < est.peak_reserved_mib - today.peak_reserved_mib < 2 * grads_mib
+    # torch 1.x keeps them anyway (zeroed, not freed): the placement changes nothing there
+    old = Runtime(torch_version="1.10")
+    old_late = Runtime(torch_version="1.10", zero_grad="before_backward")
+    assert estimate_analytic(GPT2, p, A100, runtime=old).peak_reserved_mib == \
+        estimate_analytic(GPT2, p, A100, runtime=old_late).peak_reserved_mib
+    with pytest.raises(ValueError, match="zero_grad"):
+        Runtime(zero_grad="sometimes")
+
+
 def test_more_ranks_add_nccl_buffers_outside_the_allocator():
     one = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512), A100)
     four = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512, gpus_per_node=4), A100)

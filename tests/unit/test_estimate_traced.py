@@ -502,3 +502,31 @@ def test_an_older_runtime_keeps_the_gradients_in_the_trace():
     assert old.peak_allocated_mib > today.peak_allocated_mib
     assert any("zero_grad keeps the gradients" in n for n in old.notes)
     assert "cublas_workspace" in old.gpu_extras_mib
+
+
+def test_zero_grad_before_backward_keeps_the_last_steps_gradients_through_the_forward():
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.traced import record_training
+
+    p = plan()
+    late = Runtime(zero_grad="before_backward")
+    today = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition())
+    est = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(), runtime=late)
+    assert est.peak_allocated_mib > today.peak_allocated_mib
+    assert any("between the loss and the backward" in n for n in est.notes)
+    # the recorded stream: nothing is freed between step 1's optimizer step and step 2's forward
+    events = record_training(config("tiny-gpt2"), "causal-lm", p, zero_before_backward=True)
+    usual = record_training(config("tiny-gpt2"), "causal-lm", p)
+
+    def live_at_step2(ev):
+        live = {}
+        for e in ev:
+            if e[0] == "mark" and e[1] == "step 2":
+                return sum(live.values())
+            if e[0] == "alloc":
+                live[e[1]] = e[2]
+            elif e[0] == "free":
+                live.pop(e[1], None)
+        raise AssertionError("no step 2 mark")
+
+    assert live_at_step2(events) > live_at_step2(usual)

@@ -113,7 +113,8 @@ class Phase:
         return self.params + self.grads + self.optimizer + self.activations + self.temporaries
 
 
-def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts: Activations) -> tuple[Phase, ...]:
+def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts: Activations,
+           runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Phase, ...]:
     """The moments of a steady-state step (optimizer states exist) where the peak can be."""
     L, ckpt, causal = shape.layers, plan.checkpointing, shape.task == "causal-lm"
     params, opt, buf, grads = states.params_bytes, states.optimizer_bytes, states.buffer_bytes, states.grads_bytes
@@ -121,6 +122,9 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     # Grads present from the start of the backward (DeepSpeed's buffers, a previous
     # micro-batch's); the rest is allocated during it: the head's first, then layer by layer.
     live = grads if states.persistent_grads or plan.grad_accum > 1 else 0.0
+    # zero_grad(set_to_none) called between the loss and the backward: the previous step's grads
+    # are alive through the forward (and freed before the backward starts)
+    fwd_live = grads if runtime.grads_through_forward and not states.persistent_grads else live
     head_g = (grads - live) * shape.head_linear_params / shape.n_params
     layer_g = (grads - live) * shape.layer_params / shape.n_params
     kept = L * acts.kept_layer_bytes
@@ -133,7 +137,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     head_temp = acts.head_backward_temp_bytes + (vocab_grad if live and causal else 0.0)
     return (
         # autocast's cache holds every 16-bit weight copy until the forward returns
-        Phase("forward end", fwd_params, live, opt, kept + acts.outside_bytes,
+        Phase("forward end", fwd_params, fwd_live, opt, kept + acts.outside_bytes,
               buf + L * acts.layer_cast_bytes + acts.head_cast_bytes + acts.loss_forward_temp_bytes),
         Phase("backward start", fwd_params, live, opt, kept + acts.outside_bytes,
               buf + layer_casts + acts.head_cast_bytes + acts.loss_backward_temp_bytes),
@@ -179,7 +183,7 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     if gpu and not runtime.frees_grads and not states.persistent_grads:
         states = replace(states, persistent_grads=True)  # torch 1.x: zero_grad kept them allocated
     acts = activations(shape, plan, dt, runtime)
-    peak = max(phases(shape, plan, dt, states, acts), key=lambda ph: ph.total)
+    peak = max(phases(shape, plan, dt, states, acts, runtime), key=lambda ph: ph.total)
     context = (partition.cuda_context_mib if cuda_context_mib is None else cuda_context_mib) if gpu else 0.0
     if gpu and cuda_context_mib is None and not getattr(partition, "calibrated", False) \
             and not lazy_loading(runtime.torch_version):

@@ -97,6 +97,9 @@ def version_tuple(text: str | None) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (2, 99)
 
 
+ZERO_GRAD_PLACES = ("after_step", "before_backward")
+
+
 @dataclass(frozen=True)
 class Runtime:
     """How the job's software behaves where it changes device memory. The defaults are what
@@ -110,9 +113,25 @@ class Runtime:
     1.x's ``Module.zero_grad`` kept them, zeroed)"""
     cublas_workspace_config: str | None = None
     """CUBLAS_WORKSPACE_CONFIG when the job sets it"""
+    zero_grad: str = "after_step"
+    """where the training loop calls ``zero_grad``: ``after_step`` (or at the top of the loop, before the
+    forward: hpcmem's runtime, HF Trainer, torch's examples) or ``before_backward`` (``logits = model(x);
+    loss = ...; optimizer.zero_grad(); loss.backward()``, as in many hand-written loops and Lightning's
+    automatic optimization, whose closure runs the training step, then zero_grad, then backward). With
+    ``set_to_none`` (torch >= 2.0) the grads are freed where it is called, so ``before_backward`` keeps the
+    previous step's gradients alive through the whole next forward."""
     logits_fp32: bool = True
     """the causal-LM loss upcasts the logits to fp32 (transformers: ``logits.float()`` before the
     cross-entropy); False: ``F.cross_entropy`` on 16-bit logits (litgpt, hand-written loops)"""
+
+    def __post_init__(self):
+        if self.zero_grad not in ZERO_GRAD_PLACES:
+            raise ValueError(f"Runtime.zero_grad: {self.zero_grad!r} is not one of {', '.join(ZERO_GRAD_PLACES)}")
+
+    @property
+    def grads_through_forward(self) -> bool:
+        """The previous step's gradients are alive during the forward (freed only before the backward)."""
+        return self.frees_grads and self.zero_grad == "before_backward"
 
     @property
     def frees_grads(self) -> bool:

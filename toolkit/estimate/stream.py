@@ -232,6 +232,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     states_made = bool(flat_states) or sharded
     micro = 1 if plan.grad_accum == 1 else 2
     keep_grads = states.persistent_grads or not runtime.frees_grads
+    # zero_grad between the loss and the backward: the step's grads are freed before the next backward
+    late_zero = runtime.grads_through_forward and not keep_grads
 
     def grad_bytes(numel: int) -> int:
         return int(dt.grad * numel * (states.grads_bytes / (dt.grad * n_params) if dt.grad else 0))
@@ -265,6 +267,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in cast_ids:  # autocast's cache is cleared when the forward's context exits
                 free(i)
             # backward
+            if late_zero and mb == 0:
+                for i in grads.values():
+                    free(i)
+                grads.clear()
             loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
             if lp is not None:
                 free(lp)
@@ -332,7 +338,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 w = [alloc(x) for x in wave]
                 for i in w:
                     free(i)
-        if not keep_grads:
+        if not keep_grads and not late_zero:
             for i in grads.values():
                 free(i)
             grads.clear()

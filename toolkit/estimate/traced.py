@@ -171,9 +171,13 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
         raise ConfigError(f"allocator_overhead_frac must be >= 0, got {allocator_overhead_frac}")
     target = "cuda" if partition.has_gpu else "cpu"
     keep_grads = runtime is not None and not runtime.frees_grads
+    late_zero = runtime is not None and runtime.grads_through_forward
     trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps,
-                           set_to_none=not keep_grads)
+                           set_to_none=not keep_grads, zero_before_backward=late_zero)
     notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
+    if late_zero:
+        notes_extra.append("zero_grad is called between the loss and the backward: the previous step's gradients "
+                           "live through the forward")
     notes = list(trace.notes) + notes_extra
     try:
         partition.check_plan(plan)
@@ -199,7 +203,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
     if plan.launcher == "torchrun":
 
         events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory,
-                                 set_to_none=runtime is None or runtime.frees_grads)
+                                 set_to_none=runtime is None or runtime.frees_grads,
+                                 zero_before_backward=runtime is not None and runtime.grads_through_forward)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -225,7 +230,7 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
                    model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True,
-                   set_to_none: bool = True) -> Trace:
+                   set_to_none: bool = True, zero_before_backward: bool = False) -> Trace:
     """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
 
     ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
@@ -254,7 +259,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
         with tracker:
             for step in range(steps):
                 tracker.step = step
-                _train_step(traced, plan, layout, optimizer, tracker, set_to_none)
+                _train_step(traced, plan, layout, optimizer, tracker, set_to_none, zero_before_backward)
                 tracker.step_ends.append(tracker.current())
     if not tracker.samples:
         raise HpcmemError("MemTracker recorded nothing: this torch version's MemTracker differs from the one "
@@ -579,8 +584,11 @@ class _MasterWeights(torch.optim.Optimizer):
 
 # -- the training step -------------------------------------------------------------------
 
-def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker, set_to_none: bool = True) -> None:
+def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker, set_to_none: bool = True,
+                zero_before_backward: bool = False) -> None:
     """One optimizer step as train.py runs it: micro-batches under autocast, backward, step, zero_grad.
+    ``zero_before_backward``: as loops that call ``optimizer.zero_grad()`` between the loss and the
+    backward do, the previous step's gradients stay until the first micro-batch's backward.
 
     ``tracker`` (None when nothing watches) learns the phase. Under it, MemTracker's module
     hooks put autograd nodes into reference cycles, so what a plain run frees when the last
@@ -590,7 +598,7 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
     frees the same (checked) at a fraction of a full collection's cost.
     """
     micro_steps = min(plan.grad_accum, 2)
-    for _ in range(micro_steps):
+    for micro in range(micro_steps):
         _set_phase(tracker, 0)
         batch = traced.make_batch(plan.micro_batch, plan.seq_len)
         autocast = (torch.autocast("cpu", dtype=layout.autocast_dtype) if layout.autocast_dtype is not None
@@ -606,6 +614,8 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
         if layout.loss_scaling:
             loss = loss * LOSS_SCALE
         _set_phase(tracker, 1)
+        if zero_before_backward and micro == 0:
+            optimizer.zero_grad(set_to_none=set_to_none)
         loss.backward()
         del loss
         if tracker is not None:
@@ -619,7 +629,8 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
                 if p.grad is not None:
                     p.grad.mul_(1 / LOSS_SCALE)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=set_to_none)  # False: torch 1.x's Module.zero_grad kept them, zeroed
+    if not zero_before_backward:
+        optimizer.zero_grad(set_to_none=set_to_none)  # False: torch 1.x's Module.zero_grad kept them, zeroed
     if tracker is not None:
         gc.collect(0)
 
@@ -916,7 +927,7 @@ def _quiet() -> Iterator[None]:
 # -- the recorded stream --------------------------------------------------------------
 
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
-                    steps: int = 2, set_to_none: bool = True) -> list[tuple]:
+                    steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
@@ -938,7 +949,7 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             rec.adopt(buckets)
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
-                _train_step(traced, plan, layout, optimizer, None, set_to_none)
+                _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward)
                 gc.collect(0)
         events = rec.closed()
         del traced, params, optimizer, buckets
