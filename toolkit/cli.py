@@ -78,6 +78,41 @@ _gpus_opt = click.option("--gpus-per-node", type=_Count(), default=None,
                          help="Ranks per node (default: the spec's; 1 with --model).")
 
 
+def _longest_opt(f):
+    """--max-seq-len / --seq-len-hist: size the plan for the data's longest sequence (toolkit/peaks.py)."""
+    f = click.option("--seq-len-hist", type=click.Path(dir_okay=False), default=None,
+                     help="The data's length histogram: JSON {length: count} or CSV lines length,count; the plan "
+                          "is sized for its longest length.")(f)
+    return click.option("--max-seq-len", type=_Count(), default=None,
+                        help="The data's longest sequence (tokens): the plan is sized for it.")(f)
+
+
+def _sized_for_longest(plan, max_seq_len, hist_path):
+    """(``plan`` with seq_len raised to the data's longest sequence, what that did as a dict); (plan, None) when
+    neither option is given. A histogram file that cannot be read or parsed is a one-line ConfigError."""
+    from . import peaks
+    from .errors import ConfigError
+
+    hist, sources = None, [f"--max-seq-len {max_seq_len}"] if max_seq_len else []
+    if hist_path:
+        try:
+            with open(hist_path, "rb") as fh:
+                raw = fh.read(16 * 2**20 + 1)
+        except OSError as exc:
+            raise ConfigError(f"--seq-len-hist {hist_path}: cannot read: {exc.strerror or exc}") from None
+        if len(raw) > 16 * 2**20:
+            raise ConfigError(f"--seq-len-hist {hist_path}: larger than 16 MiB, not a length histogram")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"--seq-len-hist {hist_path}: not UTF-8 text") from None
+        hist = peaks.parse_length_hist(text, f"--seq-len-hist {hist_path}")
+        sources.append(f"the histogram {hist_path}")
+    longest = peaks.longest_sequence(max_seq_len, hist)
+    sized = peaks.sized_for_longest(plan.seq_len, longest, " and ".join(sources))
+    return (plan if sized is None else plan.replace(seq_len=sized["sized_seq_len"])), sized
+
+
 def _interval(ctx, param, value: float) -> float:
     """--interval: a finite number of seconds above zero, checked before anything is submitted."""
     if not (value == value and 0 < value < float("inf")):  # value == value: not NaN
@@ -387,11 +422,12 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
 @click.option("--nodes", type=_Count(), default=1, show_default=True)
 @_launcher_opt
 @_gpus_opt
+@_longest_opt
 @_json_opt
 @click.pass_context
 def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, micro_batch, grad_accum, precision,
                  optimizer, checkpointing, attention, zero_stage, offload_optimizer, offload_params, nodes,
-                 launcher, gpus_per_node, as_json) -> None:
+                 launcher, gpus_per_node, max_seq_len, seq_len_hist, as_json) -> None:
     """Predict a training step's peak memory per GPU (and host memory under offload) before submitting."""
     from .estimate import estimate, model_ref, spec_model
     from .plan import Plan
@@ -414,10 +450,13 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
                     offload_optimizer=offload_optimizer, offload_params=offload_params)
         part.check_plan(plan)
         ref = model_ref(model, task)
+    plan, sized = _sized_for_longest(plan, max_seq_len, seq_len_hist)
     est = estimate(ref, plan, part, method)
     if as_json:
-        _emit_json(est.to_dict())
+        _emit_json({**est.to_dict(), **({"sized_for_longest": sized} if sized else {})})
         return
+    if sized:
+        click.echo(f"note: {sized['note']}")
     click.echo(f"{ref.name} {ref.task} on {part.site}:{part.name} ({method}): {render.plan_summary(plan)}")
     for name, mib in sorted(est.components.items(), key=lambda kv: -kv[1]):
         click.echo(f"  {name:<20} {mib:>12,.0f} MiB")
@@ -440,20 +479,25 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
 @click.option("--top", default=12, show_default=True, help="How many candidates to list (fastest first).")
 @_launcher_opt
 @_gpus_opt
+@_longest_opt
 @_json_opt
 @click.pass_context
-def plan_cmd(ctx, job, site, partition, sets, method, top, launcher, gpus_per_node, as_json) -> None:
+def plan_cmd(ctx, job, site, partition, sets, method, top, launcher, gpus_per_node, max_seq_len, seq_len_hist,
+             as_json) -> None:
     """List candidate plans with predicted memory and throughput; mark the fastest that fits."""
     from . import planner
     from .estimate import spec_model
 
     spec, _, part, plan = _target(ctx, job, site, partition, sets, launcher, gpus_per_node)
+    plan, sized = _sized_for_longest(plan, max_seq_len, seq_len_hist)
     cands = planner.plan_candidates(spec_model(spec), plan, part, spec.allow, method)
     chosen = planner.choose(cands)
     if as_json:
         _emit_json({"site": part.site, "partition": part.name, "chosen": chosen.to_dict() if chosen else None,
-                    "candidates": [c.to_dict() for c in cands]})
+                    "candidates": [c.to_dict() for c in cands], **({"sized_for_longest": sized} if sized else {})})
         return
+    if sized:
+        click.echo(f"note: {sized['note']}")
     click.echo(f"{len(cands)} candidate plans for {spec.name} on {part.site}:{part.name}; "
                f"capacity {cands[0].estimate.capacity_mib:,.0f} MiB")
     click.echo(f"  {'':2}{'speed':>6} {'device MiB':>11} {'fits':>5}  plan")

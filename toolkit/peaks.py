@@ -202,7 +202,7 @@ def _long_batch(step, length, seq, longest, longest_len, rank) -> PeakDiagnosis:
             if longest_len is not None and isinstance(longest, (list, tuple)) else "no step of this attempt completed")
     return PeakDiagnosis(
         LONG_BATCH,
-        f"a long batch: step {step}'s batch was {length} tokens, {ratio:.1f}x the plan's seq_len {seq}",
+        f"step {step}'s batch was {length} tokens, {ratio:.1f}x the plan's seq_len {seq}",
         (f"step {step} (the failing step) had a batch of {length} tokens; the plan was sized for seq_len {seq}",
          done + "; memory that scales with the length (activations, attention) had never been this large"),
         (f"cap the sequence length at {seq} tokens (truncate longer samples in the data pipeline)",
@@ -231,7 +231,7 @@ def _leak(steps: Sequence[list], seq: int | None, measure: str, rank) -> PeakDia
     what = "resident memory (RSS)" if measure == "rss" else f"peak memory ({measure})"
     return PeakDiagnosis(
         LEAK,
-        f"a leak: {what} grew {slope:.1f} MiB per step, step after step, from {first[1]:.0f} MiB at step "
+        f"{what} grew {slope:.1f} MiB per step, step after step, from {first[1]:.0f} MiB at step "
         f"{first[0]:.0f} to {last[1]:.0f} MiB at step {last[0]:.0f}",
         (f"{len(points)} steps after the first {SKIP_STEPS}: Theil-Sen slope {slope:.2f} MiB/step, Kendall tau "
          f"{tau:.2f} (>= {LEAK_MIN_TAU} is a steady rise), growth {growth:.0f} MiB over {span:.0f} steps "
@@ -269,7 +269,7 @@ def kendall_tau(points: Sequence[tuple[float, float]]) -> float:
 
 def give_up_reason(diag: PeakDiagnosis, attempt: int, job_id: str | None) -> str:
     """Why the controller gives up on a leak (no retry: a smaller batch or more memory only delays it)."""
-    return (f"attempt {attempt} (job {job_id}) ran out of memory after {diag.reason}. "
+    return (f"attempt {attempt} (job {job_id}) ran out of memory with a leak: {diag.reason}. "
             f"Not retried: a leak is fixed in the code, not by a smaller batch or more memory. {diag.remedies[0]}.")
 
 
@@ -293,7 +293,7 @@ def after_ladder(decision, diag: PeakDiagnosis | None, seq_len: int):
     plan = decision.plan.replace(seq_len=seq_len) if decision.plan is not None else None
     moves = (f"sized-for-seq-len:{length}", *decision.moves) if decision.action == "retry" else decision.moves
     return dataclasses.replace(decision, plan=plan, moves=moves,
-                               reason=f"{diag.reason[0].upper()}{diag.reason[1:]}: sized for it. {decision.reason}")
+                               reason=f"A long batch: {diag.reason}: sized for it. {decision.reason}")
 
 
 # --------------------------------------------------------------------------- the data's longest sequence

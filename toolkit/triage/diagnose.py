@@ -8,7 +8,11 @@ The steps, each with what it needs and what it says when that is missing:
        completed with defaults that are named as assumptions (picture.fill_plan);
     4. the model, when a config can be found (for the estimator);
     5. for an out-of-memory verdict: the memory picture and the ranked remedies; otherwise what the
-       failure is and where to look, and no memory advice.
+       failure is and where to look, and no memory advice;
+    6. for an out-of-memory verdict with the attempt's step series (metrics.json or the rank files next to
+       the log): its data-driven case (toolkit/peaks.py). A long batch or a leak replaces the ladder's
+       remedies by that case's own (a leak is fixed in the code, not by a smaller batch); and the allocator
+       snapshot the job wrote on a CUDA OOM (toolkit/triage/snapshot.py), when there is one.
 Nothing here raises for a bad log or a job that cannot be found: the Finding says what could not be read.
 """
 
@@ -21,6 +25,7 @@ from ..classify import Verdict, classify, classify_paths
 from ..errors import HpcmemError
 from ..logtail import DEFAULT_MAX_BYTES
 from ..sites import Partition, Site
+from ..peaks import LEAK, LONG_BATCH
 from .report import Finding
 
 NON_TEXT_SHARE = 0.10
@@ -77,11 +82,31 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
             notes.append(f"no remedies: {exc}")
     else:
         look = tuple(where_to_look(verdict, facts.state))
+    peak, snapshots = (data_peaks(case, known.plan.seq_len if known.known else None)
+                       if verdict.is_oom and not recovered else (None, []))
+    if peak is not None and peak.case in (LONG_BATCH, LEAK):
+        found = ()  # this case's own remedies (peak.remedies) instead of the first-step ladder
     return Finding(target=case.target, source=case.kind, verdict=verdict, facts=facts, log_paths=tuple(case.log_paths),
                    site=site.name if site is not None else facts.site,
                    partition=partition.name if partition is not None else facts.partition,
                    plan=known.plan if known.known else None, plan_assumed=known.assumed, picture=picture,
-                   remedies=found, where_to_look=look, notes=tuple(notes))
+                   remedies=found, where_to_look=look, notes=tuple(notes),
+                   peaks=peak.to_dict() if peak is not None else None, memory_snapshots=tuple(snapshots))
+
+
+def data_peaks(case, plan_seq_len: int | None):
+    """(peaks.PeakDiagnosis or None, [snapshot descriptions]) from the attempt directory next to the case's
+    logs: the rank records' step series and the allocator snapshots the runtime wrote."""
+    from ..peaks import diagnose as peaks_diagnose
+    from ..runtime.metrics import attempt_rank_records
+    from .snapshot import describe, find_snapshots
+
+    for directory in dict.fromkeys(p.parent for p in case.log_paths):
+        records = attempt_rank_records(directory)
+        snapshots = [describe(p) for p in find_snapshots(directory)]
+        if records or snapshots:
+            return peaks_diagnose(records, plan_seq_len), snapshots
+    return None, []
 
 
 # --------------------------------------------------------------------------- 1. verdict

@@ -13,8 +13,9 @@ from typing import Any
 
 from .. import __version__
 
-SCHEMA = "hpcmem.triage/2"
-"""/2 (issue 12): the verdict gains cause, confidence, confirm, phase, step, total_steps."""
+SCHEMA = "hpcmem.triage/3"
+"""/2 (issue 12): the verdict gains cause, confidence, confirm, phase, step, total_steps.
+/3 (issue 14): a finding gains ``peaks`` (the data-driven case: toolkit/peaks.py) and ``memory_snapshots``."""
 SINCE_SCHEMA = "hpcmem.triage-since/2"
 """/2 (issue 12): a group gains hint and phases; each job its cause, confidence, phase, step, total_steps."""
 
@@ -46,6 +47,11 @@ class Finding:
     """For failures that are not out-of-memory: what the failure is and where to look, one sentence each."""
     notes: tuple = ()
     """What a person must know about how this was read (assumptions, what could not be read)."""
+    peaks: dict | None = None
+    """For an OOM with the attempt's step series: ``peaks.PeakDiagnosis.to_dict()`` (case long_batch, leak,
+    first_step or null; reason, evidence, remedies, numbers, rank)."""
+    memory_snapshots: tuple = ()
+    """The allocator snapshots the job wrote (``snapshot.describe``: path, viewer, summary, error)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +69,8 @@ class Finding:
             "remedies": [r.to_dict() for r in self.remedies],
             "where_to_look": list(self.where_to_look),
             "notes": list(self.notes),
+            "peaks": self.peaks,
+            "memory_snapshots": list(self.memory_snapshots),
         }
 
 
