@@ -431,6 +431,25 @@ def test_zero_grad_before_backward_keeps_the_previous_steps_grads_through_the_fo
         Runtime(zero_grad="sometimes")
 
 
+def test_torchvision_vit_saves_out_projs_copy_and_casts_the_packed_projections_input_once():
+    from toolkit.estimate.gpu import Runtime
+
+    tv = Runtime(model_code="torchvision")
+    h = VIT_BASE.hidden
+    fp32 = plan(precision="fp32", micro_batch=8, attention="sdpa")
+    dt = an.dtypes_for(fp32, True)
+    # fp32: out_proj's contiguous (seq, batch) copy of the attention output, h elements per token more
+    assert inv.layer_bytes_per_token(VIT_BASE, fp32, dt, tv) - inv.layer_bytes_per_token(VIT_BASE, fp32, dt) == 4 * h
+    mixed = plan(precision="bf16-mixed", micro_batch=8, attention="sdpa")
+    dt = an.dtypes_for(mixed, True)
+    # autocast: one 16-bit copy of the norm's output for the packed in_proj instead of three, plus the copy
+    assert inv.layer_bytes_per_token(VIT_BASE, mixed, dt, tv) - inv.layer_bytes_per_token(VIT_BASE, mixed, dt) == -2 * h
+    # a text model is untouched; an unknown code is refused
+    assert inv.layer_bytes_per_token(GPT2, fp32, dt, tv) == inv.layer_bytes_per_token(GPT2, fp32, dt)
+    with pytest.raises(ValueError, match="model_code"):
+        Runtime(model_code="timm")
+
+
 def test_more_ranks_add_nccl_buffers_outside_the_allocator():
     one = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512), A100)
     four = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512, gpus_per_node=4), A100)

@@ -79,12 +79,22 @@ def stores_scores(shape: ModelShape, plan: Plan, dt: Dtypes) -> bool:
     return not dt.gpu and shape.attn_dropout > 0
 
 
-def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
+def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Bytes one transformer layer saves for backward, per token of the micro-batch.
 
     Tensor by tensor for the HF block of the model's family (verified against a real
     training step's live tensors on the CPU). Under autocast a matmul whose input is fp32
     (a norm's output) saves its own 16-bit copy of it.
+
+    torchvision's ViT (``runtime.model_code``) differs in two tensors, from its source
+    (torchvision/models/vision_transformer.py EncoderBlock; torch/nn/functional.py
+    multi_head_attention_forward, need_weights=False, the training path): one packed in-projection
+    ``linear(x, in_proj_weight)`` takes the norm's output, so autocast makes one 16-bit copy of it
+    where HF's three query/key/value linears make three; and the attention output is made
+    contiguous in (seq, batch) order for ``out_proj`` (``attn_output.permute(2, 0, 1, 3).contiguous()``),
+    a copy that HF's ``context.permute(0, 2, 1, 3).contiguous()`` does not make (the fused
+    kernels' output already has that layout), saved by ``out_proj`` next to the output the
+    attention kernel saves.
     """
     h, p, c = shape.hidden, dt.param, dt.compute
     drop = 2 * h * dt.mask if shape.hidden_dropout > 0 else 0
@@ -97,6 +107,8 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
         return core + cache + 2 * (h * p + LN_STATS_BYTES) + 2 * h * c
     if shape.family in ("bert", "vit"):
         qkv_in = 3 * h * c if dt.autocast else h * p
+        if shape.family == "vit" and runtime.model_code == "torchvision" and not stores_scores(shape, plan, dt):
+            qkv_in = (h * c if dt.autocast else h * p) + h * c  # one cast for the packed projection; out_proj's copy
         # Q/K/V input, two LayerNorm inputs (BERT: after each residual add; ViT: the residual
         # stream before attention and before the MLP), the intermediate dense's input
         return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
@@ -201,7 +213,7 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     seq = sequence_length(shape, plan)
     tokens = plan.micro_batch * seq
     h, c = shape.hidden, dt.compute
-    layer = tokens * layer_bytes_per_token(shape, plan, dt)
+    layer = tokens * layer_bytes_per_token(shape, plan, dt, runtime)
     kept = tokens * h * dt.param if plan.checkpointing else layer
     layer_cast = 2.0 * shape.layer_linear_params if dt.autocast else 0.0
     head_cast = 2.0 * shape.head_linear_params if dt.autocast else 0.0

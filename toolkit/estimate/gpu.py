@@ -98,6 +98,7 @@ def version_tuple(text: str | None) -> tuple[int, int]:
 
 
 ZERO_GRAD_PLACES = ("after_step", "before_backward")
+MODEL_CODES = ("transformers", "torchvision")
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,16 @@ class Runtime:
     """the causal-LM loss upcasts the logits to fp32 (transformers: ``logits.float()`` before the
     cross-entropy); False: ``F.cross_entropy`` on 16-bit logits (litgpt, hand-written loops)"""
 
+    model_code: str = "transformers"
+    """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
+    ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and
+    ``nn.MultiheadAttention``, whose tensors differ; see ``activations.layer_bytes_per_token``)"""
+
     def __post_init__(self):
         if self.zero_grad not in ZERO_GRAD_PLACES:
             raise ValueError(f"Runtime.zero_grad: {self.zero_grad!r} is not one of {', '.join(ZERO_GRAD_PLACES)}")
+        if self.model_code not in MODEL_CODES:
+            raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)}")
 
     @property
     def grads_through_forward(self) -> bool:

@@ -175,6 +175,9 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps,
                            set_to_none=not keep_grads, zero_before_backward=late_zero)
     notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
+    if runtime is not None and runtime.model_code != "transformers":
+        notes_extra.append(f"traced the transformers class of the config, not {runtime.model_code}'s model "
+                           "(the analytic method models its differences)")
     if late_zero:
         notes_extra.append("zero_grad is called between the loss and the backward: the previous step's gradients "
                            "live through the forward")
