@@ -37,6 +37,7 @@ from .jobspec import JobSpec
 from .ladder import Decision, next_plan
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
+from .runtime import inflight
 from .sites import Partition, Site
 
 TRANSIENT_STATES = ("NODE_FAIL", "BOOT_FAIL", "PREEMPTED")
@@ -222,15 +223,17 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
         runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
                      f"{verdict.reason} Not a memory failure: not retried.{why}")
         return
-    confirmed, why = host_oom_confirmed(verdict, Plan.from_dict(last.plan).mem_mib or partition.default_mem_mib)
+    ended = ended_plan(last)  # with the job's in-job moves: the next plan starts from what the job ended with
+    confirmed, why = host_oom_confirmed(verdict, ended.mem_mib or partition.default_mem_mib)
     if not confirmed:
         runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
                      f"{verdict.reason.rstrip('.')}. Not retried: {why}. {verdict.confirm}".rstrip())
         return
-    tried = [(Plan.from_dict(a.plan), site.partition(a.partition)) for a in attempts]
+    tried = [(plan, site.partition(a.partition)) for a in attempts
+             for plan in dict.fromkeys((Plan.from_dict(a.plan), ended_plan(a)))]
     bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
               and (p.gpu_mem_gib, p.host_mem_gib) > (partition.gpu_mem_gib, partition.host_mem_gib)]
-    decision = next_plan(Plan.from_dict(last.plan), verdict, partition, allow=spec.allow, tried=tried,
+    decision = next_plan(ended, verdict, partition, allow=spec.allow, tried=tried,
                          attempts_made=len([a for a in attempts if not _resumed(a)]), max_attempts=spec.max_attempts,
                          bigger=bigger,
                          saving=_estimator_saving(spec, partition))
@@ -304,8 +307,14 @@ def resume_decision(allowed: Mapping[str, int], last: AttemptRow, attempts: list
     start = facts["resumed_from_step"] or 0
     if not saved or saved <= start:
         return Decision("stop", None, partition, reason=f"it left no checkpoint newer than step {start} to resume from")
-    return Decision("retry", Plan.from_dict(last.plan), partition, moves=(f"{RESUME_MOVE}:{last.state}",),
+    return Decision("retry", ended_plan(last), partition, moves=(f"{RESUME_MOVE}:{last.state}",),
                     reason=f"{last.state}: resuming from the checkpoint of step {saved}")
+
+
+def ended_plan(attempt: AttemptRow) -> Plan:
+    """The plan an attempt ended with: its recorded plan with the in-job moves its metrics (or rank files) record
+    (docs/resume.md "In-job recovery"), so a resubmit never tries again what already failed inside the job."""
+    return inflight.plan_after_moves(Plan.from_dict(attempt.plan), runs.resume_facts(attempt)["inflight_moves"])
 
 
 def _resumed(attempt: AttemptRow) -> str | None:

@@ -59,6 +59,9 @@ class JobSpec:
     many times each (``retry.resume``); never counted against the OOM ladder's attempts."""
     env: tuple[tuple[str, str], ...] = ()
     description: str = ""
+    inflight: bool = True
+    """In-job recovery from an OOM (``retry.inflight``, docs/resume.md): on by default; off, the job's environment
+    gets ``HPCMEM_INFLIGHT=0`` (before the spec's own ``env``), which the reference trainer and the runtime read."""
 
     @property
     def spec_dir(self) -> Path:
@@ -97,6 +100,14 @@ class JobSpec:
             args += hf_trainer_args(plan, paths.get("config") or None)
         head = ["-m", self.module] if self.module else [str(self.script)]
         return head + args
+
+
+def inflight_env(on: bool) -> tuple[tuple[str, str], ...]:
+    """What the job's environment needs for ``retry.inflight``: nothing when on (the runtime's default), else
+    ``HPCMEM_INFLIGHT=0``."""
+    from .runtime.inflight import ENV_INFLIGHT
+
+    return () if on else ((ENV_INFLIGHT, "0"),)
 
 
 def fill_placeholders(text: str, values: Mapping[str, str], where: Path | str) -> str:
@@ -186,7 +197,8 @@ def load_spec(ref: str | Path) -> JobSpec:
         time_min=parse_minutes(doc.get("time", "00:30:00")), mem_mib=doc.get("mem_mib"), model=doc.get("model", {}),
         max_attempts=retry.get("max_attempts", DEFAULT_MAX_ATTEMPTS), allow=tuple(retry.get("allow", DEFAULT_ALLOW)),
         retry_transient=retry.get("retry_transient", False), resume={**DEFAULT_RESUME, **retry.get("resume", {})},
-        env=tuple((k, _text(v)) for k, v in doc.get("env", {}).items()), description=doc.get("description", ""),
+        env=inflight_env(retry.get("inflight", True)) + tuple((k, _text(v)) for k, v in doc.get("env", {}).items()),
+        description=doc.get("description", ""), inflight=retry.get("inflight", True),
     )
     _check_text_fields(spec, path)
     for arg in spec.args:  # an unknown placeholder is a spec error, found at load time

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -77,7 +78,7 @@ from . import models, optimizers
 from .errors import ConfigError, HpcmemError, PlanError
 from .plan import Plan, parse_sets, with_changes
 from .runtime import checkpoint as ckpt
-from .runtime import jobenv
+from .runtime import inflight, jobenv
 from .runtime.adapters import HF_ATTENTION
 from .runtime.monitor import MemoryMonitor
 from .runtime.oom import OomRehearsal
@@ -137,10 +138,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="record a sha256 of the model and optimizer state with each save and resume (gathers it)")
     ck.add_argument("--no-resume", dest="resume", action="store_false",
                     help="start from step 0 even when the checkpoint directory holds saves")
-    ck.add_argument("--inflight-recovery", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+    ck.add_argument("--inflight-recovery", type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
                     help="answer an out-of-memory error inside the job with a smaller micro-batch and more "
-                         "accumulation (the same global batch), re-running the step (default false for now; DDP and "
-                         "single process: FSDP and DeepSpeed go back through the controller)")
+                         "accumulation (the same global batch), then activation checkpointing, re-running the step "
+                         "(default: HPCMEM_INFLIGHT, else true; DDP and single process: FSDP and DeepSpeed go back "
+                         "through the controller)")
     oom = p.add_argument_group("rehearse a real out-of-memory failure")
     oom.add_argument("--oom-at-step", type=int, default=None, metavar="N",
                      help="from optimizer step N on, really allocate past the job's memory limit")
@@ -518,35 +520,29 @@ class Trainer:
         start, saver = self.start_checkpoints(device, engine, batches, scaler)
         rehearsal = self.oom_rehearsal(device)
         model.train()
-        recover = self.args.inflight_recovery and not fsdp  # FSDP's collectives in forward: back to the controller
+        recovery, discard = self.recovery(device, model, optimizer, rehearsal, batches, fsdp)
         self.monitor.begin_steps()
+
+        def micro_batches(step: int, plan: Plan):
+            total = torch.zeros((), device=device)
+            for micro in range(plan.grad_accum):
+                last = micro == plan.grad_accum - 1
+                sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
+                with sync:
+                    if rehearsal:
+                        rehearsal.before_micro(step, plan.micro_batch)
+                    with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
+                        loss = model(**batches.next()).loss / plan.grad_accum
+                    (scaler.scale(loss) if scaler else loss).backward()
+                    if rehearsal:
+                        rehearsal.after_micro()
+                total += loss.detach().float()
+            return total
+
         for step in range(start + 1, self.args.steps + 1):
-            rng = (torch.get_rng_state(), batches.generator.get_state()) if recover else None
-            while True:
-                plan = self.plan
-                failed: BaseException | None = None
-                total = torch.zeros((), device=device)
-                try:
-                    for micro in range(plan.grad_accum):
-                        last = micro == plan.grad_accum - 1
-                        sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
-                        with sync:
-                            if rehearsal:
-                                rehearsal.before_micro(step, plan.micro_batch)
-                            with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
-                                loss = model(**batches.next()).loss / plan.grad_accum
-                            (scaler.scale(loss) if scaler else loss).backward()
-                            if rehearsal:
-                                rehearsal.after_micro()
-                        total += loss.detach().float()
-                except BaseException as exc:  # noqa: BLE001 - only an OOM is answered here; the rest is raised
-                    if not (recover and is_oom(exc)):
-                        raise
-                    failed = exc
-                    loss = None
-                if not recover or not self.any_rank(failed is not None, device):
-                    break
-                self.recover_in_job(step, failed, optimizer, rehearsal, batches, rng, device)
+            rng = recovery.capture(batches.generator)
+            total = recovery.run_step(step, functools.partial(micro_batches, step), discard=discard,
+                                      rewind=functools.partial(recovery.restore, rng, batches.generator))
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -650,57 +646,45 @@ class Trainer:
 
     # -- in-job recovery (docs/resume.md) --
 
-    def any_rank(self, flag: bool, device) -> bool:
-        """True when ``flag`` is true on any rank: the one collective that makes every rank take the same move."""
-        import torch
-        import torch.distributed as dist
+    def recovery(self, device, model, optimizer, rehearsal, batches: "SyntheticBatches", fsdp: bool):
+        """In-job recovery for this run (toolkit/runtime/inflight.py) and how a failed try is discarded: on unless
+        --inflight-recovery false or HPCMEM_INFLIGHT=0; never under FSDP (its collectives in forward: back to the
+        controller)."""
+        on = self.args.inflight_recovery
+        on = inflight.enabled() if on is None else on
+        if on and fsdp:
+            self.monitor.note("inflight_recovery", False, "FSDP: an OOM inside a block's all-gather cannot be agreed "
+                                                          "on by all ranks; the controller answers it")
+            on = False
+        hf_model = getattr(model, "module", model)
 
-        if self.ranks.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return flag
-        t = torch.tensor([1 if flag else 0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        def enable_checkpointing() -> None:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # what the model says, not what was asked: metrics.json applied.checkpointing
+            self.monitor.note("checkpointing", bool(getattr(hf_model, "is_gradient_checkpointing", False)),
+                              "in-job move after an out-of-memory error at micro-batch 1")
 
-    def recover_in_job(self, step: int, error: BaseException | None, optimizer, rehearsal, batches, rng,
-                       device) -> None:
-        """An OOM in this step on some rank: discard the partial step, halve the micro-batch (doubling the
-        accumulation: the same global batch), rewind the step's data and RNG, record the move. Re-raises when the
-        micro-batch is 1 already (only a restart can answer it then: the controller's resubmit)."""
-        import gc
+        def discard() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            if rehearsal and rehearsal.kind != "fixed":  # a fixed block stays: no micro-batch avoids it
+                rehearsal.held.clear()
 
-        import torch
+        def on_move(move: dict[str, Any], new: Plan) -> None:
+            self.inflight_moves.append(move)
+            why = f"in-job move after an out-of-memory error in step {move['step']}: the same global batch"
+            for knob in ("micro_batch", "grad_accum"):
+                if move["from"][knob] != move["to"][knob]:
+                    self.monitor.note(knob, move["to"][knob], why)
+            self.monitor.set_fields(inflight_moves=list(self.inflight_moves))
+            self.plan = new
+            batches.micro_batch = new.micro_batch
 
-        plan = self.plan
-        optimizer.zero_grad(set_to_none=True)
-        if rehearsal and rehearsal.kind != "fixed":  # a fixed block stays: no micro-batch avoids it
-            rehearsal.held.clear()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if plan.micro_batch == 1:
-            if error is not None:
-                raise error
-            raise HpcmemError(f"out of memory at step {step} on another rank with micro_batch 1: "
-                              "no in-job move is left")
-        new = with_changes(plan, {"micro_batch": plan.micro_batch // 2})
-        kind = "gpu_oom" if device.type == "cuda" else "cpu_alloc_oom"
-        reason = _first_line(error) if error is not None else "out of memory on another rank"
-        move = {"step": step, "verdict": {"kind": kind, "reason": reason},
-                "from": {"micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum},
-                "to": {"micro_batch": new.micro_batch, "grad_accum": new.grad_accum},
-                "global_batch": new.global_batch}
-        self.inflight_moves.append(move)
-        why = f"in-job move after an out-of-memory error in step {step}: the same global batch"
-        self.monitor.note("micro_batch", new.micro_batch, why)
-        self.monitor.note("grad_accum", new.grad_accum, why)
-        self.monitor.set_fields(inflight_moves=list(self.inflight_moves))
-        self.plan = new
-        batches.micro_batch = new.micro_batch
-        torch.set_rng_state(rng[0])
-        batches.generator.set_state(rng[1])
-        self.log(f"hpcmem train: out of memory in step {step} ({reason}); in-job move: micro_batch "
-                 f"{plan.micro_batch} x grad_accum {plan.grad_accum} -> {new.micro_batch} x {new.grad_accum} "
-                 f"(global {new.global_batch}), step re-run")
+        can_checkpoint = hasattr(hf_model, "gradient_checkpointing_enable") and getattr(
+            hf_model, "supports_gradient_checkpointing", True)
+        recovery = inflight.Recovery(self.plan, device=device, enabled=on,
+                                     enable_checkpointing=enable_checkpointing if can_checkpoint else None,
+                                     on_move=on_move, log=self.log)
+        return recovery, discard
 
     def oom_rehearsal(self, device) -> OomRehearsal | None:
         args = self.args
@@ -776,23 +760,6 @@ class SyntheticBatches:
         else:
             labels = torch.randint(0, self.num_labels, (self.micro_batch,), generator=self.generator)
         return {"input_ids": ids.to(self.device, non_blocking=True), "labels": labels.to(self.device, non_blocking=True)}
-
-
-def is_oom(exc: BaseException) -> bool:
-    """An out-of-memory error an in-job move can answer: CUDA's OutOfMemoryError, the CPU allocator's
-    "can't allocate memory" (an address-space cap), Python's MemoryError. (A cgroup's OOM killer sends SIGKILL:
-    nothing to catch.)"""
-    import torch
-
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def _gpu_has_bf16(torch) -> bool:

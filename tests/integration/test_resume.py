@@ -133,9 +133,9 @@ def test_activations_oom_is_answered_by_a_smaller_micro_batch_that_resumes(slurm
 
 def test_in_job_recovery_is_one_job_and_the_run_shows_the_move(tmp_path):
     """The local backend caps a job's address space at its --mem: an activations OOM at step 3 is answered in the
-    job (--inflight-recovery): one attempt, COMPLETED, the same global batch, the move in hpcmem runs."""
+    job (in-job recovery is on by default): one attempt, COMPLETED, the same global batch, the move in hpcmem runs."""
     args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "4",
-            "--warmup-steps", "0", "--oom-at-step", "3", "--oom-mib", "400", "--inflight-recovery"]
+            "--warmup-steps", "0", "--oom-at-step", "3", "--oom-mib", "400"]
     text = textwrap.dedent(f"""\
         name: in-job
         command:

@@ -379,9 +379,9 @@ def test_oom_rehearsal_is_the_allocator_s_own_failure_under_an_address_space_cap
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    env = _env(attempt, {"MALLOC_ARENA_MAX": "2"})
-    result = run([sys.executable, "-m", "toolkit.train", *train_args(steps=4), "--oom-at-step", "3",
-                  "--inflight-recovery", "false"], env, preexec_fn=cap)
+    env = _env(attempt, {"MALLOC_ARENA_MAX": "2", "HPCMEM_INFLIGHT": "0"})  # in-job recovery off, as a spec's
+    result = run([sys.executable, "-m", "toolkit.train", *train_args(steps=4), "--oom-at-step", "3"],  # retry.inflight
+                 env, preexec_fn=cap)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "DefaultCPUAllocator: can't allocate memory" in result.stderr
     m = json.loads((attempt / "metrics.json").read_text())
@@ -391,7 +391,7 @@ def test_oom_rehearsal_is_the_allocator_s_own_failure_under_an_address_space_cap
 def test_in_job_recovery_answers_an_oom_on_two_ranks_without_a_restart(tmp_path):
     """--oom-at-step 3 (activations, 400 MiB a sample) under a 2000 MiB address-space cap: micro-batch 4 does not
     fit, 2 does. Both ranks fail, agree (one all-reduce), halve the micro-batch, re-run step 3, and finish in the
-    same process with the same global batch; metrics.json records the move."""
+    same process with the same global batch; metrics.json records the move. In-job recovery is on by default."""
     attempt, plan = write_attempt(tmp_path, micro_batch=4, grad_accum=2)
     limit = 2000 * 2**20
 
@@ -399,21 +399,22 @@ def test_in_job_recovery_answers_an_oom_on_two_ranks_without_a_restart(tmp_path)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     env = _env(attempt, {"MALLOC_ARENA_MAX": "2"})
-    result = run(torchrun(2, *train_args(steps=4), "--oom-at-step", "3", "--oom-mib", "400", "--inflight-recovery"),
-                 env, preexec_fn=cap)
+    result = run(torchrun(2, *train_args(steps=4), "--oom-at-step", "3", "--oom-mib", "400"), env, preexec_fn=cap)
     assert result.returncode == 0, result.stderr[-3000:]
     m = json.loads((attempt / "metrics.json").read_text())
     assert m["status"] == "ok" and m["steps"] == 4
     (move,) = m["inflight_moves"]
     assert move["step"] == 3 and move["verdict"]["kind"] == "cpu_alloc_oom"
-    assert move["from"] == {"micro_batch": 4, "grad_accum": 2} and move["to"] == {"micro_batch": 2, "grad_accum": 4}
+    assert move["from"] == {"micro_batch": 4, "grad_accum": 2, "checkpointing": False}
+    assert move["to"] == {"micro_batch": 2, "grad_accum": 4, "checkpointing": False}
     assert move["global_batch"] == plan.global_batch
     assert m["applied"]["micro_batch"] == 2 and m["plan"] == plan.to_dict()
     assert "in-job move" in result.stdout
 
 
 def test_a_fixed_oom_is_not_answered_in_the_job(tmp_path):
-    """--oom-kind fixed: no micro-batch avoids it; the in-job moves run out and the allocator's error ends the job."""
+    """--oom-kind fixed: no micro-batch avoids it; the in-job moves (micro-batch 1, then activation checkpointing,
+    really turned on in the model) run out and the allocator's error ends the job."""
     attempt, _ = write_attempt(tmp_path, gpus_per_node=1, micro_batch=2, grad_accum=1)
     limit = 2000 * 2**20
 
@@ -426,7 +427,9 @@ def test_a_fixed_oom_is_not_answered_in_the_job(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "DefaultCPUAllocator: can't allocate memory" in result.stderr
     m = json.loads((attempt / "metrics.json").read_text())
-    assert m["status"] == "failed" and [mv["to"]["micro_batch"] for mv in m["inflight_moves"]] == [1]
+    assert m["status"] == "failed", m
+    assert [(mv["to"]["micro_batch"], mv["to"]["checkpointing"]) for mv in m["inflight_moves"]] == [(1, False), (1, True)]
+    assert m["applied"]["checkpointing"] is True  # the model's own is_gradient_checkpointing after the move
 
 
 def test_a_deepspeed_zero2_save_converts_to_another_world_size(tmp_path):

@@ -1,0 +1,84 @@
+"""In-job recovery's pure parts (toolkit/runtime/inflight.py): the switch, the moves in order, the plan an attempt
+ended with, and the spec's ``retry.inflight`` reaching the rendered job. The moves on real processes and real
+allocator errors: tests/integration/test_runtime.py and test_resume.py."""
+
+import textwrap
+
+import pytest
+
+from toolkit.errors import ConfigError
+from toolkit.jobspec import load_spec
+from toolkit.plan import Plan
+from toolkit.runtime import inflight
+
+PLAN = Plan(gpus_per_node=2, global_batch=48, micro_batch=12, grad_accum=2)
+
+
+def test_the_switch_is_on_unless_the_environment_turns_it_off():
+    assert inflight.enabled({}) and inflight.enabled({"HPCMEM_INFLIGHT": "1"}) and inflight.enabled({"HPCMEM_INFLIGHT": " on"})
+    assert not inflight.enabled({"HPCMEM_INFLIGHT": "0"}) and not inflight.enabled({"HPCMEM_INFLIGHT": "False"})
+    with pytest.raises(ConfigError, match="HPCMEM_INFLIGHT='maybe': expected true or false"):
+        inflight.enabled({"HPCMEM_INFLIGHT": "maybe"})
+
+
+def test_the_micro_batch_goes_down_to_a_divisor_keeping_the_global_batch():
+    # 24 samples per rank: 12 -> 6 -> 3; 15 -> 5 (7 does not divide 15)
+    assert inflight.smaller_micro_batch(PLAN) == 6
+    assert inflight.smaller_micro_batch(PLAN.replace(micro_batch=6, grad_accum=4)) == 3
+    assert inflight.smaller_micro_batch(Plan(global_batch=15, micro_batch=15, grad_accum=1)) == 5  # 7 does not divide
+    assert inflight.smaller_micro_batch(Plan(global_batch=8, micro_batch=1, grad_accum=8)) is None
+
+
+def test_after_micro_batch_one_checkpointing_then_nothing():
+    one = Plan(global_batch=8, micro_batch=1, grad_accum=8)
+    assert inflight.next_move(PLAN, can_checkpoint=True) == {"micro_batch": 6}
+    assert inflight.next_move(one, can_checkpoint=True) == {"checkpointing": True}
+    assert inflight.next_move(one, can_checkpoint=False) is None
+    assert inflight.next_move(one.replace(checkpointing=True), can_checkpoint=True) is None
+
+
+def move(frm: Plan, to: Plan) -> dict:
+    return {"step": 3, "verdict": {"kind": "gpu_oom", "reason": "x"},
+            "from": {k: getattr(frm, k) for k in inflight.MOVE_KNOBS},
+            "to": {k: getattr(to, k) for k in inflight.MOVE_KNOBS}, "global_batch": to.global_batch}
+
+
+def test_the_plan_an_attempt_ended_with_is_its_last_moves_to():
+    six = PLAN.replace(micro_batch=6, grad_accum=4)
+    three = PLAN.replace(micro_batch=3, grad_accum=8)
+    assert inflight.plan_after_moves(PLAN, None) == PLAN and inflight.plan_after_moves(PLAN, []) == PLAN
+    assert inflight.plan_after_moves(PLAN, [move(PLAN, six), move(six, three)]) == three
+    ckpt = three.replace(checkpointing=True)
+    assert inflight.plan_after_moves(PLAN, [move(PLAN, six), move(six, three), move(three, ckpt)]) == ckpt
+    # an older record (no checkpointing key) still applies its micro-batch and accumulation
+    old = {"to": {"micro_batch": 6, "grad_accum": 4}}
+    assert inflight.plan_after_moves(PLAN, [old]) == six
+    # a record that would change the global batch is not ours: ignored
+    assert inflight.plan_after_moves(PLAN, [{"to": {"micro_batch": 6, "grad_accum": 1}}]) == PLAN
+
+
+SPEC = """\
+name: s
+command: {module: toolkit.train}
+training: {global_batch: 8}
+"""
+
+
+def test_the_spec_switch_reaches_the_jobs_environment(tmp_path):
+    on = tmp_path / "on.yaml"
+    on.write_text(SPEC)
+    assert load_spec(on).inflight and "HPCMEM_INFLIGHT" not in dict(load_spec(on).env)
+    off = tmp_path / "off.yaml"
+    off.write_text(SPEC + "retry: {inflight: false}\nenv: {X: '1'}\n")
+    spec = load_spec(off)
+    assert not spec.inflight and spec.env == (("HPCMEM_INFLIGHT", "0"), ("X", "1"))
+    from toolkit import render
+    from toolkit.sites import load_site
+
+    part = load_site("local").partition(None)
+    script = render.render_attempt(spec, part, spec.first_plan(part), tmp_path / "a1").script.read_text()
+    assert "export HPCMEM_INFLIGHT=0" in script
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SPEC + "retry: {inflight: sometimes}\n")
+    with pytest.raises(ConfigError, match="inflight"):
+        load_spec(bad)
