@@ -450,6 +450,27 @@ def test_torchvision_vit_saves_out_projs_copy_and_casts_the_packed_projections_i
         Runtime(model_code="timm")
 
 
+def test_torch_before_1_11_softmax_keeps_its_input_too():
+    from toolkit.estimate.gpu import Runtime
+
+    old, new = Runtime(torch_version="1.10"), Runtime(torch_version="1.11")
+    assert old.softmax_saves_input and not new.softmax_saves_input and not Runtime().softmax_saves_input
+    bert = ModelShape.from_config(load_model_config("bert-large"), "seq-cls")
+    s, a = 512, bert.heads
+    for precision, soft in (("fp32", 4), ("fp16-mixed", 4)):  # CUDA autocast: the fp32 mask makes the scores fp32
+        eager = plan(precision=precision, micro_batch=4, seq_len=s, attention="eager")
+        dt = an.dtypes_for(eager, True)
+        extra = inv.layer_bytes_per_token(bert, eager, dt, old) - inv.layer_bytes_per_token(bert, eager, dt, new)
+        assert extra == a * s * soft
+        sdpa = eager.replace(attention="sdpa")  # no score matrix, nothing more
+        assert inv.layer_bytes_per_token(bert, sdpa, dt, old) == inv.layer_bytes_per_token(bert, sdpa, dt, new)
+    # the estimate grows by about one a x s x s fp32 matrix per layer (4 samples x 24 layers x 16 MiB)
+    eager = plan(precision="fp32", micro_batch=4, seq_len=s, attention="eager")
+    assert estimate_analytic(bert, eager, V100, runtime=old).components["activations"] - \
+        estimate_analytic(bert, eager, V100, runtime=Runtime(torch_version="1.11", grads_set_to_none=False)) \
+        .components["activations"] == pytest.approx(4 * bert.layers * a * s * s * 4 / MIB)
+
+
 def test_more_ranks_add_nccl_buffers_outside_the_allocator():
     one = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512), A100)
     four = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512, gpus_per_node=4), A100)

@@ -52,8 +52,11 @@ def sequence_length(shape: ModelShape, plan: Plan) -> int:
     return shape.seq_len if shape.seq_len is not None else plan.seq_len
 
 
-def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
-    """Per token: the attention kernel's saved Q, K, V and output, and the score matrix when stored."""
+def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> float:
+    """Per token: the attention kernel's saved Q, K, V and output, and the score matrix when stored.
+
+    torch < 1.11 (``runtime.softmax_saves_input``): softmax saved its input too (the masked scores, in
+    softmax's dtype), one more a x s x s matrix per layer."""
     c, a, s = dt.compute, shape.heads, sequence_length(shape, plan)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not stores_scores(shape, plan, dt):
@@ -68,6 +71,8 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes) -> float:
         extra = dt.mask + c
     else:
         extra = c if soft != c else 0
+    if runtime.softmax_saves_input:
+        extra += soft
     return 4 * q_dim * c + a * s * (soft + extra)
 
 
@@ -98,7 +103,7 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Ru
     """
     h, p, c = shape.hidden, dt.param, dt.compute
     drop = 2 * h * dt.mask if shape.hidden_dropout > 0 else 0
-    core = _attention_bytes(shape, plan, dt) + _ffn_bytes(shape, dt) + drop
+    core = _attention_bytes(shape, plan, dt, runtime) + _ffn_bytes(shape, dt) + drop
     if shape.family == "gpt2":
         # A KV cache (kept off by checkpointing) concatenates copies of K and V for the
         # kernel, while Q's view keeps the fused QKV output alive too.

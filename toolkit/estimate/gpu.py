@@ -148,6 +148,13 @@ class Runtime:
         return version_tuple(self.torch_version) >= (2, 0)
 
     @property
+    def softmax_saves_input(self) -> bool:
+        """torch < 1.11's autograd saved softmax's (and log_softmax's) input as well as its output for the
+        backward (``_softmax_backward_data(grad, output, dim, self)``; pytorch/pytorch issue #49600, fixed
+        by passing the input's dtype instead, PR #65242, after the 1.10 branch cut)."""
+        return version_tuple(self.torch_version) < (1, 11)
+
+    @property
     def cublas_in_allocator(self) -> bool:
         """PyTorch >= 1.11 gives cuBLAS its workspace from the caching allocator (CublasHandlePool.cpp)."""
         return version_tuple(self.torch_version) >= (1, 11)

@@ -110,7 +110,7 @@ class _Layer:
         self.saved, self.kept, self.casts, self.backward = saved, kept, casts, backward
 
 
-def layer_tensors(shape: ModelShape, plan, dt, acts) -> _Layer:
+def layer_tensors(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> _Layer:
     """Split a layer's totals from ``analytic.activations`` into tensors of the sizes the runtime makes."""
     from .activations import _attention_bytes, _ffn_bytes, sequence_length, stores_scores
 
@@ -124,7 +124,7 @@ def layer_tensors(shape: ModelShape, plan, dt, acts) -> _Layer:
         # the softmax output and its dropout (mask and output) or 16-bit copy: a x s x s elements each
         square = b * shape.heads * seq * seq
         q_dim = shape.heads * shape.head_dim
-        score_total = (_attention_bytes(shape, plan, dt) - 4 * q_dim * c) * tokens
+        score_total = (_attention_bytes(shape, plan, dt, runtime) - 4 * q_dim * c) * tokens
         scores = _split(score_total, square * c)
         saved += scores
         total -= sum(scores)
@@ -218,7 +218,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         if runtime.cublaslt_separate:
             alloc(CUBLASLT_WORKSPACE_OLD)
 
-    layer = layer_tensors(shape, plan, dt, acts)
+    layer = layer_tensors(shape, plan, dt, acts, runtime)
     outside, logprobs = _outside(shape, plan, dt, acts, runtime)
     head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
     grads: dict[int, int] = {}  # param index -> id
