@@ -154,6 +154,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="the extra memory: MiB per sample (activations) or in all (fixed); default: 110%% of the "
                           "limit this process runs under (per sample: divided by the micro-batch of the first step "
                           "that allocates)")
+    peaks = p.add_argument_group("rehearse a data-driven peak (docs/resume.md, Data-driven peaks)")
+    peaks.add_argument("--long-batch-at-step", type=int, default=None, metavar="N",
+                       help="variable sequence lengths: every step's batch is padded to a length drawn from "
+                            "[seq_len/2, seq_len] (the same on every rank), except step N's, padded to --seq-len-max")
+    peaks.add_argument("--seq-len-max", type=int, default=None, metavar="L",
+                       help="the long batch's length (tokens; with --long-batch-at-step)")
+    peaks.add_argument("--leak-mib-per-step", type=float, default=None, metavar="M",
+                       help="leak: every step keeps a reference to M MiB of real (written) tensors, like an "
+                            "accumulated loss tensor that keeps its graph")
     hf = p.add_argument_group("Hugging Face style overrides (win over the plan when given)")
     hf.add_argument("--per_device_train_batch_size", type=int)
     hf.add_argument("--gradient_accumulation_steps", type=int)
@@ -175,6 +184,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--oom-at-step must be at least 1")
     if args.oom_mib is not None and args.oom_mib <= 0:
         p.error("--oom-mib must be positive")
+    if (args.long_batch_at_step is None) != (args.seq_len_max is None):
+        p.error("--long-batch-at-step and --seq-len-max go together")
+    if args.long_batch_at_step is not None and (args.long_batch_at_step < 1 or args.seq_len_max < 1):
+        p.error("--long-batch-at-step and --seq-len-max must be at least 1")
+    if args.leak_mib_per_step is not None and not (0 < args.leak_mib_per_step < 2**20):
+        p.error("--leak-mib-per-step must be positive (MiB)")
     return args
 
 
@@ -406,6 +421,8 @@ class Trainer:
         limit = models.max_positions(config)
         if not image and limit is not None and plan.seq_len > limit:
             raise PlanError(f"seq_len {plan.seq_len} is longer than the model's {limit} positions")
+        if not image and limit is not None and (args.seq_len_max or 0) > limit:
+            raise PlanError(f"--seq-len-max {args.seq_len_max} is longer than the model's {limit} positions")
         if image:
             inputs = "image " + "x".join(str(n) for n in models.image_input_shape(config))
             if model_cfg.get("image_size") and model_cfg.get("patch_size"):
@@ -540,6 +557,7 @@ class Trainer:
             return total
 
         for step in range(start + 1, self.args.steps + 1):
+            self.begin_step(step, batches, device)
             rng = recovery.capture(batches.generator)
             total = recovery.run_step(step, functools.partial(micro_batches, step), discard=discard,
                                       rewind=functools.partial(recovery.restore, rng, batches.generator))
@@ -574,6 +592,7 @@ class Trainer:
         engine.train()
         self.monitor.begin_steps()
         for step in range(start + 1, self.args.steps + 1):
+            self.begin_step(step, batches, engine.device)
             total = torch.zeros((), device=engine.device)
             for _ in range(self.plan.grad_accum):
                 if rehearsal:
@@ -693,6 +712,24 @@ class Trainer:
         return OomRehearsal(args.oom_at_step, kind=args.oom_kind, rank=args.oom_rank, mib=args.oom_mib,
                             my_rank=self.ranks.rank, device=device)
 
+    # -- data-driven peaks (docs/resume.md): each step's length, the rehearsed long batch and leak --
+
+    def begin_step(self, step: int, batches: "SyntheticBatches", device) -> None:
+        """Before step ``step``: its batch length (rehearsal: variable, one long batch), recorded with the
+        monitor (which resets the step's peak); then the rehearsed leak's allocation for this step."""
+        args = self.args
+        if args.long_batch_at_step is not None and batches.task not in models.IMAGE_TASKS:
+            batches.seq_len = step_seq_len(step, self.plan.seq_len, args.long_batch_at_step, args.seq_len_max,
+                                           args.seed)
+        self.monitor.begin_step(step, None if batches.task in models.IMAGE_TASKS else batches.seq_len)
+        if args.leak_mib_per_step:
+            import torch
+
+            n = int(args.leak_mib_per_step * 2**20) // 4
+            kept = getattr(self, "_leaked", [])
+            kept.append(torch.ones(n, dtype=torch.float32, device=device))  # written: really resident
+            self._leaked = kept
+
     def end_step(self, step: int, loss: float) -> None:
         plan = self.plan
         if self.args.min_step_s > 0:  # the padding is part of the step, as a slower machine's would be
@@ -760,6 +797,16 @@ class SyntheticBatches:
         else:
             labels = torch.randint(0, self.num_labels, (self.micro_batch,), generator=self.generator)
         return {"input_ids": ids.to(self.device, non_blocking=True), "labels": labels.to(self.device, non_blocking=True)}
+
+
+def step_seq_len(step: int, seq_len: int, long_at: int, long_len: int, seed: int) -> int:
+    """The rehearsal's batch length at ``step``: ``long_len`` at ``long_at``, else drawn from
+    [max(1, seq_len // 2), seq_len] by (seed, step) alone, so every rank and a resumed attempt agree."""
+    if step == long_at:
+        return long_len
+    import random
+
+    return random.Random(seed * 1_000_003 + step).randint(max(1, seq_len // 2), seq_len)
 
 
 def _gpu_has_bf16(torch) -> bool:
