@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-from . import render, runs
+from . import peaks, render, runs
 from .backends import get_backend
 from .backends.base import JobStatus, fault
 from .classify import Verdict, classify, classify_paths
@@ -229,6 +229,11 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
         runs.end_run(ledger, run, "failed", f"attempt {last.n} (job {last.job_id}) ended {last.state}: "
                      f"{verdict.reason.rstrip('.')}. Not retried: {why}. {verdict.confirm}".rstrip())
         return
+    peak = data_peak(last)  # data-driven peaks (toolkit/peaks.py): a leak is not retried, a long batch is sized for
+    if peak is not None and peak.case == peaks.LEAK:
+        runs.end_run(ledger, run, "gave_up", peaks.give_up_reason(peak, last.n, last.job_id))
+        return
+    usual_seq_len, ended = ended.seq_len, peaks.plan_for_ladder(ended, peak)
     tried = [(plan, site.partition(a.partition)) for a in attempts
              for plan in dict.fromkeys((Plan.from_dict(a.plan), ended_plan(a)))]
     bigger = [p for p in site.partitions.values() if p.has_gpu == partition.has_gpu and p.name != partition.name
@@ -237,6 +242,7 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
                          attempts_made=len([a for a in attempts if not _resumed(a)]), max_attempts=spec.max_attempts,
                          bigger=bigger,
                          saving=_estimator_saving(spec, partition))
+    decision = peaks.after_ladder(decision, peak, usual_seq_len)
     if decision.action == "retry":
         ledger.add_attempt(run.run_id, last.n + 1, decision.plan.to_dict(), _attempt_dir(run, last.n + 1),
                            decision.partition.name, decision.to_dict())
@@ -279,6 +285,14 @@ def _estimator_saving(spec: JobSpec, partition: Partition):
     except (HpcmemError, KeyError, TypeError, ValueError):
         return None
     return saving_model(ref, partition)
+
+
+def data_peak(attempt: AttemptRow):
+    """The data-driven case (``peaks.PeakDiagnosis``) the attempt's step series shows, read from its directory
+    (metrics.json, else the rank files a killed job left); None without a series."""
+    from .runtime.metrics import attempt_rank_records
+
+    return peaks.diagnose(attempt_rank_records(attempt.attempt_dir), Plan.from_dict(attempt.plan).seq_len)
 
 
 def _attempt_dir(run: Run, n: int) -> str:
