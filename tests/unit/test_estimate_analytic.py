@@ -471,6 +471,21 @@ def test_torch_before_1_11_softmax_keeps_its_input_too():
         .components["activations"] == pytest.approx(4 * bert.layers * a * s * s * 4 / MIB)
 
 
+def test_torchvision_vit_stream_allocates_the_packed_in_projection_as_one_tensor():
+    from math import prod
+
+    from toolkit.estimate import stream
+
+    hf = stream.param_order(VIT_BASE)
+    tv = stream.param_order(VIT_BASE, packed=True)
+    h = VIT_BASE.hidden
+    assert sum(prod(e[1]) for e in hf) == sum(prod(e[1]) for e in tv)  # the same parameters
+    names = [e[0] for e in tv if e[3] == 0]
+    assert "attention.in_proj_weight" in names and not any("q_proj" in n for n in names)
+    assert [e[1] for e in tv if e[0] == "attention.in_proj_weight"][0] == (3 * h, h)
+    assert len(tv) == len(hf) - 2 * VIT_BASE.layers  # three weights became one per layer (biases are bundled)
+
+
 def test_more_ranks_add_nccl_buffers_outside_the_allocator():
     one = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512), A100)
     four = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512, gpus_per_node=4), A100)

@@ -67,12 +67,34 @@ shares segments with the large pool where fragmentation happens, so one event st
 BUNDLE_NUMEL = 262144
 
 
-def param_order(shape: ModelShape) -> list[tuple]:
+def packed_qkv(layer: tuple) -> tuple:
+    """A layer's tensors with the query/key/value projections packed into one weight and one bias, as
+    ``nn.MultiheadAttention`` holds them (``in_proj_weight`` [3h, h] then ``in_proj_bias``, where the
+    query's were): what torchvision's ViT allocates, so what the allocator sees."""
+    qkv = [t for t in layer if any(m in t[0] for m in ("q_proj.", "k_proj.", "v_proj."))]
+    if len(qkv) != 6:
+        return layer
+    w = [t for t in qkv if t[2] == "linear"]
+    b = [t for t in qkv if t[2] != "linear"]
+    weight = ("attention.in_proj_weight", (sum(t[1][0] for t in w), w[0][1][1]), "linear")
+    bias = ("attention.in_proj_bias", (sum(t[1][0] for t in b),), b[0][2])
+    out: list[tuple] = []
+    for t in layer:
+        if t is qkv[0]:
+            out += [weight, bias]
+        elif t not in qkv:
+            out.append(t)
+    return tuple(out)
+
+
+def param_order(shape: ModelShape, packed: bool = False) -> list[tuple]:
     """Parameters in ``model.parameters()`` order: (name, dims, kind, layer index or None, member dims);
-    small neighbours of one layer bundled (``SMALL_NUMEL``), a bundle's dims being (total elements,)."""
+    small neighbours of one layer bundled (``SMALL_NUMEL``), a bundle's dims being (total elements,).
+    ``packed``: the layer's query/key/value projections as one tensor (``packed_qkv``)."""
     first = [t for t in shape.other_tensors if t[2] == "embedding" or t[0].startswith("embeddings")]
     last = [t for t in shape.other_tensors if t not in first]
-    groups = [(first, None)] + [(shape.layer_tensors, li) for li in range(shape.layers)] + [(last, None)]
+    layer = packed_qkv(shape.layer_tensors) if packed else shape.layer_tensors
+    groups = [(first, None)] + [(layer, li) for li in range(shape.layers)] + [(last, None)]
     out: list[tuple] = []
     for tensors, li in groups:
         bundle: list[tuple[int, ...]] = []
@@ -132,6 +154,9 @@ def layer_tensors(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_
     ffn = _split(ffn_total, tokens * shape.ffn * c)
     saved += ffn
     total -= sum(ffn)
+    if _torchvision_vit(shape, runtime) and not stores_scores(shape, plan, dt) and total >= 3 * tokens * h * c:
+        saved.append(3 * tokens * h * c)  # the packed projection's contiguous (3, s, b, h) copy: one block
+        total -= 3 * tokens * h * c
     saved += _split(total, tokens * h * c)
     kept = [int(acts.kept_layer_bytes)] if plan.checkpointing else saved
     casts = []
@@ -157,6 +182,10 @@ def layer_tensors(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_
     return _Layer(saved, kept, casts, backward)
 
 
+def _torchvision_vit(shape: ModelShape, runtime: Runtime) -> bool:
+    return shape.family == "vit" and runtime.model_code == "torchvision"
+
+
 def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], int]:
     """(tensors saved outside the layers except the log-probs, the log-probs' bytes: fp32 when the
     loss upcasts the logits, else the compute dtype)."""
@@ -180,7 +209,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     ev: list[Event] = []
     A = ev.append
     opt = optimizers.get(plan.optimizer)
-    params = param_order(shape)
+    params = param_order(shape, packed=_torchvision_vit(shape, runtime))
     n_params = shape.n_params or 1
     scale_p = states.params_bytes / (dt.param * n_params) if dt.param else 0.0
     per_tensor = not sharded and abs(scale_p - 1.0) < 1e-6
