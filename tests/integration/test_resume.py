@@ -91,8 +91,40 @@ def test_a_cgroup_oom_retry_resumes_at_the_saved_step_with_identical_state(slurm
     assert metrics["resume"]["digest"] == marker(ref["run_dir"], 4)["digest"]
     assert marker(view["run_dir"], 4)["digest"] == marker(ref["run_dir"], 4)["digest"]
     assert marker(view["run_dir"], 6)["digest"] == marker(ref["run_dir"], 6)["digest"]
-    if launcher != "deepspeed":
-        assert set(metrics["resume"]["digest"]) == {"model", "optimizer"}
+    assert set(metrics["resume"]["digest"]) == {"model", "optimizer"}  # DeepSpeed's too: gathered per name
+
+
+@pytest.mark.slurm
+def test_a_cgroup_oom_under_zero2_retried_as_zero3_resumes_with_identical_state(slurm_cluster, tmp_path):
+    """DeepSpeed ZeRO-2 -> ZeRO-3 with conversion. The spec allows only ``zero``, so the retry of a cgroup OOM is
+    the stage change (same --mem). The rehearsal is armed per layout through a plan placeholder:
+    ``--oom-at-step 1{zero_stage}`` is step 12 under ZeRO-2 (the last one: the job dies in it, after the step-8
+    save) and step 13 under ZeRO-3 (never reached). The ZeRO-3 retry loads the ZeRO-2 save through its full
+    copy (DeepSpeed's tensor-fragment API) and holds bitwise the model and optimizer state an uninterrupted
+    ZeRO-2 run saved at step 8. (From there ZeRO-3 reduces gradients in another order: its step 12 is not bitwise
+    ZeRO-2's; tests/integration/test_runtime.py compares them to float32 rounding.)"""
+    steps = "--steps 12 --checkpoint-every-steps 4"
+    ref_result, ref, ref_logs = submit(tmp_path, "ref-zero2", spec_text("ref-zero2", "deepspeed", steps, zero=2))
+    assert ref_result.returncode == 0 and ref["state"] == "succeeded", ref_logs
+    oom_args = f"{steps} --oom-at-step 1{{zero_stage}} --oom-rank 0 --oom-kind fixed --oom-mib 1200"
+    result, view, logs = submit(tmp_path, "oom-zero2", spec_text("oom-zero2", "deepspeed", oom_args, zero=2,
+                                                                 allow="zero"))
+    first, *rest = view["attempts"]
+    assert first["state"] == "OUT_OF_MEMORY" and first["plan"]["zero_stage"] == 2, logs
+    assert result.returncode == 0 and view["state"] == "succeeded" and len(rest) == 1, logs
+    (last,) = rest
+    assert last["state"] == "COMPLETED" and last["plan"]["zero_stage"] == 3
+    assert last["plan"]["mem_mib"] == first["plan"]["mem_mib"]
+
+    runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
+    shown = {a["n"]: a for a in runs["attempts"]}
+    assert shown[1]["checkpoint"]["step"] == 8 and shown[2]["resumed_from_step"] == 8, logs
+    metrics = json.loads((Path(last["attempt_dir"]) / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == 8 and metrics["steps"] == 4  # steps 9-12 only
+    assert metrics["resume"]["from_layout"]["zero_stage"] == 2
+    assert set(metrics["resume"]["digest"]) == {"model", "optimizer"}
+    assert marker(view["run_dir"], 8)["digest"] == marker(ref["run_dir"], 8)["digest"]
+    assert metrics["resume"]["digest"] == marker(ref["run_dir"], 8)["digest"]
 
 
 @pytest.mark.slurm

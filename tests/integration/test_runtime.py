@@ -323,11 +323,15 @@ def test_a_layout_change_converts_the_checkpoint(tmp_path, first, then):
     assert m["resume"]["digest"] == _saved_digest(ckdir, 2)
 
 
-def test_a_deepspeed_save_is_not_read_by_ddp_and_says_why(tmp_path):
+NO_FULL_COPY = {"HPCMEM_DS_FULL_COPY": "never"}  # a DeepSpeed save as a model too large to gather would have
+
+
+def test_a_deepspeed_save_without_a_full_copy_is_not_read_by_ddp_and_says_why(tmp_path):
     ckdir = tmp_path / "checkpoints"
     a1, _ = write_attempt(tmp_path, launcher="deepspeed", zero_stage=2, grad_accum=1)
-    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1))
+    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1, NO_FULL_COPY))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not (ckdir / "step-00000002" / "state.pt").exists()
     a2 = tmp_path / "second"
     a2.mkdir()
     (a2 / "plan.json").write_text((a1 / "plan.json").read_text().replace('"launcher": "deepspeed"',
@@ -433,11 +437,11 @@ def test_a_fixed_oom_is_not_answered_in_the_job(tmp_path):
 
 
 def test_a_deepspeed_zero2_save_converts_to_another_world_size(tmp_path):
-    """ZeRO-2 on two ranks -> ZeRO-2 on one: DeepSpeed's universal checkpoint (ds_to_universal, load_universal);
+    """Without a full copy, ZeRO-2 on two ranks -> ZeRO-2 on one: DeepSpeed's universal checkpoint (ds_to_universal, load_universal);
     the model state loaded is bitwise the state saved; the save itself is left as it was."""
     ckdir = tmp_path / "checkpoints"
     a1, _ = write_attempt(tmp_path, launcher="deepspeed", zero_stage=2, grad_accum=1)
-    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1))
+    result = run(torchrun(2, *_resume_args(ckdir, 2)), _env(a1, NO_FULL_COPY))  # else the full copy converts
     assert result.returncode == 0, result.stderr[-3000:]
     before = sorted(p.relative_to(ckdir) for p in (ckdir / "step-00000002").rglob("*"))
     (tmp_path / "one").mkdir()
@@ -450,3 +454,65 @@ def test_a_deepspeed_zero2_save_converts_to_another_world_size(tmp_path):
     assert m["resume"]["digest"] == _saved_digest(ckdir, 2)
     assert sorted(p.relative_to(ckdir) for p in (ckdir / "step-00000002").rglob("*")) == before
     assert (ckdir / ".universal-step-00000002" / "state").is_dir()
+
+
+def _layout_attempt(tmp_path: Path, name: str, launcher: str, zero_stage: int, world: int) -> Path:
+    """An attempt of the same global batch (8) as ``write_attempt``'s grad_accum=1 default on two ranks."""
+    (tmp_path / name).mkdir()
+    attempt, _ = write_attempt(tmp_path / name, launcher=launcher, zero_stage=zero_stage, gpus_per_node=world,
+                               micro_batch=8 // world, grad_accum=1)
+    return attempt
+
+
+@pytest.mark.parametrize("first,then", [(("deepspeed", 3, 2), ("torchrun", 0, 2)),
+                                        (("torchrun", 0, 2), ("deepspeed", 3, 1)),
+                                        (("deepspeed", 2, 2), ("fsdp", 0, 1))])
+def test_a_layout_change_into_or_out_of_deepspeed_goes_through_the_full_copy(tmp_path, first, then):
+    """A DeepSpeed save carries a layout-free copy (state.pt: DDP's format) when the model is small enough:
+    ZeRO-3 -> DDP, DDP -> ZeRO-3 of another world size, ZeRO-2 -> FSDP2 load bitwise the state saved (the
+    digests hash the gathered fp32 parameters and the optimizer's state per parameter name in every layout)."""
+    ckdir = tmp_path / "checkpoints"
+    a1 = _layout_attempt(tmp_path, "first", *first)
+    result = run(torchrun(first[2], *_resume_args(ckdir, 2)), _env(a1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (ckdir / "step-00000002" / "state.pt").exists()
+    a2 = _layout_attempt(tmp_path, "then", *then)
+    result = run(torchrun(then[2], *_resume_args(ckdir, 4)), _env(a2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((a2 / "metrics.json").read_text())
+    assert m["resumed_from_step"] == 2 and m["steps"] == 2 and m["checkpoint"]["step"] == 4, m["resume"]
+    assert set(m["resume"]["digest"]) == {"model", "optimizer"}
+    assert m["resume"]["digest"] == _saved_digest(ckdir, 2)
+
+
+def test_zero2_to_zero3_resumes_bitwise_and_continues_as_the_uninterrupted_zero2_run(tmp_path):
+    """ZeRO-2 x2 saves at steps 2 and 4 (uninterrupted); a ZeRO-3 x2 attempt given only the step-2 save loads it
+    bitwise (model and optimizer digests), and its own step 4 agrees with the uninterrupted ZeRO-2 step 4 to
+    float32 rounding (ZeRO-3 reduces gradients in another order, so not bitwise), where a ZeRO-3 model that had
+    kept its own initial weights would differ by the whole initialisation."""
+    import shutil
+
+    import torch
+
+    ref_dir, ckdir = tmp_path / "ref-checkpoints", tmp_path / "checkpoints"
+    a1 = _layout_attempt(tmp_path, "zero2", "deepspeed", 2, 2)
+    result = run(torchrun(2, *_resume_args(ref_dir, 4)), _env(a1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckdir.mkdir()
+    shutil.copytree(ref_dir / "step-00000002", ckdir / "step-00000002")
+    a2 = _layout_attempt(tmp_path, "zero3", "deepspeed", 3, 2)
+    result = run(torchrun(2, *_resume_args(ckdir, 4)), _env(a2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((a2 / "metrics.json").read_text())
+    assert m["resumed_from_step"] == 2 and m["resume"]["from_layout"]["zero_stage"] == 2
+    assert m["resume"]["digest"] == _saved_digest(ref_dir, 2)
+    ours = torch.load(ckdir / "step-00000004" / "state.pt", weights_only=True)
+    ref = torch.load(ref_dir / "step-00000004" / "state.pt", weights_only=True)
+    assert ours["model"].keys() == ref["model"].keys() and ours["engine"]["global_steps"] == 4
+    for name, value in ref["model"].items():
+        assert torch.allclose(ours["model"][name], value, rtol=0, atol=1e-6), name
+    for name, state in ref["optim"]["state"].items():
+        assert torch.equal(ours["optim"]["state"][name]["step"], state["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(ours["optim"]["state"][name][key], state[key], rtol=1e-4, atol=1e-9), (name, key)
+

@@ -11,9 +11,11 @@ from toolkit.render import checkpoint_dir
 from toolkit.runtime import checkpoint as ck
 
 
-def save(root: Path, step: int, payload: bytes = b"weights", **meta) -> ck.Saved:
+def save(root: Path, step: int, payload: bytes = b"weights", full: bool = True, **meta) -> ck.Saved:
+    """A save whose files are ``state.pt`` (``full``) and ``sub/shard-0``."""
     tmp = ck.begin(root, step)
-    (tmp / "state.pt").write_bytes(payload)
+    if full:
+        (tmp / "state.pt").write_bytes(payload)
     (tmp / "sub").mkdir()
     (tmp / "sub" / "shard-0").write_bytes(payload * 2)
     return ck.commit(tmp, step, {"format": ck.FORMAT_FULL, **meta})
@@ -104,9 +106,40 @@ def test_deepspeed_converts_between_zero_1_2_layouts_only_and_torch_formats_anyw
 
 def test_choose_passes_over_unreadable_saves_saying_why(tmp_path):
     save(tmp_path, 2, layout={**LAYOUT, "format": ck.FORMAT_FULL})
-    save(tmp_path, 4, format=ck.FORMAT_DEEPSPEED, layout={**LAYOUT, "format": ck.FORMAT_DEEPSPEED})
+    save(tmp_path, 4, full=False, format=ck.FORMAT_DEEPSPEED, layout={**LAYOUT, "format": ck.FORMAT_DEEPSPEED})
     saved, passed = ck.choose(ck.candidates(tmp_path), {**LAYOUT, "format": ck.FORMAT_DCP}, report=None)
     assert saved.step == 2 and len(passed) == 1 and passed[0].startswith("step 4")
+    assert "without a full copy" in passed[0]
+
+
+def test_a_deepspeed_save_with_its_full_copy_is_read_by_every_layout(tmp_path):
+    """The marker's file list says whether a DeepSpeed save carries ``state.pt`` (the layout-free copy)."""
+    ds = {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 2, "launcher": "deepspeed"}
+    save(tmp_path, 2, full=False, format=ck.FORMAT_DEEPSPEED, layout=ds)
+    save(tmp_path, 4, format=ck.FORMAT_DEEPSPEED, layout=ds)
+    found = ck.candidates(tmp_path)
+    assert [ck.has_full_copy(s) for s in found] == [True, False]
+    for now in ({**ds, "zero_stage": 3}, {**ds, "zero_stage": 3, "world_size": 4}, {**ds, "zero_stage": 1},
+                {**LAYOUT, "format": ck.FORMAT_FULL, "launcher": "torchrun"},
+                {**LAYOUT, "format": ck.FORMAT_DCP, "launcher": "fsdp", "world_size": 3}):
+        saved, passed = ck.choose(found, now, report=None)
+        assert saved.step == 4 and passed == [], now
+    # without the copy: ZeRO-3 and DDP pass over it (ZeRO-1/2 still convert through the universal checkpoint)
+    saved, passed = ck.choose(found[1:], {**ds, "zero_stage": 3}, report=None)
+    assert saved is None and "without a full copy" in passed[0] and "ZeRO-3" in passed[0]
+    assert ck.choose(found[1:], {**ds, "world_size": 1}, report=None)[0].step == 2
+    # still refused with a full copy: another optimizer, DeepSpeed's ZeRO-0
+    assert "optimizer" in ck.readable(ds, {**ds, "zero_stage": 3, "optimizer": "sgd"}, full_copy=True)
+    assert ck.readable(ds, {**ds, "zero_stage": 0}, full_copy=True) is not None
+
+
+def test_full_saves_load_into_zero_1_2_3_and_fsdp_shards_do_not():
+    full = {**LAYOUT, "format": ck.FORMAT_FULL, "launcher": "torchrun"}
+    for stage in (1, 2, 3):
+        assert ck.readable(full, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": stage, "world_size": 1}) is None
+    assert "ZeRO-1/2/3 only" in ck.readable(full, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 0})
+    dcp = {**LAYOUT, "format": ck.FORMAT_DCP, "launcher": "fsdp"}
+    assert "FSDP" in ck.readable(dcp, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 3})
 
 
 def test_policy():

@@ -144,40 +144,63 @@ def layout_of(plan: Mapping[str, Any], engine_format: str) -> dict[str, Any]:
             "precision": plan.get("precision")}
 
 
-def readable(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+def readable(saved: Mapping[str, Any], now: Mapping[str, Any], full_copy: bool = False) -> str | None:
     """Why a save with layout ``saved`` cannot be resumed by a job of layout ``now`` (None: it can).
 
-    Full state_dicts and torch.distributed.checkpoint saves convert into DDP and FSDP of any world size (the
-    state_dict API reshards them); a DeepSpeed save loads only into DeepSpeed of the same world size and ZeRO
-    stage (a conversion would need DeepSpeed's offline universal-checkpoint step). The optimizer's state has
-    its optimizer's shape: another optimizer cannot take it.
+    ``full_copy``: the save holds a full state (``state.pt``: DDP's own save, or the layout-free copy a DeepSpeed
+    save carries when the model is small enough). Full state_dicts and torch.distributed.checkpoint saves
+    convert into DDP and FSDP of any world size (the state_dict API reshards them); a full state also loads into
+    DeepSpeed ZeRO-1/2/3 of any world size (DeepSpeed's tensor-fragment API). A DeepSpeed save without a full
+    copy loads into DeepSpeed of the same world size and ZeRO stage, or between ZeRO-1/2 layouts through
+    DeepSpeed's universal checkpoint. The optimizer's state has its optimizer's shape: another optimizer cannot
+    take it.
     """
     fmt, engine = saved.get("format"), now.get("format")
+    full_copy = full_copy or fmt == FORMAT_FULL
     if saved.get("optimizer") != now.get("optimizer"):
         return (f"it holds {saved.get('optimizer')} optimizer state and this attempt runs {now.get('optimizer')}: "
                 "optimizer state does not convert between optimizers")
     torch_formats = (FORMAT_FULL, FORMAT_DCP)
+    zero_now = now.get("zero_stage") in (1, 2, 3)
     if fmt in torch_formats and engine in torch_formats:
         return None
     if fmt == FORMAT_DEEPSPEED and engine == FORMAT_DEEPSPEED:
-        same = all(saved.get(k) == now.get(k) for k in ("world_size", "zero_stage"))
-        if same:
+        if all(saved.get(k) == now.get(k) for k in ("world_size", "zero_stage")):
+            return None
+        if full_copy and zero_now:
             return None
         # Another world size or ZeRO 1 <-> 2: DeepSpeed's universal checkpoint (strategies/deepspeed.py) converts.
         if saved.get("zero_stage") in (1, 2) and now.get("zero_stage") in (1, 2):
             return None
-        return (f"a DeepSpeed save of ZeRO-{saved.get('zero_stage')} x{saved.get('world_size')} does not load into "
-                f"ZeRO-{now.get('zero_stage')} x{now.get('world_size')}: DeepSpeed's universal checkpoint converts "
-                "between ZeRO-1/2 layouts here; into or out of ZeRO-3 its loader fails (DeepSpeed 0.19.8: "
-                "KeyError 'optimizer_state_dict' for a ZeRO-2 save) and stage 0 has no partitions to convert")
+        return (f"a DeepSpeed save of ZeRO-{saved.get('zero_stage')} x{saved.get('world_size')} without a full "
+                f"copy (state.pt: too large to gather, or ZeRO-0) does not load into ZeRO-{now.get('zero_stage')} "
+                f"x{now.get('world_size')}: DeepSpeed's universal checkpoint converts between ZeRO-1/2 layouts "
+                "only (its ZeRO-3 loader fails on a ZeRO-2 save in DeepSpeed 0.19.8: KeyError "
+                "'optimizer_state_dict') and stage 0 has no partitions to convert")
+    if fmt == FORMAT_DEEPSPEED and engine in torch_formats:
+        if full_copy:
+            return None
+        return (f"a DeepSpeed save (ZeRO-{saved.get('zero_stage')}) without a full copy (state.pt: too large to "
+                f"gather, or ZeRO-0) does not convert into {engine} ({now.get('launcher')})")
+    if fmt == FORMAT_FULL and engine == FORMAT_DEEPSPEED:
+        if zero_now:
+            return None
+        return "a full save loads into DeepSpeed ZeRO-1/2/3 only (ZeRO-0 has no fragment API to set it through)"
     if fmt == FORMAT_ACCELERATE and engine == FORMAT_ACCELERATE:
         # accelerate's save_state: full model and optimizer under DDP, but its own shards under FSDP/DeepSpeed.
         if all(saved.get(k) == now.get(k) for k in ("launcher", "world_size", "zero_stage")):
             return None
         return (f"an Accelerate save of {saved.get('launcher')} x{saved.get('world_size')} is resumed only by the "
                 f"same launcher and world size (this attempt: {now.get('launcher')} x{now.get('world_size')})")
-    return (f"a {fmt} save ({saved.get('launcher')}) does not convert into {engine} ({now.get('launcher')}): only "
-            "DDP and FSDP saves convert into each other (torch.distributed.checkpoint)")
+    return (f"a {fmt} save ({saved.get('launcher')}) does not convert into {engine} ({now.get('launcher')}): "
+            "DDP and FSDP saves convert into each other (torch.distributed.checkpoint), full states (DDP's, or a "
+            "DeepSpeed save's full copy) into DeepSpeed ZeRO-1/2/3; an FSDP save's shards do not load into "
+            "DeepSpeed")
+
+
+def has_full_copy(saved: Saved) -> bool:
+    """Whether the save holds a full state (``state.pt``, listed in its marker)."""
+    return STATE_FILE in (saved.meta.get("files") or {})
 
 
 def choose(found: list[Saved], now: Mapping[str, Any], *, report: Callable[[str], None] | None = warn
@@ -185,7 +208,7 @@ def choose(found: list[Saved], now: Mapping[str, Any], *, report: Callable[[str]
     """The newest save this layout can read, and why each newer one was passed over."""
     passed: list[str] = []
     for saved in found:
-        why = readable(saved.layout, now)
+        why = readable(saved.layout, now, full_copy=has_full_copy(saved))
         if why is None:
             return saved, passed
         passed.append(f"step {saved.step}: {why}")
@@ -597,13 +620,15 @@ DCP_DIR = "dcp"
 
 
 def load_torch_state(directory: Path, fmt: str, model, optimizer) -> None:
-    """Load a full (``state.pt``) or torch.distributed.checkpoint (``dcp/``) save into ``model``/``optimizer``,
-    whatever their layout now (plain, DDP or FSDP2, any world size): the state_dict API reshards."""
+    """Load a full (``state.pt``: DDP's, or a DeepSpeed save's full copy) or torch.distributed.checkpoint
+    (``dcp/``) save into ``model``/``optimizer``, whatever their layout now (plain, DDP or FSDP2, any world size): the state_dict API reshards."""
     import torch
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    if fmt == FORMAT_DEEPSPEED and (Path(directory) / STATE_FILE).exists():
+        fmt = FORMAT_FULL  # its full copy (strategies/deepspeed.py: gather_full_state), DDP's format
     if fmt == FORMAT_FULL:
         state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
         opts = StateDictOptions(full_state_dict=True)

@@ -9,6 +9,7 @@ ds_config.json (``config``), whose batch fields come straight from the plan, so 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .. import optimizers
@@ -225,29 +226,46 @@ class DeepSpeed(Strategy):
     # -- the runtime side (inside the job): checkpoints (docs/resume.md) ------------------------------------
 
     def save_state(self, directory, ranks, engine, optimizer=None) -> str:
-        """``engine.save_checkpoint`` into ``ds/`` (every rank writes its ZeRO partition); returns the format.
-        Only DeepSpeed of the same world size and ZeRO stage reads it back (conversion needs DeepSpeed's offline
-        universal checkpoint)."""
-        from ..runtime.checkpoint import FORMAT_DEEPSPEED
+        """``engine.save_checkpoint`` into ``ds/`` (every rank writes its ZeRO partition) and, when the full state is
+        small enough (``full_copy_wanted``), a layout-free copy in ``state.pt``: the fp32 parameters and the
+        optimizer's state gathered per parameter name, DDP's own format, so that ZeRO-1/2/3 of any world size, DDP
+        and FSDP read it back. Returns the format."""
+        import torch
+
+        from ..runtime.checkpoint import FORMAT_DEEPSPEED, STATE_FILE
 
         engine.save_checkpoint(f"{directory}/ds", tag="state", save_latest=False)
+        if full_copy_wanted(engine):
+            full = gather_full_state(engine)
+            if full is not None:
+                torch.save(full, f"{directory}/{STATE_FILE}")
         return FORMAT_DEEPSPEED
 
     def load_state(self, directory, saved, engine, optimizer=None) -> None:
-        """``engine.load_checkpoint`` (model, optimizer partitions, scheduler); a save it cannot find is an error.
-
-        A save of another ZeRO stage or world size is converted first with DeepSpeed's universal checkpoint
-        (``ds_to_universal``, by rank 0, into ``.universal-step-<n>`` beside the save, which stays as it was) and
-        loaded with ``load_universal_checkpoint``."""
+        """The same world size and ZeRO stage: ``engine.load_checkpoint`` (model, optimizer partitions,
+        scheduler). Another layout: the save's full copy (``state.pt``: a DeepSpeed one, or DDP's) set through
+        DeepSpeed's tensor-fragment API (``scatter_full_state``); without one, a ZeRO-1/2 save is converted with
+        DeepSpeed's universal checkpoint (``ds_to_universal``, by rank 0, into ``.universal-step-<n>`` beside the
+        save, which stays as it was) and loaded with ``load_universal_checkpoint``."""
+        import torch
         import torch.distributed as dist
+
+        from ..runtime.checkpoint import FORMAT_DEEPSPEED, STATE_FILE
 
         layout = saved.layout
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if layout.get("zero_stage") == engine.zero_optimization_stage() and layout.get("world_size") == world:
+        full_copy = Path(directory) / STATE_FILE
+        same = layout.get("zero_stage") == engine.zero_optimization_stage() and layout.get("world_size") == world
+        if saved.format == FORMAT_DEEPSPEED and same:
             path, _client = engine.load_checkpoint(f"{directory}/ds", tag="state")
             if path is None:
                 raise ValueError(f"DeepSpeed found no loadable checkpoint in {directory}/ds")
             return
+        if full_copy.exists():
+            scatter_full_state(engine, torch.load(full_copy, map_location="cpu", weights_only=True))
+            return
+        if saved.format != FORMAT_DEEPSPEED:
+            raise ValueError(f"a {saved.format} save without {STATE_FILE} does not load into DeepSpeed")
         universal = universal_checkpoint(directory, is_main=engine.global_rank == 0)
         if world > 1:
             dist.barrier()
@@ -260,22 +278,208 @@ class DeepSpeed(Strategy):
             raise ValueError(f"DeepSpeed found no loadable universal checkpoint in {universal}")
 
     def state_digest(self, engine, optimizer=None):
-        """sha256 of the model's parameters (rank 0): ZeRO's optimizer partitions are left out; under ZeRO-3 the
-        parameters are gathered first."""
+        """sha256 of the gathered fp32 parameters (with the buffers) and the optimizer's state per parameter name
+        (rank 0; None on the others): the same for a ZeRO-2 and a ZeRO-3 engine holding the same state. ZeRO-0
+        (no ZeRO partitions): the module's state_dict only."""
         from ..runtime.checkpoint import state_digest
 
-        module = engine.module
-        if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
-            import deepspeed
+        full = gather_full_state(engine)
+        if full is not None:
+            return state_digest(full["model"], full["optim"])
+        if engine.zero_optimization_stage() == 0 and engine.global_rank == 0:
+            return state_digest(engine.module.state_dict(), None)
+        return None
 
-            params = list(module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        else:
-            sd = module.state_dict()
-        if not getattr(engine, "global_rank", 0) == 0:
-            return None
-        return state_digest(sd, None)
+
+# -- the full (layout-free) state of a ZeRO engine -----------------------------------------------------------
+
+FULL_COPY_ENV = "HPCMEM_DS_FULL_COPY"
+"""``auto`` (default): write the full copy when it is small enough (``FULL_COPY_HOST_SHARE``); ``always``;
+``never`` (a layout change then converts only between ZeRO-1/2 layouts, through the universal checkpoint)."""
+FULL_COPY_HOST_SHARE = 0.25
+"""auto: the full copy (fp32 parameters + two Adam states: 12 bytes a parameter, all of it on rank 0's host at
+once) may take at most this share of the host memory this process may use (cgroup, address-space cap, RAM). A
+save must not cause the OOM that checkpoints exist to survive; every rank also holds one full parameter (and one
+state) at a time while it is gathered."""
+FULL_COPY_BYTES_PER_PARAM = 12
+
+
+def full_copy_wanted(engine) -> bool:
+    """Whether a save writes the layout-free copy (a decision every rank takes alike: it gates collectives)."""
+    import os
+
+    from ..errors import ConfigError
+    from ..runtime.oom import host_limit_bytes
+
+    mode = os.environ.get(FULL_COPY_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "always", "never"):
+        raise ConfigError(f"{FULL_COPY_ENV}={mode!r}: expected auto, always or never")
+    if mode == "never" or engine.zero_optimization_stage() not in (1, 2, 3):
+        return False
+    if mode == "always":
+        return True
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+    return FULL_COPY_BYTES_PER_PARAM * numel <= FULL_COPY_HOST_SHARE * host_limit_bytes()
+
+
+def _zero_base(engine):
+    """The torch optimizer ZeRO steps (over its flat fp32 partitions)."""
+    return engine.optimizer.optimizer
+
+
+def _flats(engine) -> list:
+    """The flat fp32 partitions the base optimizer steps (ZeRO-3 puts each sub-group into its param group only
+    for its step, so they are read from the ZeRO optimizer)."""
+    zopt = engine.optimizer
+    if hasattr(zopt, "fp32_partitioned_groups_flat"):
+        return list(zopt.fp32_partitioned_groups_flat)
+    return [flat for group in zopt.optimizer.param_groups for flat in group["params"]]
+
+
+def _state_keys(engine) -> tuple[list[str], dict]:
+    """The base optimizer's per-element state names (tensors shaped like its flat partition) and its scalar
+    state (e.g. Adam's ``step``, the same for every partition) — empty before the first step."""
+    import torch
+
+    base = _zero_base(engine)
+    for flat in _flats(engine):
+        state = base.state.get(flat)
+        if state:
+            per_element = [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
+            scalars = {k: v for k, v in state.items() if k not in per_element}
+            return sorted(per_element), scalars
+    return [], {}
+
+
+def _hyper(base) -> dict:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    return groups[0] if groups else {}
+
+
+def gather_full_state(engine) -> dict | None:
+    """The engine's full state, DDP's ``state.pt`` format: ``{"model": {name: fp32 tensor} (parameters from ZeRO's
+    fp32 master copy, buffers as they are), "optim": {"state": {param name: {key: tensor}}, "param_groups":
+    [{hyper-parameters, "params": [names]}]}, "engine": counters}``. A collective (one all-reduce or all-gather
+    per parameter and state); rank 0 gets it, the others None. None everywhere for ZeRO-0."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if engine.zero_optimization_stage() not in (1, 2, 3):
+        return None
+    main = engine.global_rank == 0
+    module, base = engine.module, _zero_base(engine)
+    per_element, scalars = _state_keys(engine)
+    model: dict[str, Any] = {}
+    state: dict[str, dict] = {}
+    names = []
+    first_name: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        first_name[id(p)] = name
+        if not p.requires_grad:
+            continue
+        names.append(name)
+        value = safe_get_full_fp32_param(p)
+        states = {k: safe_get_full_optimizer_state(p, k) for k in per_element}
+        if main:
+            model[name] = value.detach().float().cpu().clone()
+            entry = {k: v.detach().cpu().clone() for k, v in states.items()}
+            entry.update({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in scalars.items()})
+            if entry:
+                state[name] = entry
+    if not main:
+        return None
+    keys = module.state_dict().keys()  # keys only: under ZeRO-3 the parameters there are empty partitions
+    for name, p in module.named_parameters(remove_duplicate=False):  # tied weights under each of their names
+        if name in keys and name not in model and id(p) in first_name and first_name[id(p)] in model:
+            model[name] = model[first_name[id(p)]]
+    for name, b in module.named_buffers():
+        if name in keys:
+            model[name] = b.detach().cpu().clone()
+    counters = {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps")
+                if isinstance(getattr(engine, k, None), int)}
+    return {"model": model, "optim": {"state": state, "param_groups": [{**_hyper(base), "params": names}]},
+            "engine": counters}
+
+
+def scatter_full_state(engine, full: dict) -> None:
+    """Set a full state (``gather_full_state``'s, or DDP's ``state.pt``) into a ZeRO-1/2/3 engine of any world
+    size through DeepSpeed's tensor-fragment API: each rank writes its own fragment of every fp32 parameter and
+    optimizer state (ZeRO-3: its partition, ``safe_set_local_*``), then the 16-bit/working copies are refreshed
+    from the fp32 ones as after an optimizer step. Bitwise: nothing is computed, only copied."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
+
+    stage = engine.zero_optimization_stage()
+    if stage not in (1, 2, 3):
+        raise ValueError(f"a full state loads into ZeRO stages 1-3, not {stage}")
+    module, zopt = engine.module, engine.optimizer
+    base = _zero_base(engine)
+    model_sd, optim = full["model"], full.get("optim") or {}
+    saved_state = optim.get("state", {})
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    missing = [n for n in names if n not in model_sd]
+    if missing:
+        raise ValueError(f"the full state has no parameter {missing[0]!r} ({len(missing)} missing)")
+    sample = next((saved_state[n] for n in names if n in saved_state), {})
+    per_element = sorted(k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0)
+    scalars = {k: v for k, v in sample.items() if k not in per_element}
+    if sample:
+        # The base optimizer creates its state lazily at the first step: create it (zeros, the saved scalars)
+        # so that the fragments have somewhere to go; a state already there is overwritten below.
+        for flat in _flats(engine):
+            st = base.state[flat]
+            for k in per_element:
+                if k not in st:
+                    st[k] = torch.zeros_like(flat)
+            for k, v in scalars.items():
+                st[k] = v.clone() if torch.is_tensor(v) else v
+        hyper = (optim.get("param_groups") or [{}])[0]
+        for group in base.param_groups:
+            group.update({k: v for k, v in hyper.items() if k != "params" and k in group})
+        if hasattr(zopt, "_hp_optimizer_states_linked"):  # ZeRO-1/2: link the fragments to the new state
+            zopt._hp_optimizer_states_linked = False
+            zopt._lazy_init_hp_params_optimizer_state()
+    device = engine.device
+    if stage == 3:
+        group = getattr(zopt, "dp_process_group", None)
+        rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        values = {None: model_sd[name], **{k: saved_state[name][k] for k in per_element if name in saved_state}}
+        for key, value in values.items():
+            value = value.to(device=device, dtype=torch.float32)
+            if stage == 3:
+                part = p.ds_tensor.ds_numel
+                padded = torch.zeros(part * world, dtype=value.dtype, device=device)
+                padded[:value.numel()] = value.flatten()
+                local = padded.narrow(0, part * rank, part)
+                if key is None:
+                    safe_set_local_fp32_param(p, local)
+                else:
+                    safe_set_local_optimizer_state(p, local, key)
+            elif key is None:
+                safe_set_full_fp32_param(p, value)
+            else:
+                safe_set_full_optimizer_state(p, value, key)
+    # The working copies from the fp32 masters, as the optimizer's step ends.
+    if stage == 3:
+        for i in range(len(zopt.fp16_groups)):
+            zopt._reassign_or_swap_out_partitioned_parameters(i)
+        if zopt.persistent_parameters:
+            zopt.persistent_parameters[0].all_gather(zopt.persistent_parameters)
+    else:
+        zopt.update_lp_params()
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            if name in model_sd:
+                b.copy_(model_sd[name].to(b.device, b.dtype))
+    for k, v in (full.get("engine") or {}).items():
+        setattr(engine, k, v)
+    if "engine" not in full and sample and torch.is_tensor(scalars.get("step")):
+        engine.global_steps = int(scalars["step"].item())  # a DDP save: its optimizer's step count
 
 
 def universal_checkpoint(directory, is_main: bool):
