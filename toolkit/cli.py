@@ -452,8 +452,10 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
         ref = model_ref(model, task)
     plan, sized = _sized_for_longest(plan, max_seq_len, seq_len_hist)
     est = estimate(ref, plan, part, method)
+    from .predict import fit_fields, fit_text
+
     if as_json:
-        _emit_json({**est.to_dict(), **({"sized_for_longest": sized} if sized else {})})
+        _emit_json({**est.to_dict(), **fit_fields(est, plan), **({"sized_for_longest": sized} if sized else {})})
         return
     if sized:
         click.echo(f"note: {sized['note']}")
@@ -461,11 +463,13 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
     for name, mib in sorted(est.components.items(), key=lambda kv: -kv[1]):
         click.echo(f"  {name:<20} {mib:>12,.0f} MiB")
     click.echo(f"  {'peak allocated':<20} {est.peak_allocated_mib:>12,.0f} MiB   (torch.cuda.max_memory_allocated)")
+    if est.peak_reserved_mib is not None:
+        click.echo(f"  {'peak reserved':<20} {est.peak_reserved_mib:>12,.0f} MiB   (torch.cuda.max_memory_reserved; "
+                   f"{est.fragmentation:.0%} of it unallocated at its peak)")
     click.echo(f"  {'device used':<20} {est.device_used_mib:>12,.0f} MiB   (nvidia-smi)")
     if est.host_mib_per_node:
         click.echo(f"  {'host per node':<20} {est.host_mib_per_node:>12,.0f} MiB")
-    verdict = "fits" if est.fits else "DOES NOT FIT"
-    click.echo(f"  {verdict} in {est.capacity_mib:,.0f} MiB, headroom {est.headroom_mib:,.0f} MiB")
+    click.echo(f"  {fit_text(est, plan)}")
     for note in est.notes:
         click.echo(f"  note: {note}")
 
@@ -500,14 +504,23 @@ def plan_cmd(ctx, job, site, partition, sets, method, top, launcher, gpus_per_no
         click.echo(f"note: {sized['note']}")
     click.echo(f"{len(cands)} candidate plans for {spec.name} on {part.site}:{part.name}; "
                f"capacity {cands[0].estimate.capacity_mib:,.0f} MiB")
-    click.echo(f"  {'':2}{'speed':>6} {'device MiB':>11} {'fits':>5}  plan")
+    click.echo(f"  {'':2}{'speed':>6} {'device MiB':>11} {'reserved':>9} {'frag':>5} {'fits':>5}  plan")
     shown = [c for c in cands if c.fits_with_margin()][:top] or cands[:top]
-    if cands[0] not in shown:
-        shown = [cands[0]] + shown
+    given = next((c for c in cands if not c.moves), cands[0])  # the plan as given, always shown
+    if given not in shown:
+        shown = [given] + shown
     for c in shown:
         mark = "->" if c is chosen else "  "
-        click.echo(f"  {mark}{c.throughput:>6.2f} {c.estimate.device_used_mib:>11,.0f} {'yes' if c.fits_with_margin() else 'no':>5}"
-                   f"  {render.plan_summary(c.plan)}")
+        e = c.estimate
+        reserved = "-" if e.peak_reserved_mib is None or c.screened else f"{e.peak_reserved_mib:,.0f}"
+        fits = "yes" if c.fits_with_margin() else ("alloc" if e.fragmentation_only else "no")
+        click.echo(f"  {mark}{c.throughput:>6.2f} {e.device_used_mib:>11,.0f} {reserved:>9} {e.fragmentation:>5.0%} "
+                   f"{fits:>5}  {render.plan_summary(c.plan)}")
+    from .predict import fit_text
+
+    for c in shown:  # fragmentation-aware fit: the tensors fit, the reserved peak does not
+        if c.estimate.fragmentation_only:
+            click.echo(f"  alloc: {render.plan_summary(c.plan)}: {fit_text(c.estimate, c.plan)}")
     if chosen is None:
         click.echo("no candidate is predicted to fit with a margin; allow more moves in the spec's retry.allow")
     else:

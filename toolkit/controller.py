@@ -31,7 +31,7 @@ from .backends import get_backend
 from .backends.base import JobStatus, fault
 from .classify import Verdict, classify, classify_paths
 from .errors import HpcmemError, MaybeSubmittedError, SchedulerError
-from .estimate import estimate, saving_model, spec_model
+from .estimate import estimate, spec_model
 from .failures import is_host
 from .jobspec import JobSpec
 from .ladder import Decision, next_plan
@@ -241,7 +241,7 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
     decision = next_plan(ended, verdict, partition, allow=spec.allow, tried=tried,
                          attempts_made=len([a for a in attempts if not _resumed(a)]), max_attempts=spec.max_attempts,
                          bigger=bigger,
-                         saving=_estimator_saving(spec, partition))
+                         model=_estimator_model(spec, partition))
     decision = peaks.after_ladder(decision, peak, usual_seq_len)
     if decision.action == "retry":
         ledger.add_attempt(run.run_id, last.n + 1, decision.plan.to_dict(), _attempt_dir(run, last.n + 1),
@@ -275,8 +275,9 @@ def host_oom_confirmed(verdict: Verdict, limit_mib: float | None) -> tuple[bool,
                    f"confirm a host OOM (confidence {verdict.confidence})")
 
 
-def _estimator_saving(spec: JobSpec, partition: Partition):
-    """The estimator as the ladder's memory model when the spec names a model it can read (else the ladder's own)."""
+def _estimator_model(spec: JobSpec, partition: Partition):
+    """The spec's model for the ladder's predictor (toolkit/predict.py) when the estimator can read it on a GPU
+    partition (else None: the predictor's numbers-only model)."""
     if not partition.has_gpu or not spec.model.get("config"):
         return None
     try:
@@ -284,7 +285,7 @@ def _estimator_saving(spec: JobSpec, partition: Partition):
         estimate(ref, Plan(), partition)  # a model the analytic method does not cover fails here, not mid-ladder
     except (HpcmemError, KeyError, TypeError, ValueError):
         return None
-    return saving_model(ref, partition)
+    return ref
 
 
 def data_peak(attempt: AttemptRow):

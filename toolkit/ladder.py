@@ -12,9 +12,11 @@ Rules, in the order they are applied
     1. ``not_oom`` / ``unknown``: stop, no plan (a transient retry is the controller's business).
     2. ``gpu_oom_other_process``: stop: another process holds the GPU; not a memory move.
     3. ``attempts_made >= max_attempts``: give up, listing what was tried.
-    4. ``gpu_oom_fragmentation``: ``alloc_conf`` gains ``expandable_segments:True`` (if allowed and not
-       there yet), then, when the numbers say that is not enough, the GPU ladder goes on from there.
-       With the setting already there (or not allowed) it is a plain ``gpu_oom``.
+    4. ``gpu_oom_fragmentation``, or any GPU OOM the predictor calls the allocator's (``Predictor.fragmented``:
+       the stated idle reserved memory and the free memory covered the request, or the estimate of the failed
+       plan fits its tensors but not its reserved peak): ``alloc_conf`` gains ``expandable_segments:True``
+       first (if allowed and not there yet), then, when the prediction says that is not enough, the GPU
+       ladder goes on from there. With the setting already there (or not allowed) it is a plain ``gpu_oom``.
     5. ``gpu_oom``, ``gpu_driver_oom``, ``nccl_oom`` (device side): the GPU ladder below. An ``nccl_oom``
        about ``/dev/shm`` is host shared memory: the host ladder.
     6. ``host_oom``, ``cpu_alloc_oom``: the host ladder below.
@@ -57,35 +59,11 @@ Using the numbers (GPU ladder)
     and the next failure gives up. Without numbers (driver, NCCL and most host failures), one rung per
     failure: the mildest option of the first rung that applies.
 
-The memory model (``footprint``, ``predicted_peak_mib``, ``predicted_saving_mib``; replace it by passing
-``saving=`` to ``next_plan``; sizes per GPU in MiB)
-    demand  = memory in use + the failed request (a lower bound: the step may have needed more after it).
-    fixed   = non-PyTorch memory (CUDA context, cuBLAS, NCCL): ``in use - allocated - reserved-unallocated``
-              when stated, else ``total - free - reserved in total``, else the partition's ``cuda_context_mib``.
-              Unchanged by every move.
-    idle    = reserved but unallocated (``reserved in total - already allocated`` in the old wording);
-              unchanged, except that ``expandable_segments:True`` gives it back.
-    tensors = demand - fixed - idle, split into activations and model states. Nothing in an OOM message
-              says how the tensors split, so the split is a range: for the run's first plan (the first of
-              ``tried``, else the failed plan) taken without checkpointing, ZeRO and offload, with AdamW,
-              activations are ``ACTIVATION_SHARES`` (30 % to 70 %) of the tensors; the split of the failed
-              plan follows from the scalings below (after fp16 and a micro-batch of 1, say, little is left
-              to activations, so the next failure goes to the model-state rungs). A plan is predicted to
-              fit only if it fits at both ends of the range (the peak is linear in the share), so
-              ``predicted_saving_mib`` is the smaller of the two savings. Simulated against jobs that
-              follow these scalings and fail at their peak, the first retry fits for a true share from 25 %
-              to 95 %; with 5-20 % activations the second (rarely the third) does.
-    activations scale with ``micro_batch`` x precision (fp32 1, 16-bit 0.5) x attention (eager keeps the
-              ``5·a·s/h`` term of Korthikanti et al. next to the 34 it shares with sdpa/flash, with the head
-              size ``h/a = HEAD_DIM``) x checkpointing (keeps ``CHECKPOINT_KEEPS`` of them: layer inputs, one
-              layer being recomputed, the logits).
-    model states scale with bytes per parameter on the GPU: weights (4 fp32 / 2 mixed) + gradients (4 / 2)
-              + fp32 master weights (4 in mixed precision) + optimizer state (the optimizer table's: AdamW
-              8, 8-bit AdamW 2, Adafactor 0.5, SGD 4); each times the share the engine keeps on the GPU
-              (``Strategy.placement``): ZeRO 1 divides master and optimizer by the world size,
-              ZeRO 2 also gradients, ZeRO 3 also weights; FSDP divides all three (its weights whole while
-              they are kept from forward to backward); offload takes what it moves off the GPU. More GPUs change only the ZeRO
-              shares (plain data parallelism replicates the model states, and the micro-batch is per GPU).
+The memory model is the one predictor, ``toolkit/predict.py`` (``Predictor``; its docstring has the rules):
+    the failed plan's footprint from the numbers, scaled to each plan by its knobs over the assumed range of
+    activation shares, or, when ``next_plan`` is given the ``model``, the estimate of each plan scaled by
+    max(1, stated demand / the failed plan's estimate); expandable segments give the idle reserved memory
+    back. ``MARGIN`` is the predictor's, the one margin of the ladder, the planner and triage.
 
 Host ladder (reverse pressure; host memory per node, ``mem_mib`` being Slurm's ``--mem``)
     nvme           offload on ``cpu`` -> ``nvme`` where the partition has ``nvme_path`` (ZeRO 3)
@@ -113,34 +91,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 from . import optimizers, strategies
 from .classify import Verdict
 from .errors import PlanError, UnknownNameError
 from .failures import is_host, text_of
 from .plan import Plan, with_changes
+from .predict import EXPANDABLE, MARGIN, Footprint, Predictor, footprint
 from .sites import Partition
 
 ALLOW_NAMES = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "optimizer", "zero",
                "fsdp", "offload", "nvme", "gpus", "partition", "mem", "workers")
 """The moves a job spec may allow (``retry.allow``)."""
 
-EXPANDABLE = "expandable_segments:True"
 LIMIT_KINDS = ("gpu_driver_oom", "nccl_oom")
 """GPU-side failures that never state numbers (outside the caching allocator): the card's memory is the limit."""
 
-# --- memory model (see the module docstring)
-MARGIN = 0.10
-"""A plan fits when its predicted peak is at most (1 - MARGIN) of the usable GPU memory."""
-ACTIVATION_SHARES = (0.3, 0.7)
-"""The range assumed for the share of PyTorch's memory that is activations (for the run's first plan without
-checkpointing, ZeRO, offload): a plan is predicted to fit only if it fits for every share in it."""
-HEAD_DIM = 64
-"""Attention head size h/a assumed when weighing the eager attention matrix (5·a·s/h = 5·s/HEAD_DIM)."""
-CHECKPOINT_KEEPS = 0.25
-"""Share of the activations activation checkpointing keeps (layer inputs, one recomputed layer, logits)."""
-"""Optimizer state in bytes per parameter (fp32 AdamW moments; 8-bit AdamW; factored Adafactor; SGD momentum)."""
 HOST_RESERVE_SHARE = 0.05
 """Share of a node's memory never asked for with --mem (the OS, Slurm, page cache)."""
 
@@ -150,7 +117,6 @@ CHECKPOINTING_SLOWDOWN = 1.33
 WORKERS_PER_HALVING = 1.10
 
 TriedItem = Union[Plan, "tuple[Plan, Partition | str]"]
-SavingModel = Callable[[Plan, Plan, Mapping[str, float], float], "float | None"]
 
 
 # --------------------------------------------------------------------------- results
@@ -185,135 +151,6 @@ class Decision:
             "reason": self.reason,
             "predicted_peak_mib": None if self.predicted_peak_mib is None else round(self.predicted_peak_mib, 1),
         }
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """A failed plan's GPU memory at the failure, in MiB per GPU, split the way moves change it."""
-
-    plan: Plan
-    fixed_mib: float
-    """Non-PyTorch memory (CUDA context, cuBLAS, NCCL); no move changes it."""
-    idle_mib: float
-    """Reserved but unallocated by PyTorch's caching allocator."""
-    states_mib: float
-    """Model states: weights, gradients, master weights, optimizer state."""
-    activations_mib: float
-    """Activations (and the temporaries that scale with them)."""
-    usable_mib: float | None
-    """GPU memory this process could have had (capacity minus other processes), when stated."""
-
-    @property
-    def demand_mib(self) -> float:
-        return self.fixed_mib + self.idle_mib + self.states_mib + self.activations_mib
-
-
-# --------------------------------------------------------------------------- memory model
-
-
-def activation_units(plan: Plan) -> float:
-    """Activation memory per GPU in arbitrary units (only ratios between plans mean anything)."""
-    precision = 1.0 if plan.precision == "fp32" else 0.5
-    attention = 34.0 + (5.0 * plan.seq_len / HEAD_DIM if plan.attention == "eager" else 0.0)
-    keep = CHECKPOINT_KEEPS if plan.checkpointing else 1.0
-    return plan.micro_batch * precision * attention * keep
-
-
-def state_bytes_per_param(plan: Plan) -> float:
-    """Model-state bytes per parameter held on one GPU (REFERENCE "Memory arithmetic"): 16-bit weights and
-    grads plus an fp32 master under mixed precision, the optimizer table's state bytes, each times the share
-    the plan's engine keeps on the device (``Strategy.placement``: ZeRO stages, FSDP shards, offload)."""
-    fp32 = plan.precision == "fp32"
-    weights, grads = (4.0, 4.0) if fp32 else (2.0, 2.0)
-    master = 4.0 if plan.precision in ("fp16-mixed", "bf16-mixed") else 0.0
-    optimizer = optimizers.get(plan.optimizer).state_bytes_per_param(plan.precision)
-    place = plan.strategy.placement(plan)
-    return weights * place.params + grads * place.grads + (master + optimizer) * place.optimizer
-
-
-def _activation_share(plan: Plan, anchor: Plan | None = None, share: float = 0.5) -> float:
-    """The share of tensor memory that is activations for ``plan`` when it is ``share`` for ``anchor``
-    (default: ``plan``) without checkpointing, ZeRO, offload, with AdamW (scaled to ``plan`` by the model)."""
-    ref = with_changes(anchor or plan, {**strategies.switch_to("torchrun"), "offload_optimizer": "none",
-                                        "offload_params": "none", "checkpointing": False, "optimizer": "adamw"})
-    act = share * activation_units(plan) / activation_units(ref)
-    states = (1.0 - share) * state_bytes_per_param(plan) / state_bytes_per_param(ref)
-    return act / (act + states)
-
-
-def footprint(plan: Plan, numbers: Mapping[str, float], context_mib: float = 0.0,
-              anchor: Plan | None = None, share: float = 0.5) -> Footprint | None:
-    """Split the failed plan's memory from a verdict's numbers (MiB); None when they do not say enough.
-
-    Needs ``tried_to_allocate_mib`` and the memory in use: ``process_in_use_mib``, or
-    ``total_capacity_mib`` and ``free_mib``, or ``allocated_by_pytorch_mib``, or ``reserved_total_mib``.
-    ``context_mib`` stands in for the non-PyTorch memory when the numbers do not show it. ``anchor``:
-    the plan whose activation share is ``share`` (the run's first plan; default ``plan``).
-    """
-    n = {k: float(v) for k, v in numbers.items() if v is not None}
-    tried = n.get("tried_to_allocate_mib")
-    total = n.get("total_capacity_mib")
-    other = n.get("other_process_mib", 0.0)
-    idle = n.get("reserved_unallocated_mib")
-    if idle is None and "reserved_total_mib" in n and "already_allocated_mib" in n:
-        idle = n["reserved_total_mib"] - n["already_allocated_mib"]
-    idle = max(idle or 0.0, 0.0)
-    if tried is None:
-        return None
-    if "process_in_use_mib" in n:
-        in_use = n["process_in_use_mib"]
-    elif total is not None and "free_mib" in n:
-        in_use = total - n["free_mib"] - other
-    elif "allocated_by_pytorch_mib" in n:
-        in_use = n["allocated_by_pytorch_mib"] + idle + context_mib
-    elif "reserved_total_mib" in n:
-        in_use = n["reserved_total_mib"] + context_mib
-    else:
-        return None
-    if "process_in_use_mib" in n and "allocated_by_pytorch_mib" in n:
-        fixed = n["process_in_use_mib"] - n["allocated_by_pytorch_mib"] - idle
-    elif total is not None and "free_mib" in n and "reserved_total_mib" in n:
-        fixed = total - n["free_mib"] - other - n["reserved_total_mib"]
-    else:
-        fixed = context_mib
-    fixed = min(max(fixed, 0.0), in_use)
-    idle = min(idle, in_use - fixed)
-    tensors = max(in_use + tried - fixed - idle, 1.0)
-    share = _activation_share(plan, anchor, share)
-    usable = total - other if total is not None else None
-    return Footprint(plan, fixed, idle, tensors * (1.0 - share), tensors * share, usable)
-
-
-def predicted_peak_mib(fp: Footprint, new_plan: Plan) -> float:
-    """The peak ``new_plan`` is predicted to need on one GPU (MiB), scaled from the failed plan's footprint."""
-    old = fp.plan
-    idle = 0.0 if EXPANDABLE in new_plan.alloc_conf and EXPANDABLE not in old.alloc_conf else fp.idle_mib
-    states = fp.states_mib * _ratio(state_bytes_per_param(new_plan), state_bytes_per_param(old))
-    acts = fp.activations_mib * _ratio(activation_units(new_plan), activation_units(old))
-    return fp.fixed_mib + idle + states + acts
-
-
-def predicted_saving_mib(plan: Plan, new_plan: Plan, numbers: Mapping[str, float],
-                         context_mib: float = 0.0, anchor: Plan | None = None) -> float | None:
-    """GPU memory (MiB) ``new_plan`` is predicted to save against the failed ``plan`` whatever the split
-    within ``ACTIVATION_SHARES`` (the smallest saving); None without numbers.
-
-    The seam an estimator replaces (``next_plan(..., saving=...)``, called with the first four arguments).
-    """
-    prints = [footprint(plan, numbers, context_mib, anchor, share) for share in ACTIVATION_SHARES]
-    if prints[0] is None:
-        return None
-    return min(fp.demand_mib - predicted_peak_mib(fp, new_plan) for fp in prints)
-
-
-def _ratio(new: float, old: float) -> float:
-    return new / old if old > 0 else (0.0 if new <= 0 else 1.0)
-
-
-# A stand-in footprint for "does this move save anything at all?" when no numbers are stated.
-def _nominal(plan: Plan) -> Footprint:
-    share = _activation_share(plan)
-    return Footprint(plan, 0.0, 100.0, 900.0 * (1 - share), 900.0 * share, None)
 
 
 # --------------------------------------------------------------------------- time
@@ -352,13 +189,20 @@ class _Ctx:
     """The partition being planned for (``home`` unless trying a bigger one)."""
     allow: frozenset
     tried: frozenset
-    numbers: Mapping[str, float]
+    numbers: dict
     kind: str
-    fp: Footprint | None = None
+    pred: Predictor
+    """The one predictor (toolkit/predict.py) for this failure: numbers-driven once ``_with_numbers`` found a
+    footprint, else it only says whether a move saves anything at all."""
     target_mib: float | None = None
-    saving: SavingModel | None = None
+    model: Any = None
+    """What is trained (``estimate.ModelRef``), when known: the predictor scales its estimate by the numbers."""
     anchor: Plan | None = None
     """The run's first plan, where the activation share is assumed."""
+
+    @property
+    def fp(self) -> Footprint | None:
+        return self.pred.fp
 
     def allows(self, name: str) -> bool:
         return name in self.allow
@@ -382,21 +226,12 @@ class _Ctx:
             return None
         return new
 
-    def peak(self, plan: Plan) -> float:
-        """Predicted peak GPU memory of ``plan`` (MiB; nominal units when no numbers were stated)."""
-        if self.fp is None:
-            return predicted_peak_mib(_nominal(plan), plan)
-        if self.saving is not None:
-            saved = self.saving(self.fp.plan, plan, self.numbers, self.home.cuda_context_mib)
-        else:
-            saved = predicted_saving_mib(self.fp.plan, plan, self.numbers, self.home.cuda_context_mib, self.anchor)
-        return self.fp.demand_mib - (saved or 0.0)
+    def peak(self, plan: Plan) -> float | None:
+        """Predicted peak GPU memory of ``plan`` (MiB), when the numbers say enough."""
+        return self.pred.peak(plan) if self.fp is not None else None
 
     def saves(self, before: Plan, after: Plan) -> bool:
-        if self.fp is None:  # no numbers: does the move save anything at all in the model?
-            fp = _nominal(before)
-            return predicted_peak_mib(fp, after) < predicted_peak_mib(fp, before) - 1e-6
-        return self.peak(after) < self.peak(before) - 1e-6
+        return self.pred.saves(before, after)
 
     def fits(self, plan: Plan) -> bool:
         return self.fp is not None and self.peak(plan) <= self.target_mib
@@ -667,7 +502,7 @@ def next_plan(
     attempts_made: int = 1,
     max_attempts: int = 6,
     bigger: Sequence[Partition] = (),
-    saving: SavingModel | None = None,
+    model: Any = None,
 ) -> Decision:
     """Decide what follows a failed attempt (the rules are in the module docstring).
 
@@ -675,8 +510,9 @@ def next_plan(
     (``ALLOW_NAMES``). ``tried``: plans already run (a bare Plan means on ``partition``; a ``(plan,
     partition or its name)`` pair says where); ``plan`` itself always counts as tried. ``attempts_made`` of
     ``max_attempts`` are used up. ``bigger``: partitions the job may move to, in order of preference (needs
-    ``partition`` allowed). ``saving``: replaces ``predicted_saving_mib(plan, new_plan, numbers,
-    context_mib)`` (MiB saved; None when it cannot say).
+    ``partition`` allowed). ``model``: what is trained (``estimate.ModelRef``), when the estimator covers it:
+    the predictor (toolkit/predict.py) then scales its estimate by the stated numbers instead of scaling the
+    numbers alone by the knobs.
     """
     unknown = sorted(set(allow) - set(ALLOW_NAMES))
     if unknown:
@@ -696,7 +532,7 @@ def next_plan(
     if footprint(plan, numbers, partition.cuda_context_mib) is None and (host or verdict.kind in LIMIT_KINDS):
         numbers = {**(limit_numbers(plan, partition, host) or {}), **numbers}
     ctx = _Ctx(partition, partition, frozenset(allow), _tried_set([plan, *tried], partition),
-               numbers, verdict.kind, saving=saving, anchor=first)
+               numbers, verdict.kind, Predictor(partition), model=model, anchor=first)
     if host and not partition.has_gpu and not ctx.allows("mem"):
         jumped = _cpu_host_jump(plan, ctx)
         if jumped is not None:
@@ -745,10 +581,10 @@ def _said(verdict: Verdict) -> str:
 
 
 def _gpu_decision(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: list) -> Decision:
-    rungs = GPU_RUNGS
-    if ctx.kind == "gpu_oom_fragmentation" and _alloc_conf(plan, ctx):
-        rungs = (_alloc_conf, *GPU_RUNGS)
     ctx = _with_numbers(plan, ctx)
+    rungs = GPU_RUNGS
+    if _alloc_conf(plan, ctx) and (ctx.kind == "gpu_oom_fragmentation" or _fragmented(plan, ctx)):
+        rungs = (_alloc_conf, *GPU_RUNGS)
     if ctx.fp is None:
         return _one_rung(plan, ctx, rungs, bigger, tried)
     reached, fits = _climb(plan, rungs, ctx)
@@ -772,14 +608,19 @@ def _gpu_decision(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: lis
 
 
 def _with_numbers(plan: Plan, ctx: _Ctx) -> _Ctx:
-    """``ctx`` with the failed plan's footprint and the target peak, when the verdict's numbers say enough."""
-    context = ctx.partition.cuda_context_mib if ctx.partition.has_gpu else 0.0
-    fp = footprint(plan, ctx.numbers, context, ctx.anchor)
-    if fp is None:
+    """``ctx`` with the one predictor for this failure and its target peak, when the verdict's numbers say
+    enough (a footprint of the failed plan); else unchanged (one rung per failure)."""
+    pred = Predictor(ctx.partition, plan, ctx.numbers, ctx.model, ctx.anchor)
+    if pred.fp is None:
         return ctx
-    usable = fp.usable_mib if fp.usable_mib is not None else ctx.partition.gpu_mem_gib * 1024
-    target = min(usable * (1 - MARGIN), fp.demand_mib - 1.0)  # always ask for some saving
-    return replace(ctx, fp=fp, target_mib=target)
+    return replace(ctx, pred=pred, target_mib=pred.target_mib)
+
+
+def _fragmented(plan: Plan, ctx: _Ctx) -> bool:
+    """The failure is the allocator's (``Predictor.fragmented``): the stated idle reserved memory could have
+    served the request, or the estimate of the failed plan fits its tensors but not its reserved peak."""
+    pred = ctx.pred if ctx.fp is not None else Predictor(ctx.partition, plan, ctx.numbers, ctx.model, ctx.anchor)
+    return pred.fragmented()
 
 
 def _climb(start: Plan, rungs, ctx: _Ctx) -> tuple[Plan, bool]:

@@ -12,7 +12,13 @@ with the cost factors the ladder uses to scale ``--time`` on a retry (the optimi
 precision speed-up of 2.0 for fp16/bf16 over fp32 on GPUs without TF32 (V100), 1.6 over TF32 on GPUs
 with it (A100 and later), 1.0 on a CPU. Flash attention counts 1.1 over SDPA, eager 0.9. These are
 starting values for the nightly benchmarks to calibrate. The chosen plan is the fastest one that fits
-with the ladder's ``MARGIN`` of the capacity to spare: one margin for both.
+with ``predict.MARGIN`` of the capacity to spare: the one margin of the planner, the ladder and triage.
+
+Fragmentation-aware fit: a candidate whose tensors fit but whose caching allocator's reserved peak does not
+(``Estimate.fragmentation_only``) is reported as such (``fit: fragmentation_only`` and ``alloc_conf_env`` in
+``to_dict``), and where the spec allows ``alloc_conf`` the same plan with the estimate's ``alloc_conf_fix``
+(e.g. ``expandable_segments:True``, added to its ``alloc_conf``) follows it as a candidate of its own, the
+ladder's allocator move, at the same speed.
 """
 
 from __future__ import annotations
@@ -25,10 +31,9 @@ from . import ladder, optimizers
 from .errors import PlanError
 from .estimate import Estimate, ModelRef, estimate
 from .plan import Plan, with_changes
+from .predict import MARGIN, alloc_conf_value, fit_fields
 from .sites import Partition
 
-MARGIN = ladder.MARGIN
-"""Share of the capacity a chosen plan must leave free (the ladder's)."""
 MIXED_SPEEDUP = {"no-tf32": 2.0, "tf32": 1.6, "cpu": 1.0}
 ATTENTION_SPEED = {"eager": 0.9, "sdpa": 1.0, "flash": 1.1}
 
@@ -54,7 +59,9 @@ class Candidate:
                 "device_used_mib": e.device_used_mib, "host_mib_per_node": e.host_mib_per_node,
                 "capacity_mib": e.capacity_mib, "headroom_mib": e.headroom_mib, "fits": e.fits,
                 "fits_with_margin": self.fits_with_margin(), "relative_throughput": round(self.throughput, 4),
-                "screened": self.screened}
+                "screened": self.screened, "peak_reserved_mib": e.peak_reserved_mib,
+                "fragmentation": e.fragmentation, "fragmentation_only": e.fragmentation_only,
+                "alloc_conf_fix": e.alloc_conf_fix, **fit_fields(e, self.plan)}
 
 
 def speed(plan: Plan, partition: Partition) -> float:
@@ -143,6 +150,7 @@ def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: It
     if method != "analytic":
         cands = [Candidate(p, estimate(model, p, partition, method), speed(p, partition) / base_speed,
                            ladder.move_names(base, p)) for p in plans]
+        cands += [f for c in cands for f in [_allocator_move(model, c, base, partition, allow, method)] if f]
         return sorted(cands, key=lambda c: (-c.throughput, c.estimate.device_used_mib))
     screened = sorted(((p, estimate(model, p, partition, allocator_model=False), speed(p, partition) / base_speed)
                        for p in plans), key=lambda t: (-t[2], t[1].device_used_mib))
@@ -151,10 +159,31 @@ def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: It
         if plan == base or (fit < fitting and screen.fits):
             cand = Candidate(plan, estimate(model, plan, partition), throughput, ladder.move_names(base, plan))
             fit += cand.fits_with_margin()
+            fixed = _allocator_move(model, cand, base, partition, allow)
+            if fixed is not None:
+                out.append(cand)
+                cand = fixed
+                fit += fixed.fits_with_margin()
         else:
             cand = Candidate(plan, screen, throughput, ladder.move_names(base, plan), screened=True)
         out.append(cand)
     return out
+
+
+def _allocator_move(model: ModelRef, cand: Candidate, base: Plan, partition: Partition, allow: Iterable[str],
+                    method: str = "analytic") -> Candidate | None:
+    """The fragmentation-aware fit: a candidate whose tensors fit but whose reserved peak does not
+    (``fragmentation_only``) gets the allocator move (``alloc_conf``, when the spec allows it) with the setting
+    the estimate found to make it fit; as fast as the candidate (the allocator setting costs nothing)."""
+    fix = cand.estimate.alloc_conf_fix
+    if not cand.estimate.fragmentation_only or not fix or "alloc_conf" not in set(allow):
+        return None
+    try:
+        plan = with_changes(cand.plan, {"alloc_conf": alloc_conf_value(cand.plan.alloc_conf, fix)})
+        partition.check_plan(plan)
+    except PlanError:
+        return None
+    return Candidate(plan, estimate(model, plan, partition, method), cand.throughput, ladder.move_names(base, plan))
 
 
 def choose(candidates: list[Candidate]) -> Candidate | None:

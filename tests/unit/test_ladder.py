@@ -15,14 +15,12 @@ from toolkit.ladder import (
     ALLOW_NAMES,
     MARGIN,
     Decision,
-    activation_units,
     footprint,
     next_plan,
-    predicted_saving_mib,
     slowdown,
-    state_bytes_per_param,
 )
 from toolkit.plan import Plan
+from toolkit.predict import Predictor, activation_units, state_bytes_per_param
 
 EX = sites.load_site("example-hpc")
 TC = sites.load_site("testcluster")
@@ -35,6 +33,12 @@ LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 
 FP32 = Plan(global_batch=64, micro_batch=32, grad_accum=2, seq_len=512, precision="fp32", attention="eager")
 """A plain first plan: fp32, eager attention, micro-batch 32, no memory savings yet."""
+
+
+def saving_mib(plan, new_plan, numbers):
+    """What the one predictor says ``new_plan`` saves against the failed ``plan`` (numbers only, on a V100)."""
+    pred = Predictor(V100, plan, numbers)
+    return pred.demand_mib - pred.peak(new_plan)
 
 
 def new_oom(tried, total, free, in_use, allocated, unallocated):
@@ -266,7 +270,7 @@ def test_numbers_drive_a_multi_rung_jump_to_a_fitting_plan():
     d = next_plan(FP32, verdict, V100, allow=DEFAULT_ALLOW)
     assert d.action == "retry" and len(d.moves) >= 2
     assert d.moves[0] == "precision:fp16-mixed"
-    saving = predicted_saving_mib(FP32, d.plan, verdict.numbers, V100.cuda_context_mib)
+    saving = saving_mib(FP32, d.plan, verdict.numbers)
     assert saving >= gap_mib(verdict)
     assert d.predicted_peak_mib <= verdict.numbers["total_capacity_mib"] * (1 - MARGIN)
     assert_keeps_what_is_learned(FP32, d.plan, V100)
@@ -280,10 +284,10 @@ def test_a_larger_gap_climbs_further():
     plan = FP32.replace(attention="sdpa")
     d = next_plan(plan, verdict, V100, allow=DEFAULT_ALLOW)
     assert d.moves == ("precision:fp16-mixed", "micro_batch:32->4")
-    assert predicted_saving_mib(plan, d.plan, verdict.numbers, V100.cuda_context_mib) >= gap_mib(verdict)
+    assert saving_mib(plan, d.plan, verdict.numbers) >= gap_mib(verdict)
     # the largest micro-batch that fits: twice as much is predicted not to
     larger = d.plan.replace(micro_batch=8, grad_accum=8)
-    assert predicted_saving_mib(plan, larger, verdict.numbers, V100.cuda_context_mib) < gap_mib(verdict)
+    assert saving_mib(plan, larger, verdict.numbers) < gap_mib(verdict)
 
 
 def test_a_later_rung_can_make_an_earlier_one_unnecessary():
@@ -294,7 +298,7 @@ def test_a_later_rung_can_make_an_earlier_one_unnecessary():
     d = next_plan(FP32, verdict, V100, allow=DEFAULT_ALLOW)
     assert d.moves == ("precision:fp16-mixed", "attention:sdpa", "zero:0->2", "offload_optimizer:cpu")
     assert d.plan.micro_batch == FP32.micro_batch and not d.plan.checkpointing
-    assert predicted_saving_mib(FP32, d.plan, verdict.numbers, V100.cuda_context_mib) >= gap_mib(verdict)
+    assert saving_mib(FP32, d.plan, verdict.numbers) >= gap_mib(verdict)
     assert d.plan.time_min == math.ceil(FP32.time_min * 1.05 * 1.5)
 
 
@@ -505,16 +509,22 @@ def test_host_ladder_never_touches_gpu_rungs_on_a_gpu_partition():
 # ------------------------------------------------------------------ the seams
 
 
-def test_the_saving_model_can_be_replaced():
+def test_with_the_model_the_ladder_predicts_with_the_one_predictor():
+    """Given the model, the ladder's predicted peak is the predictor's: the estimate scaled by the stated demand
+    (the controller passes the spec's model); without it, the numbers alone. Both use one margin."""
+    from toolkit.estimate import model_ref
+
     verdict = Verdict("gpu_oom", {"tried_to_allocate_mib": 4096.0, "total_capacity_mib": 16384.0, "free_mib": 1024.0})
-    calls = []
-
-    def generous(plan, new_plan, numbers, context_mib):
-        calls.append(new_plan)
-        return 1e9 if new_plan.checkpointing else 0.0  # only checkpointing saves anything
-
-    d = next_plan(FP32, verdict, V100, allow=DEFAULT_ALLOW, saving=generous)
-    assert d.moves == ("checkpointing",) and calls
+    gpt2 = model_ref("gpt2")
+    d = next_plan(FP32, verdict, V100, allow=DEFAULT_ALLOW, model=gpt2)
+    pred = Predictor(V100, FP32, verdict.numbers, gpt2)
+    assert d.action == "retry" and d.predicted_peak_mib == pytest.approx(pred.peak(d.plan))
+    scale = max(1.0, pred.demand_mib / pred.estimate(FP32).device_used_mib)
+    assert d.predicted_peak_mib == pytest.approx(pred.estimate(d.plan).device_used_mib * scale)
+    assert d.predicted_peak_mib <= pred.target_mib == pytest.approx(
+        min(16384.0 * (1 - MARGIN), pred.demand_mib - 1.0))
+    alone = next_plan(FP32, verdict, V100, allow=DEFAULT_ALLOW)
+    assert alone.predicted_peak_mib == pytest.approx(Predictor(V100, FP32, verdict.numbers).peak(alone.plan))
 
 
 def test_decision_to_dict_is_json():

@@ -7,7 +7,7 @@ import pytest
 
 from toolkit import planner
 from toolkit.classify import JobRecord, classify
-from toolkit.estimate import model_ref, saving_model, spec_model
+from toolkit.estimate import model_ref, spec_model
 from toolkit.jobspec import load_spec
 from toolkit.ladder import next_plan
 from toolkit.plan import Plan
@@ -115,7 +115,7 @@ def test_estimator_corrects_the_ladder_with_the_stated_numbers():
     allow = ["alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "zero", "offload"]
     model = model_ref("bert-large", "seq-cls")
     decision = next_plan(plan, classify(JobRecord("FAILED", 1, 0), msg), part, allow=allow,
-                         saving=saving_model(model, part))
+                         model=model)
     assert decision.action == "retry"
     from toolkit.estimate import estimate
     assert estimate(model, decision.plan, part).fits

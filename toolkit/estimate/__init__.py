@@ -141,32 +141,3 @@ def estimate(model: ModelRef, plan, partition, method: str = "analytic", *, runt
             kwargs["runtime"] = runtime
         return estimate_traced(dict(model.config), model.task, plan, partition, **kwargs)
     raise ConfigError(f"unknown estimation method {method!r}; valid: {', '.join(METHODS)}")
-
-
-def saving_model(model: ModelRef, partition):
-    """The ladder's ``saving`` seam from the analytic estimate, corrected by what the OOM message stated.
-
-    The message gives a lower bound of the failed plan's need (in use + tried to allocate). The estimate
-    of every candidate is scaled by max(1, stated / estimated) for the failed plan, so an estimate that
-    was too low is corrected and one that is higher (the step had not reached its peak) is kept.
-    """
-    from ..ladder import footprint
-
-    known: dict = {}  # plan -> device used: the ladder asks about the same plans many times in one decision
-
-    def used(plan) -> float:
-        if plan not in known:
-            known[plan] = estimate(model, plan, partition).device_used_mib
-        return known[plan]
-
-    def saving(plan, new_plan, numbers, context_mib):
-        fp = footprint(plan, numbers, context_mib)
-        if fp is None:
-            return None
-        before = used(plan)
-        if before <= 0:
-            return None
-        after = used(new_plan) * max(1.0, fp.demand_mib / before)
-        return fp.demand_mib - after
-
-    return saving

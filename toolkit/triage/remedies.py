@@ -31,18 +31,17 @@ Which failures get which remedies (the family is ``failures.family_of(kind, caus
                                            slowdown), and on every other candidate too.
 
 Predicted peak (MiB per GPU, as nvidia-smi shows it)
-    model known      the analytic estimate of each candidate, scaled by max(1, stated demand / estimate of the
-                     failed plan) as ``estimate.saving_model`` does; the stated demand is ``ladder.footprint``'s
-                     (in use + the failed request; the idle reserved memory is left out for a candidate that
-                     newly sets expandable segments). Without numbers in the message the failed plan's demand is
-                     taken as at least the usable GPU memory (it did not fit). Fits: peak <= usable x (1 -
-                     ``planner.MARGIN``).
-    numbers only     ``ladder.footprint`` + ``ladder.predicted_peak_mib``, the larger prediction over the
-                     ladder's assumed activation shares; fits with the ladder's ``MARGIN`` (its rougher model).
-    neither, or the plan is unknown
-                     the ladder's moves in order (``next_plan`` without numbers, each on top of the one before),
-                     predicted peak and fits None.
-    Usable memory: the message's capacity (else the partition's) minus other processes.
+    The one predictor, ``predict.Predictor`` (its docstring has the rules, the same as the ladder's): model known,
+    the estimate of each candidate scaled by max(1, stated demand / estimate of the failed plan), the idle
+    reserved memory left out for a candidate that newly sets expandable segments, and without numbers in the
+    message the failed plan's demand taken as at least the usable memory (it did not fit); numbers only, the
+    failed plan's footprint scaled by the knobs, the larger prediction over the assumed activation shares;
+    neither, or the plan is unknown: the ladder's moves in order (``next_plan`` without numbers, each on top of
+    the one before), predicted peak and fits None. Fits: peak <= usable x (1 - ``predict.MARGIN``), below the
+    failed plan's stated demand; usable: the message's capacity (else the partition's) minus other processes.
+    Fragmentation (``Predictor.fragmented``: the verdict's kind, or the message's idle reserved memory with the
+    free memory covered the request, or the estimate of the failed plan fits its tensors but not its reserved
+    peak): ``expandable_segments:True`` is the first remedy.
 
 Ranking
     Among the candidates predicted to fit: relative throughput (``planner.speed`` against the failed plan)
@@ -69,9 +68,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from .. import ladder, planner
+from ..predict import EXPANDABLE, MARGIN, Predictor, alloc_conf_value
 from ..classify import Verdict
 from ..errors import HpcmemError, PlanError, UnknownNameError
-from ..estimate import ModelRef, estimate
+from ..estimate import ModelRef
 from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
 from ..plan import KNOBS, Plan, parse_sets, with_changes
@@ -242,60 +242,13 @@ def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Reme
 # --------------------------------------------------------------------------- prediction
 
 
-@dataclass(frozen=True)
-class _Predictor:
-    """Per-GPU peaks (MiB) of plans against the failed one, corrected by what the message stated."""
-
-    failed: Plan
-    partition: Partition
-    model: ModelRef | None
-    numbers: Mapping[str, float]
-    demand_mib: float
-    """What the failed plan needed at least (stated, else the usable memory)."""
-    idle_mib: float
-    """Reserved but unallocated when it failed (given back by expandable segments)."""
-    failed_estimate_mib: float | None
-    """The analytic estimate of the failed plan (model known)."""
-    usable_mib: float
-    margin: float
-
-    @property
-    def target_mib(self) -> float:
-        return self.usable_mib * (1 - self.margin)
-
-    def peak(self, plan: Plan, model: ModelRef | None = None) -> float | None:
-        """Predicted peak of ``plan`` (of ``model``, default the job's); None when it cannot be said."""
-        if self.model is not None:
-            newly = ladder.EXPANDABLE in plan.alloc_conf and ladder.EXPANDABLE not in self.failed.alloc_conf
-            demand = self.demand_mib - (self.idle_mib if newly else 0.0)
-            scale = max(1.0, demand / self.failed_estimate_mib) if self.failed_estimate_mib else 1.0
-            return estimate(model or self.model, plan, self.partition).device_used_mib * scale
-        if model is not None or plan.seq_len != self.failed.seq_len:
-            return None  # the numbers-only model knows nothing of other models or sequence lengths
-        ctx = self.partition.cuda_context_mib
-        prints = [ladder.footprint(self.failed, self.numbers, ctx, share=s) for s in ladder.ACTIVATION_SHARES]
-        return max(ladder.predicted_peak_mib(fp, plan) for fp in prints)
-
-    def fits(self, peak: float | None) -> bool | None:
-        return None if peak is None else peak <= self.target_mib
-
-
-def _predictor(verdict: Verdict, failed: Plan, partition: Partition, model: ModelRef | None) -> _Predictor | None:
-    """How peaks are predicted for this failure (None: neither a model nor enough numbers)."""
-    n = {k: float(v) for k, v in verdict.numbers.items() if v is not None}
-    fp = ladder.footprint(failed, n, partition.cuda_context_mib)
-    total = n.get("total_capacity_mib", partition.gpu_mem_gib * 1024 if partition.has_gpu else None)
-    if total is None:
+def _predictor(verdict: Verdict, failed: Plan, partition: Partition, model: ModelRef | None) -> Predictor | None:
+    """The one predictor (toolkit/predict.py) for this failure; None when it can say nothing (neither a model nor
+    enough numbers, or no known GPU capacity)."""
+    pred = Predictor(partition, failed, verdict.numbers, model)
+    if not pred.predicts or pred.target_mib is None:
         return None
-    usable = total - n.get("other_process_mib", 0.0)
-    if model is not None:
-        base = estimate(model, failed, partition).device_used_mib
-        demand = fp.demand_mib if fp is not None else usable
-        return _Predictor(failed, partition, model, n, demand, fp.idle_mib if fp else 0.0, base, usable,
-                          planner.MARGIN)
-    if fp is None:
-        return None
-    return _Predictor(failed, partition, None, n, fp.demand_mib, fp.idle_mib, None, usable, ladder.MARGIN)
+    return pred
 
 
 @dataclass(frozen=True)
@@ -307,7 +260,7 @@ class _Scored:
     """Relative samples per second against the failed plan (``planner.speed``)."""
 
 
-def _score(plans: Iterable[Plan], pred: _Predictor, model: ModelRef | None = None) -> list[_Scored]:
+def _score(plans: Iterable[Plan], pred: Predictor, model: ModelRef | None = None) -> list[_Scored]:
     base = planner.speed(pred.failed, pred.partition)
     out = []
     for plan in plans:
@@ -353,13 +306,13 @@ def _more_gpu_starts(start: Plan, partition: Partition) -> list[Plan]:
 # --------------------------------------------------------------------------- GPU OOM
 
 
-def _gpu(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, pred: _Predictor,
+def _gpu(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, pred: Predictor,
          max_items: int) -> list[Remedy]:
     failed = known.plan.replace(time_min=min(known.plan.time_min, maker.partition.max_time_min))
     start, first = failed, []
-    if verdict.kind == "gpu_oom_fragmentation" and "alloc_conf" in allow and ladder.EXPANDABLE not in failed.alloc_conf:
-        conf = f"{failed.alloc_conf},{ladder.EXPANDABLE}" if failed.alloc_conf else ladder.EXPANDABLE
-        start = failed.replace(alloc_conf=conf)
+    fragmented = verdict.kind == "gpu_oom_fragmentation" or pred.fragmented()
+    if fragmented and "alloc_conf" in allow and EXPANDABLE not in failed.alloc_conf:
+        start = failed.replace(alloc_conf=alloc_conf_value(failed.alloc_conf, EXPANDABLE))
         first = _score([start], pred)
     scored = [s for s in _score(_candidates(start, failed, maker.partition, allow), pred) if s.plan != start]
     if not any(s.fits for s in scored + first) and "gpus" in allow:
@@ -397,31 +350,31 @@ def _closest(scored: list[_Scored]) -> list[_Scored]:
     return out
 
 
-def _first_note(s: _Scored, pred: _Predictor) -> str:
+def _first_note(s: _Scored, pred: Predictor) -> str:
     return ("The allocator gives idle reserved memory back instead of failing on fragmentation; no code change "
             "and no slowdown. " + _fit_text(s, pred)).strip()
 
 
-def _note(s: _Scored, pred: _Predictor, failed: Plan) -> str:
+def _note(s: _Scored, pred: Predictor, failed: Plan) -> str:
     parts = [_fit_text(s, pred)]
     if s.plan.world_size != failed.world_size:
         parts.append(f"Asks for {s.plan.world_size} GPUs instead of {failed.world_size} (global batch kept).")
     return " ".join(p for p in parts if p)
 
 
-def _fit_text(s: _Scored, pred: _Predictor) -> str:
+def _fit_text(s: _Scored, pred: Predictor) -> str:
     how = "the estimate corrected by the message's numbers" if pred.model is not None else "the message's numbers"
     if s.peak is None:
         return ""
     verdict = "fits" if s.fits else "does not fit"
     return (f"Predicted peak {s.peak / 1024:.1f} GiB per GPU ({how}) {verdict} under "
-            f"{pred.target_mib / 1024:.1f} GiB ({pred.margin:.0%} margin).")
+            f"{pred.target_mib / 1024:.1f} GiB ({MARGIN:.0%} margin).")
 
 
 # --------------------------------------------------------------------------- last resorts
 
 
-def _last_resorts(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred: _Predictor) -> list[Remedy]:
+def _last_resorts(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred: Predictor) -> list[Remedy]:
     """The last resorts that are predicted to fit: half the context, plain SGD, a smaller model."""
     out = []
     if start.seq_len >= 2:
@@ -451,7 +404,7 @@ def _fastest_fitting(scored: list[_Scored]) -> _Scored | None:
     return fitting[0] if fitting else None
 
 
-def _smaller_model(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred: _Predictor) -> Remedy | None:
+def _smaller_model(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred: Predictor) -> Remedy | None:
     """The same model with the most layers that fit (with the plan that needs least memory), model known only."""
     model = pred.model
     key = next((k for k in _LAYER_KEYS if model is not None and model.config.get(k)), None)
@@ -541,10 +494,9 @@ def _walk_note(known: KnownPlan, host: bool) -> str:
 def _other_process(verdict: Verdict, maker: "_Maker") -> Remedy:
     n = verdict.numbers
     other = n.get("other_process_mib", 0.0)
-    fp = ladder.footprint(maker.known.plan, n, maker.partition.cuda_context_mib)
+    demand = Predictor(maker.partition, maker.known.plan, n).demand_mib
     total = n.get("total_capacity_mib", maker.partition.gpu_mem_gib * 1024)
-    demand = fp.demand_mib if fp is not None else None
-    fits = None if demand is None else demand <= total * (1 - planner.MARGIN)
+    fits = None if demand is None else demand <= total * (1 - MARGIN)  # alone on the GPU: the whole card
     held = f" {other / 1024:.1f} GiB" if other else ""
     argv = maker.submit_argv(())
     return Remedy(
