@@ -1,0 +1,83 @@
+"""Data-driven peaks for real (issue 14): a slow leak and one long batch, each a genuine out-of-memory failure at a
+later step under the local backend's address-space cap (the CPU allocator's own error), each named by triage with
+its own remedies, and neither answered by the controller with a smaller micro-batch.
+
+In-job recovery is off in these jobs (``--inflight-recovery false``): this is about the controller and triage.
+The local backend is used rather than the test cluster's cgroup: the same failure (a real allocation past the
+limit), minutes cheaper here; the step series reaches the controller the same way (the attempt's rank files).
+"""
+
+import json
+import textwrap
+from pathlib import Path
+
+from hpcmem_cli import run_cli as hpcmem
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "jobs" / "models" / "tiny-gpt2.json"
+
+
+def submit(tmp_path, name, args, training, retry="{}"):
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: {name}
+        command:
+          module: toolkit.train
+          args: [--model, "{MODEL}", --task, causal-lm, --warmup-steps, "0", --inflight-recovery, "false", {args}]
+        gpus_per_node: 1
+        mem_mib: 1800
+        training: {training}
+        retry: {retry}
+        """))
+    result = hpcmem("submit", str(spec), "--site", "local", "--wait", "--json", "--interval", "0.5", home=tmp_path)
+    return result, json.loads(result.stdout)
+
+
+def triage(tmp_path, attempt):
+    log = next(Path(attempt["attempt_dir"]).glob("slurm-*.out"))
+    result = hpcmem("triage", str(log), "--site", "local", "--format", "json", home=tmp_path, check=True)
+    (finding,) = json.loads(result.stdout)["findings"]
+    text = hpcmem("triage", str(log), "--site", "local", home=tmp_path, check=True).stdout
+    return finding, text, log.read_text()
+
+
+def test_a_slow_leak_is_named_and_not_retried(tmp_path):
+    """50 MiB of real tensors kept every step under an 1800 MiB cap: the allocator fails many steps in. The
+    controller gives up naming the leak (a smaller batch would only fail later); triage gives the code remedy."""
+    result, view = submit(tmp_path, "leak", '--steps, "60", --leak-mib-per-step, "50"',
+                          "{global_batch: 8, micro_batch: 8, seq_len: 64}", "{allow: [mem, micro_batch, checkpointing]}")
+    (attempt,) = view["attempts"]  # no second attempt: a leak is not retried
+    finding, text, log = triage(tmp_path, attempt)
+    assert "DefaultCPUAllocator: can't allocate memory" in log, log[-3000:]
+    assert "step 8/60" in log  # it died hours-in style: well after its first steps
+    assert attempt["verdict"]["kind"] == "cpu_alloc_oom"
+    assert view["state"] == "gave_up", view
+    assert "leak" in view["reason"] and "loss.item()" in view["reason"] and "Not retried" in view["reason"]
+    assert finding["peaks"]["case"] == "leak" and finding["remedies"] == []
+    numbers = finding["peaks"]["numbers"]
+    assert 40 < numbers["slope_mib_per_step"] < 65 and numbers["tau"] >= 0.9  # 50 MiB a step, kept
+    assert "Data-driven peak: leak" in text and "loss.item()" in text and "micro_batch" not in text.split("Remedies")[1]
+
+
+def test_one_long_batch_is_named_and_sized_for(tmp_path):
+    """Lengths vary in [32, 64] tokens; step 5's batch is padded to 512 and its activations (micro-batch 64, eager
+    attention) pass the 1800 MiB cap. Triage names the long batch with its own remedies; the controller sizes the
+    plan for 512 tokens (here: more --mem, the same micro-batch) and the retry gets past step 5."""
+    result, view = submit(tmp_path, "long", '--steps, "6", --long-batch-at-step, "5", --seq-len-max, "512"',
+                          "{global_batch: 64, micro_batch: 64, seq_len: 64, attention: eager}",
+                          "{allow: [mem, micro_batch, checkpointing]}")
+    first = view["attempts"][0]
+    finding, text, log = triage(tmp_path, first)
+    assert "DefaultCPUAllocator: can't allocate memory" in log, log[-3000:]
+    assert "step 4/6" in log and "step 5/6" not in log
+    assert finding["peaks"]["case"] == "long_batch" and finding["remedies"] == []
+    assert finding["peaks"]["numbers"]["step"] == 5 and finding["peaks"]["numbers"]["seq_len"] == 512
+    assert finding["peaks"]["numbers"]["longest_done"] <= 64
+    assert any("--max-seq-len 512" in r for r in finding["peaks"]["remedies"])
+    assert "Data-driven peak: long_batch" in text
+    second = view["attempts"][1]
+    decision = second["decision"]
+    assert decision["moves"][0] == "sized-for-seq-len:512" and "step 5's batch was 512 tokens" in decision["reason"]
+    assert second["plan"]["micro_batch"] == 64 and second["plan"]["seq_len"] == 64  # the data keeps its lengths
+    assert second["plan"]["mem_mib"] > first["plan"]["mem_mib"]
+    assert view["state"] == "succeeded", view
