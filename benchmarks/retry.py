@@ -30,6 +30,20 @@ Scenarios (what is real and what is emulated)
   REAL CPU   the reference trainer (python -m toolkit.train, tiny GPT-2) really training on the cpu partition,
              really killed by the cgroup at a small --mem.
 
+Lost steps and queue entries per OOM (``--resume``, issue 14): a second suite, the reference trainer rehearsing a real
+OOM (``--oom-at-step N --oom-kind activations|fixed``) on the cpu partition, two ways, both through hpcmem's controller
+and ladder (so only what happens to the training differs):
+  hpcmem   in-job recovery on (the default) and resume from the run's checkpoints (``--checkpoint-every-steps 2``).
+  scratch  ``retry: {inflight: false}`` and ``--no-resume``: every OOM is resubmitted and training restarts at step 0.
+  Per run: queue entries (Slurm jobs submitted; requeues = entries - 1), lost steps (per failed attempt: the last
+  step its log printed minus the step the next attempt resumed from), partial steps re-run in the job (in-job moves).
+  The in-job scenario runs the job's python under ``ulimit -v`` (an address-space cap, like the local backend's), so
+  the allocator's error is raised in the process as a GPU's CUDA OOM is; the cgroup scenarios are killed by the cgroup
+  (SIGKILL: nothing to answer in the job), so the controller resubmits and the checkpoint bounds what is lost.
+  Goal: 0 lost steps beyond the checkpoint interval, 0 requeues for the OOMs an in-job move answers.
+
+    python benchmarks/retry.py --resume [--only PATTERN] [--jobs N] [--no-save]
+
 Latency: next attempt's ``submitted`` (ledger, time.time() right after sbatch) minus the failed job's End
 (sacct, epoch seconds via SLURM_TIME_FORMAT=%s; the same machine's clock). sacct's End has 1 s resolution
 (truncated), so each value may read up to 1 s high.
@@ -138,6 +152,220 @@ SCENARIOS = (
              ("--model", str(MODELS / "tiny-gpt2.json"), "--task", "causal-lm", "--steps", "2", "--warmup-steps", "0"),
              mem_mib=1200, numbers=False, module="toolkit.train"),
 )
+
+
+RESUME_METHODS = ("hpcmem", "scratch")
+CHECKPOINT_EVERY = 2
+"""The resume suite's checkpoint interval (steps): hpcmem's goal is to lose at most this many steps per OOM."""
+
+
+@dataclass(frozen=True)
+class ResumeScenario:
+    name: str
+    what: str
+    oom_args: tuple
+    mem_mib: int
+    allow: tuple
+    as_cap_mib: int | None = None
+    """Run the job's python under ``ulimit -v`` this many MiB (the allocator's error is then raised in the process)."""
+    steps: int = 6
+    gpus: int = 2
+
+
+RESUME_SCENARIOS = (
+    ResumeScenario("activations-in-job", "tiny GPT-2, 2 ranks, micro 4 x 1 (global 8); --oom-at-step 3 activations "
+                   "400 MiB a sample under a 2000 MiB address-space cap (micro 4 fails, 2 fits); --mem 6000",
+                   ("--oom-at-step", "3", "--oom-mib", "400"), 6000, ("micro_batch",), as_cap_mib=2000),
+    ResumeScenario("activations-cgroup", "tiny GPT-2, 2 ranks, micro 4 x 1; --oom-at-step 5 on rank 0, activations "
+                   "450 MiB a sample, --mem 2600: the cgroup kills micro 4, micro 2 fits (the ladder's move)",
+                   ("--oom-at-step", "5", "--oom-rank", "0", "--oom-kind", "activations", "--oom-mib", "450"), 2600,
+                   ("micro_batch",)),
+    ResumeScenario("fixed-cgroup", "tiny GPT-2, 2 ranks; --oom-at-step 5 on rank 0, fixed 1200 MiB, --mem 2000: no "
+                   "micro-batch avoids it, the ladder's more --mem does",
+                   ("--oom-at-step", "5", "--oom-rank", "0", "--oom-kind", "fixed", "--oom-mib", "1200"), 2000,
+                   ("mem",)),
+)
+
+
+def write_resume_spec(sc: ResumeScenario, method: str, where: Path) -> Path:
+    """The scenario as a spec for ``method`` (hpcmem: in-job recovery and resume; scratch: neither)."""
+    args = ["--model", str(MODELS / "tiny-gpt2.json"), "--task", "causal-lm", "--steps", str(sc.steps),
+            "--warmup-steps", "0", "--checkpoint-every-steps", str(CHECKPOINT_EVERY), *sc.oom_args]
+    retry = {"max_attempts": 4, "allow": list(sc.allow)}
+    if method == "scratch":
+        args.append("--no-resume")
+        retry["inflight"] = False
+    command = {"module": "toolkit.train", "args": args}
+    if sc.as_cap_mib:
+        wrapper = where / f"python-as-{sc.as_cap_mib}"
+        wrapper.write_text(f"#!/bin/bash\n# the address-space cap: the CPU allocator's error is raised in the process\n"
+                           f"ulimit -v {sc.as_cap_mib * 1024}\nexec {sys.executable} \"$@\"\n")
+        wrapper.chmod(0o755)
+        command["python"] = str(wrapper)
+    doc = {"name": f"bench-{sc.name}-{method}", "description": sc.what, "command": command, "gpus_per_node": sc.gpus,
+           "mem_mib": sc.mem_mib, "time": "00:10:00",
+           "training": {"global_batch": 8, "micro_batch": 4, "seq_len": 64}, "retry": retry,
+           "env": {"MALLOC_ARENA_MAX": "2"}}
+    path = where / f"{sc.name}-{method}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def last_step(adir: Path) -> int:
+    """The last optimizer step an attempt completed: its log's last ``step N/M`` line (0 when none)."""
+    import re
+
+    last = 0
+    for log in adir.glob("slurm-*.out"):
+        for m in re.finditer(r"(?m)^step (\d+)/\d+ ", log.read_text(errors="replace")):
+            last = max(last, int(m.group(1)))
+    return last
+
+
+def run_resume(sc: ResumeScenario, method: str, work: Path, opts) -> dict:
+    """One resume-suite run through hpcmem's controller; its queue entries, lost steps and in-job moves."""
+    home = work / f"home-{sc.name}-{method}"
+    spec = write_resume_spec(sc, method, work)
+    env = {**os.environ, "HPCMEM_HOME": str(home)}
+    done = subprocess.run([sys.executable, "-m", "toolkit.cli", "submit", str(spec), "--site", SITE, "--partition",
+                           "cpu", "--wait", "--json", "--interval", "1"], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=opts.run_timeout)
+    try:
+        run_id = json.loads(done.stdout)["run_id"]
+    except (ValueError, KeyError):
+        raise RuntimeError(f"hpcmem submit gave no run: rc={done.returncode} {done.stderr.strip()[-800:]}")
+    view = json.loads(subprocess.run([sys.executable, "-m", "toolkit.cli", "runs", run_id, "--json"],
+                                     capture_output=True, text=True, cwd=REPO, env=env, check=True).stdout)
+    times = sacct_times([a["job_id"] for a in view["attempts"] if a["job_id"]])
+    attempts = []
+    for a in view["attempts"]:
+        adir = Path(a["attempt_dir"])
+        attempts.append({"n": a["n"], "job_id": a["job_id"], "state": a["state"],
+                         "ok": a["state"] == "COMPLETED" and not a["exit_code"],
+                         "elapsed_s": times.get(a["job_id"] or "", {}).get("elapsed_s"),
+                         "plan": render.plan_summary(_plan(a["plan"])), "verdict": (a["verdict"] or {}).get("kind"),
+                         "moves": (a["decision"] or {}).get("moves", []), "last_step": last_step(adir),
+                         "resumed_from_step": a.get("resumed_from_step"),
+                         "inflight_moves": [f"step {m['step']}: {m['from']['micro_batch']}x{m['from']['grad_accum']}"
+                                            f"->{m['to']['micro_batch']}x{m['to']['grad_accum']}"
+                                            for m in a.get("inflight_moves") or []]})
+    return {"state": view["state"], "reason": view["reason"], "run_id": run_id, "attempts": attempts}
+
+
+def resume_figures(result: dict) -> dict:
+    """Queue entries, requeues, OOMs (failed attempts + in-job moves), lost steps (per failed attempt: its last step
+    minus where the next attempt started), partial steps re-run in the job."""
+    atts = result["attempts"]
+    lost = []
+    for a, nxt in zip(atts, atts[1:]):
+        if not a["ok"]:
+            lost.append(max(0, a["last_step"] - (nxt.get("resumed_from_step") or 0)))
+    inflight = sum(len(a["inflight_moves"]) for a in atts)
+    ooms = sum(1 for a in atts if not a["ok"] and (a["verdict"] or "").endswith("oom")) + inflight
+    return {"queue_entries": len(atts), "requeues": len(atts) - 1, "ooms": ooms, "lost_steps": sum(lost),
+            "lost_per_failed_attempt": lost, "max_lost": max(lost, default=0), "rerun_in_job": inflight,
+            "succeeded": result["state"] == "succeeded"}
+
+
+def resume_report(results: dict, scenarios: list, meta: dict) -> tuple[str, dict]:
+    out = [f"hpcmem lost-steps benchmark (resume + in-job recovery vs resubmit-from-scratch) — {meta['date']}  "
+           f"commit {meta['commit']}  {meta['machine']}", f"command: {meta['command']}",
+           f"checkpoint interval {CHECKPOINT_EVERY} steps; wall time {meta['wall_s']:.0f} s", ""]
+    header = ["scenario", "method", "succeeded", "OOMs", "queue entries", "requeues", "lost steps",
+              "partial steps re-run in job"]
+    rows = []
+    for sc in scenarios:
+        for m in RESUME_METHODS:
+            r = results.get((sc.name, m))
+            if r is None:
+                continue
+            if "error" in r:
+                rows.append([sc.name, m, "ERROR", "-", "-", "-", "-", "-"])
+                continue
+            f = r["figures"]
+            rows.append([sc.name, m, "yes" if f["succeeded"] else "NO", f["ooms"], f["queue_entries"], f["requeues"],
+                         f["lost_steps"], f["rerun_in_job"]])
+    out.append(fmt_table(rows, header))
+    out.append("")
+    hp = [(sc, results.get((sc.name, "hpcmem"), {}).get("figures")) for sc in scenarios]
+    hp = [(sc, f) for sc, f in hp if f]
+    beyond = [sc.name for sc, f in hp if f["max_lost"] > CHECKPOINT_EVERY]
+    in_job = [(sc, f) for sc, f in hp if sc.as_cap_mib]
+    out.append(f"goal '0 lost steps beyond the checkpoint interval ({CHECKPOINT_EVERY})': "
+               + ("met" if not beyond else f"MISSED: {', '.join(beyond)}") + f" ({len(hp)} hpcmem runs)")
+    requeued = [sc.name for sc, f in in_job if f["requeues"]]
+    out.append("goal '0 requeues for OOMs an in-job move answers': "
+               + ("met" if not requeued else f"MISSED: {', '.join(requeued)}") + f" ({len(in_job)} such scenarios)")
+    out.append("")
+    out.append("Attempts (plan; verdict; last step printed; resumed from; in-job moves; ladder moves):")
+    for sc in scenarios:
+        for m in RESUME_METHODS:
+            r = results.get((sc.name, m))
+            if not r:
+                continue
+            if "error" in r:
+                out.append(f"  {sc.name} / {m}: ERROR {r['error']}")
+                continue
+            out.append(f"  {sc.name} / {m}: {r['state']}" + (f" — {r['reason']}" if r.get("reason") else ""))
+            for a in r["attempts"]:
+                el = f"{a['elapsed_s']:.0f}s" if a.get("elapsed_s") is not None else "?"
+                out.append(f"    {a['n']}. job {a['job_id']} {a['state']} {el} [{a['verdict']}] {a['plan']}; "
+                           f"last step {a['last_step']}; resumed from {a['resumed_from_step']}"
+                           + (f"; in-job {', '.join(a['inflight_moves'])}" if a["inflight_moves"] else "")
+                           + (f"; moves {', '.join(a['moves'])}" if a["moves"] else ""))
+    out.append("")
+    out.append("Scenarios:")
+    out += [f"  {sc.name}: {sc.what}" for sc in scenarios]
+    data = {"meta": meta, "scenarios": [{**sc.__dict__, "oom_args": list(sc.oom_args), "allow": list(sc.allow)}
+                                        for sc in scenarios],
+            "results": [{"scenario": k[0], "method": k[1], **v} for k, v in results.items()]}
+    return "\n".join(out) + "\n", data
+
+
+def main_resume(opts, argv) -> int:
+    scenarios = [sc for sc in RESUME_SCENARIOS
+                 if not opts.only or fnmatch.fnmatch(sc.name, opts.only) or opts.only in sc.name]
+    if not scenarios:
+        raise SystemExit("retry.py: error: no resume scenario matches")
+    if opts.list:
+        for sc in scenarios:
+            print(f"{sc.name:22} {sc.what}")
+        return 0
+    start = time.time()
+    started = dt.datetime.now().astimezone()
+    work = Path(tempfile.mkdtemp(prefix="hpcmem-resume-bench-", dir="/tmp"))
+    results: dict = {}
+    lock = threading.Lock()
+
+    def one(sc, m):
+        try:
+            r = run_resume(sc, m, work, opts)
+            r["figures"] = resume_figures(r)
+        except Exception as exc:  # one broken run must not lose the others
+            r = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        with lock:
+            results[(sc.name, m)] = r
+            f = r.get("figures")
+            print(f"[{time.time() - start:6.0f}s] {sc.name} / {m}: " + (r["error"] if "error" in r else
+                  f"{r['state']}, {f['queue_entries']} job(s), {f['lost_steps']} lost step(s)"),
+                  file=sys.stderr, flush=True)
+
+    with cf.ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+        for fut in [pool.submit(one, sc, m) for sc in scenarios for m in RESUME_METHODS]:
+            fut.result()
+    meta = {"date": started.isoformat(timespec="seconds"), "commit": git_commit(), "machine": machine(),
+            "command": " ".join(["python", "benchmarks/retry.py", *(sys.argv[1:] if argv is None else argv)]),
+            "wall_s": round(time.time() - start, 1), "work_dir": str(work)}
+    text, data = resume_report(results, scenarios, meta)
+    print(text)
+    if not opts.no_save:
+        out = REPO / "benchmarks" / "results"
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"resume-{started.strftime('%Y%m%d-%H%M%S')}"
+        stem.with_suffix(".txt").write_text(text)
+        stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        print(f"saved {stem}.txt and .json", file=sys.stderr)
+    return 0
 
 
 # --------------------------------------------------------------------------- specs
@@ -487,7 +715,11 @@ def main(argv=None) -> int:
     p.add_argument("--run-timeout", type=int, default=1800, help="seconds allowed per method run")
     p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/retry-*")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--resume", action="store_true",
+                   help="the lost-steps suite: hpcmem (resume + in-job recovery) vs resubmit-from-scratch")
     opts = p.parse_args(argv)
+    if opts.resume:
+        return main_resume(opts, argv)
     scenarios = [sc for sc in SCENARIOS if not opts.quick or sc.quick]
     if opts.only:
         scenarios = [sc for sc in scenarios if fnmatch.fnmatch(sc.name, opts.only) or opts.only in sc.name]
