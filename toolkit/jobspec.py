@@ -31,6 +31,8 @@ DEFAULT_RESUME = {"TIMEOUT": 1, "PREEMPTED": 1}
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 PATH_PLACEHOLDERS = ("plan_json", "config", "ds_config", "attempt_dir", "spec_dir", "checkpoint_dir")
 """{config} is the engine's config file (ds_config.json, fsdp_config.json); {ds_config} its older name."""
+SCRIPT_RUNNER = Path(__file__).resolve().parent / "runtime" / "run_script.py"
+"""Starts a user's script in the job (by path: it imports nothing of hpcmem, so any ``command.python`` runs it)."""
 
 
 @dataclass(frozen=True)
@@ -90,15 +92,19 @@ class JobSpec:
         return plan
 
     def argv(self, plan: Plan, paths: Mapping[str, str]) -> list[str]:
-        """The user's program and arguments for one attempt, placeholders filled in.
+        """The user's program and arguments for one attempt, placeholders filled in: what follows ``python`` (or
+        the launcher) on the job's command line.
 
         ``paths`` gives ``plan_json``, ``config`` (and ``ds_config``), ``attempt_dir`` (absolute paths).
+        A script (``command.script``) is started through ``toolkit/runtime/run_script.py`` (``SCRIPT_RUNNER``),
+        which runs it as ``python SCRIPT`` would and then tears torch.distributed down cleanly; a module
+        (``command.module``) is started as ``-m MODULE`` (``toolkit.train`` tears down itself).
         """
         values = {**{k: _text(v) for k, v in plan.to_dict().items()}, **paths, "spec_dir": str(self.spec_dir)}
         args = [fill_placeholders(a, values, self.path) for a in self.args]
         if self.plan_args == "hf-trainer":
             args += hf_trainer_args(plan, paths.get("config") or None)
-        head = ["-m", self.module] if self.module else [str(self.script)]
+        head = ["-m", self.module] if self.module else [str(SCRIPT_RUNNER), str(self.script)]
         return head + args
 
 

@@ -417,7 +417,7 @@ def test_the_recorded_spec_resolves_its_paths_as_at_submission(tmp_path, monkeyp
     assert recorded.path == Path(run.run_dir) / "spec.yaml"
     assert recorded.script == project / "train.py" and recorded.spec_dir == project
     assert recorded.model["config"] == str(project / "models" / "tiny.json")
-    assert recorded.argv(spec.first_plan(part), {"plan_json": "p", "ds_config": "d", "attempt_dir": "a"})[1] == \
+    assert recorded.argv(spec.first_plan(part), {"plan_json": "p", "ds_config": "d", "attempt_dir": "a"})[-1] == \
         f"{project}/out"
     from toolkit.estimate import spec_model
 
