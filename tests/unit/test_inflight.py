@@ -82,3 +82,62 @@ def test_the_spec_switch_reaches_the_jobs_environment(tmp_path):
     bad.write_text(SPEC + "retry: {inflight: sometimes}\n")
     with pytest.raises(ConfigError, match="inflight"):
         load_spec(bad)
+
+
+USER_LOOP = r'''
+import json, resource, sys
+import torch
+from toolkit.plan import Plan
+from toolkit.runtime import inflight
+
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 1)
+gen = torch.Generator().manual_seed(1)
+plan = Plan(global_batch=8, micro_batch=int(sys.argv[1]), grad_accum=8 // int(sys.argv[1]))
+cap = int(sys.argv[2]) * 2**20
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+held = []
+
+def micro_batches(plan):
+    for _ in range(plan.grad_accum):
+        x = torch.randn(plan.micro_batch, 16, generator=gen)
+        # like activations: 400 MiB a sample, really allocated and written, held to the end of the backward
+        held.append(torch.ones(plan.micro_batch * 100 * 2**20, dtype=torch.float32))
+        loss = model(x).pow(2).sum() / plan.global_batch
+        loss.backward()
+        held.clear()
+
+recovery = inflight.Recovery(plan, enabled=True)
+state = recovery.capture(gen)
+recovery.run_step(1, micro_batches, discard=lambda: (model.zero_grad(set_to_none=True), held.clear()),
+                  rewind=lambda: recovery.restore(state, gen))
+print(json.dumps({"grad": model.weight.grad.flatten().tolist(), "moves": recovery.moves,
+                  "plan": [recovery.plan.micro_batch, recovery.plan.grad_accum]}))
+'''
+
+
+def test_a_plain_pytorch_loop_recovers_from_the_allocators_own_error_with_the_same_gradient(tmp_path):
+    """A user's loop with Recovery.run_step under a real address-space cap: micro-batch 4 cannot allocate its
+    "activations" (the CPU allocator's own error), 2 can; the step is re-run from the same data, and the gradient
+    is the one a straight run at micro-batch 2 x 4 computes (the same global batch, the same samples)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "loop.py"
+    script.write_text(USER_LOOP)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "MALLOC_ARENA_MAX": "2", "PATH": "/usr/bin:/bin"}
+
+    def run(micro):
+        done = subprocess.run([sys.executable, str(script), str(micro), "2000"], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    recovered, straight = run(4), run(2)
+    (move,) = recovered["moves"]
+    assert "can't allocate memory" in move["verdict"]["reason"] and move["verdict"]["kind"] == "cpu_alloc_oom"
+    assert move["from"]["micro_batch"] == 4 and move["to"] == {"micro_batch": 2, "grad_accum": 4, "checkpointing": False}
+    assert recovered["plan"] == [2, 4] and straight["moves"] == []
+    assert recovered["grad"] == straight["grad"]
