@@ -109,3 +109,19 @@ def test_without_in_job_moves_the_next_plan_starts_from_the_attempts_plan(tmp_pa
         _, second = ledger.attempts(run.run_id)
     assert Plan.from_dict(second.plan).global_batch == 64
     assert Plan.from_dict(second.plan).micro_batch in (64, 32), second.decision
+
+
+def test_a_time_limit_resume_keeps_the_plan_the_in_job_moves_left():
+    from toolkit.controller import resume_decision
+    from toolkit.ledger import AttemptRow
+    from toolkit.sites import load_site
+
+    cpu = load_site("testcluster").partition("cpu")
+    plan = Plan(global_batch=64, micro_batch=64, grad_accum=1)
+    metrics = {"checkpoint": {"path": "/c/step-120", "step": 120}, "resumed_from_step": None,
+               "inflight_moves": [_in_job_move(3, 64, 32)]}
+    last = AttemptRow(run_id="r", n=1, job_id="1", state="TIMEOUT", plan=plan.to_dict(), verdict=None, metrics=metrics,
+                      decision=None, attempt_dir="/nonexistent/attempt-1", partition="cpu", exit_code=0, created=0.0,
+                      submitted=0.0, finished=0.0, updated=0.0)
+    d = resume_decision({"TIMEOUT": 1}, last, [last], cpu)
+    assert d.action == "retry" and (d.plan.micro_batch, d.plan.grad_accum, d.plan.global_batch) == (32, 2, 64)
