@@ -21,6 +21,16 @@ def test_the_switch_is_on_unless_the_environment_turns_it_off():
         inflight.enabled({"HPCMEM_INFLIGHT": "maybe"})
 
 
+def test_the_helper_follows_the_jobs_switch_unless_told(monkeypatch):
+    monkeypatch.setenv("HPCMEM_INFLIGHT", "0")
+    assert not inflight.Recovery(PLAN).enabled and inflight.Recovery(PLAN, enabled=True).enabled
+    monkeypatch.delenv("HPCMEM_INFLIGHT")
+    assert inflight.Recovery(PLAN).enabled and not inflight.Recovery(PLAN, enabled=False).enabled
+    calls = []
+    assert inflight.Recovery(PLAN, enabled=False).run_step(1, lambda plan: calls.append(plan) or "done") == "done"
+    assert calls == [PLAN]
+
+
 def test_the_micro_batch_goes_down_to_a_divisor_keeping_the_global_batch():
     # 24 samples per rank: 12 -> 6 -> 3; 15 -> 5 (7 does not divide 15)
     assert inflight.smaller_micro_batch(PLAN) == 6

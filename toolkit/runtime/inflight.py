@@ -62,6 +62,9 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
     raise ConfigError(f"{ENV_INFLIGHT}={value[:40]!r}: expected true or false (1/0, yes/no, on/off)")
 
 
+_switch = enabled
+
+
 def is_oom(exc: BaseException) -> bool:
     """An out-of-memory error an in-job move can answer: CUDA's OutOfMemoryError, the CPU allocator's
     "can't allocate memory" (an address-space cap), Python's MemoryError. (A cgroup's OOM killer sends SIGKILL:
@@ -134,15 +137,18 @@ def any_rank(flag: bool, device=None) -> bool:
 class Recovery:
     """Runs steps, answering an OOM inside the job (see the module's docstring).
 
+    ``enabled``: None (the default) follows the job's switch (``HPCMEM_INFLIGHT``, on unless the spec says
+    ``retry: {inflight: false}``).
     ``enable_checkpointing``: a function turning on activation checkpointing in the running model (None: that
     move is not offered). ``on_move(move, new_plan)``: called on every rank after a move (e.g. to record it).
     ``log``: prints one line (the caller chooses which ranks print)."""
 
-    def __init__(self, plan: Plan, *, device=None, enabled: bool = True,
+    def __init__(self, plan: Plan, *, device=None, enabled: bool | None = None,
                  enable_checkpointing: Callable[[], None] | None = None,
                  on_move: Callable[[dict[str, Any], Plan], None] | None = None,
                  log: Callable[[str], None] | None = None):
-        self.plan, self.device, self.enabled = plan, device, enabled
+        self.plan, self.device = plan, device
+        self.enabled = _switch() if enabled is None else enabled
         self.enable_checkpointing, self.on_move, self.log = enable_checkpointing, on_move, log
         self.moves: list[dict[str, Any]] = []
 
