@@ -12,6 +12,8 @@ The run directory is the run's own record, enough to rebuild its ledger rows
 - ``run.json``: where the spec came from and what its relative paths meant when it was
   submitted (spec directory, absolute script, model config), the site and partition, the
   working directory.
+- ``site.json``: the site profile as resolved at submission (every partition, ``auto`` values and calibration
+  applied). Later attempts and their partitions come from it (``load_site_for``), never the site file again.
 - ``attempt-<n>/attempt.json``: the attempt's partition, plan and the decision that chose it.
 - ``end.json``: the run's final state and reason, once it has one.
 """
@@ -37,12 +39,13 @@ from .logtail import read_tail
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
 from .resources import home_dir
-from .sites import Partition, Site, load_site_file
+from .sites import Partition, Site, load_site_file, site_from_record, site_record
 
 TERMINAL_RUN_STATES = ("succeeded", "failed", "gave_up", "cancelled")
 
 
 RUN_RECORD, END_RECORD, ATTEMPT_RECORD, SPEC_COPY = "run.json", "end.json", "attempt.json", "spec.yaml"
+SITE_RECORD = "site.json"
 
 
 def open_ledger(home: Path | None = None) -> Ledger:
@@ -78,6 +81,7 @@ def create_run(ledger: Ledger, spec: JobSpec, site: Site, partition: Partition, 
     run_dir = (home or home_dir()) / "runs" / run_id
     run_dir.mkdir(parents=True)
     shutil.copyfile(spec.path, run_dir / SPEC_COPY)
+    write_atomic(run_dir / SITE_RECORD, json.dumps(site_record(site, partition), indent=2) + "\n")
     now = time.time()
     run = Run(run_id=run_id, spec_path=str(spec.path), spec_name=spec.name, site=site.name, site_path=str(site.path),
               partition=partition.name, run_dir=str(run_dir), workdir=str(workdir or Path.cwd()), state="running",
@@ -205,8 +209,20 @@ def read_metrics(attempt_dir: Path) -> dict | None:
 
 
 def load_site_for(run: Run) -> Site:
-    """The site profile the run was submitted with."""
-    return load_site_file(Path(run.site_path))
+    """The site profile as the run recorded it at submission (``site.json``), never the site file again: editing
+    or deleting that file changes nothing for a run already submitted. A run made before hpcmem recorded it
+    reads its site file, as it did then."""
+    path = Path(run.run_dir) / SITE_RECORD
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return load_site_file(Path(run.site_path))
+    except (OSError, ValueError) as exc:
+        raise LedgerError(f"{path} is unreadable ({exc}); see `hpcmem doctor`") from None
+    try:
+        return site_from_record(data, str(path))
+    except ConfigError as exc:
+        raise LedgerError(f"{exc}; see `hpcmem doctor`") from None
 
 
 def spec_for(run: Run) -> JobSpec:

@@ -407,3 +407,29 @@ def format_minutes(minutes: int) -> str:
     days, rest = divmod(int(minutes), 1440)
     text = f"{rest // 60:02d}:{rest % 60:02d}:00"
     return f"{days}-{text}" if days else text
+
+
+def site_record(site: Site, partition: Partition | None = None) -> dict:
+    """The site as resolved at submission, JSON-ready: every partition with its ``auto`` values filled in and its
+    calibration applied (``partition``, when given, is the one the run uses, as used). A run records it
+    (``runs/<id>/site.json``) so that its later attempts are planned from it, not from the site file."""
+    parts = {**site.partitions, **({partition.name: partition} if partition else {})}
+    return {"site": site.name, "scheduler": site.scheduler, "path": str(site.path), "description": site.description,
+            "partitions": {name: dataclasses.asdict(p) for name, p in parts.items()}}
+
+
+def site_from_record(data, where: str) -> Site:
+    """A Site from ``site_record``'s data; anything else (a missing or unknown field) is a ConfigError naming
+    ``where``."""
+    names = {f.name for f in dataclasses.fields(Partition)}
+    try:
+        parts = {}
+        for name, raw in data["partitions"].items():
+            unknown = sorted(set(raw) - names)
+            if unknown:
+                raise ValueError(f"partition {name}: unknown field {unknown[0]!r}")
+            parts[name] = Partition(**{**raw, "setup": tuple(raw.get("setup", ())),
+                                       "env": tuple((str(k), str(v)) for k, v in raw.get("env", ()))})
+        return Site(str(data["site"]), str(data["scheduler"]), Path(data["path"]), parts, data.get("description", ""))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{where}: not a recorded site profile ({type(exc).__name__}: {exc})") from None
