@@ -1,6 +1,6 @@
 """The memory estimator against published GPU measurements (issue 11, item 5).
 
-    python benchmarks/estimator_gpu.py [--traced] [--json] [--data DIR]
+    python benchmarks/estimator_gpu.py [--traced] [--json] [--data DIR] [--only TEXT]
 
 Every ``*.json`` file in ``benchmarks/data/`` (see its README.md) is one public source: a
 model (a transformers config), a GPU, what was measured (``nvidia_smi_used``,
@@ -449,12 +449,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traced", action="store_true", help="also run the traced method (fake-tensor steps: slower)")
     parser.add_argument("--json", action="store_true", help="machine output: rows and summary as one JSON object")
     parser.add_argument("--data", type=Path, default=DATA_DIR, help="directory of data files (default benchmarks/data)")
+    parser.add_argument("--only", metavar="TEXT", help="score only the rows whose source name or setup contains TEXT "
+                        "(e.g. a source, 'fp32', 'mb4'): for the slow --traced method")
     args = parser.parse_args(argv)
     try:
         cases = load_cases(args.data)
     except DataError as exc:
         print(f"estimator_gpu: {exc}", file=sys.stderr)
         return 2
+    if args.only:
+        cases = [c for c in cases if args.only in c.source.name or args.only in c.label]
+        if not cases:
+            print(f"estimator_gpu: --only {args.only!r}: no row's source or setup contains it", file=sys.stderr)
+            return 2
     methods = ("analytic", "traced") if args.traced else ("analytic",)
     results = score(cases, methods)
     summary = summarize(results)

@@ -150,3 +150,29 @@ def test_report_runs_and_summarizes(gpu, capsys):
     exact = [s for s in out["summary"] if s["source"] == gpu.EXACT]
     assert len(exact) == 1 and exact[0]["rows"] == sum(1 for r in out["rows"] if not r["gaps"]) > 0
     assert all(s["worst_under_pct"] <= 0 and s["max_abs_pct"] >= s["median_abs_pct"] for s in out["summary"])
+
+
+def test_only_scores_the_matching_rows_and_a_bad_filter_is_one_line(gpu, capsys):
+    assert gpu.main(["--json", "--only", "rasbt-llms-from-scratch"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] and {r["source"] for r in out["rows"]} == {"rasbt-llms-from-scratch-gpt2-124m-a100"}
+    assert gpu.main(["--only", "no-such-row"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-row" in err[0]
+
+
+def test_runtime_facts_are_checked_and_a_row_overrides_its_source(gpu, tmp_path, capsys):
+    doc = json.loads((DATA / "rasbt-pytorch-memory-optim-vit-l16.json").read_text())
+    rt = gpu.runtime_of(Path("x.json"), doc, doc["rows"][0])
+    assert rt.zero_grad == "before_backward" and rt.model_code == "torchvision" and rt.torch_version == "2.1"
+    accum = next(r for r in doc["rows"] if r["grad_accum"] > 1)
+    assert gpu.runtime_of(Path("x.json"), doc, accum).zero_grad == "after_step"  # the script's own loop
+    bad = copy.deepcopy(doc)
+    bad["runtime"]["zero_grad"] = "sometimes"
+    assert gpu.main(["--data", str(_write(tmp_path, bad))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runtime" in err[0] and "zero_grad" in err[0]
+    bad = copy.deepcopy(doc)
+    bad["runtime"]["torch"] = "2.1"
+    assert gpu.main(["--data", str(_write(tmp_path, bad))]) == 2
+    assert "runtime.torch" in capsys.readouterr().err
