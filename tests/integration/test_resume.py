@@ -204,3 +204,40 @@ def test_a_one_minute_job_finishes_over_several_attempts_each_continuing_the_las
     for before, after in zip(shown, shown[1:]):
         assert after["decision"]["moves"] == ["resume:TIMEOUT"] and after["plan"] == before["plan"]
         assert after["resumed_from_step"] == before["checkpoint"]["step"] > (before["resumed_from_step"] or 0), logs
+
+
+@pytest.mark.slurm
+def test_in_job_recovery_on_the_test_cluster_is_one_slurm_job(slurm_cluster, tmp_path):
+    """A forced OOM at step 3 on two ranks answered inside a Slurm job: the job's python runs under an address-space
+    cap (``ulimit -v``, so the allocator raises its own error in the process, as CUDA's allocator does on a GPU; the
+    cpu partition's cgroup would SIGKILL instead). One Slurm job, COMPLETED, the same global batch, step 3 re-run at
+    micro-batch 2 x 2, the move shown by ``hpcmem runs``."""
+    import sys
+
+    wrapper = tmp_path / "python-capped"
+    wrapper.write_text(f"#!/bin/bash\nulimit -v {2000 * 1024}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    args = ["--model", f"{REPO}/jobs/models/tiny-gpt2.json", "--task", "causal-lm", "--steps", "4",
+            "--warmup-steps", "0", "--oom-at-step", "3", "--oom-mib", "400"]
+    text = textwrap.dedent(f"""\
+        name: in-job-slurm
+        command:
+          module: toolkit.train
+          python: {json.dumps(str(wrapper))}
+          args: {json.dumps(args)}
+        gpus_per_node: 2
+        mem_mib: 6000
+        env: {{MALLOC_ARENA_MAX: "2"}}
+        training: {{global_batch: 8, micro_batch: 4, seq_len: 64}}
+        retry: {{max_attempts: 2, allow: [micro_batch]}}
+        """)
+    result, view, logs = submit(tmp_path, "in-job-slurm", text)
+    assert result.returncode == 0 and view["state"] == "succeeded", logs
+    (attempt,) = view["attempts"]
+    assert attempt["state"] == "COMPLETED" and attempt["job_id"] and not attempt["job_id"].startswith("local")
+    assert "in-job move" in logs and "step 4/4" in logs
+    runs = json.loads(hpcmem("runs", view["run_id"], "--json", home=tmp_path / "home", check=True).stdout)
+    (move,) = runs["attempts"][0]["inflight_moves"]
+    assert move["step"] == 3 and move["verdict"]["kind"] == "cpu_alloc_oom" and move["global_batch"] == 8
+    assert move["from"]["micro_batch"] == 4 and (move["to"]["micro_batch"], move["to"]["grad_accum"]) == (2, 2)
+    assert runs["attempts"][0]["plan"]["micro_batch"] == 4  # the attempt's plan stays; the move says what changed
