@@ -178,7 +178,7 @@ def analyse(series: Mapping[str, Any], plan_seq_len: int | None = None, rank: in
     if current is not None:
         cur_step, cur_len = _int(current.get("step")), _int(current.get("seq_len"))
         if cur_len is not None and seq is not None and cur_len > seq and (longest_len is None or cur_len > longest_len):
-            return _long_batch(cur_step, cur_len, seq, longest, longest_len, rank)
+            return _long_batch(cur_step, cur_len, seq, longest, longest_len, rank, steps, measure)
 
     leak = _leak(steps, seq, measure, rank)
     if leak is not None:
@@ -196,8 +196,9 @@ def analyse(series: Mapping[str, Any], plan_seq_len: int | None = None, rank: in
                          {"steps_recorded": len(steps)}, rank)
 
 
-def _long_batch(step, length, seq, longest, longest_len, rank) -> PeakDiagnosis:
+def _long_batch(step, length, seq, longest, longest_len, rank, steps, measure) -> PeakDiagnosis:
     ratio = length / seq
+    usual = [e[2] for e in steps if e[2] is not None]
     done = (f"the longest batch that completed was {longest_len} tokens (step {longest[0]})"
             if longest_len is not None and isinstance(longest, (list, tuple)) else "no step of this attempt completed")
     return PeakDiagnosis(
@@ -210,7 +211,8 @@ def _long_batch(step, length, seq, longest, longest_len, rank) -> PeakDiagnosis:
          f"or size the plan for the longest batch: hpcmem plan JOB --max-seq-len {length} "
          "(or --seq-len-hist FILE with the data's length histogram)"),
         {"step": step, "seq_len": length, "plan_seq_len": seq, "ratio": round(ratio, 3),
-         "longest_done": longest_len}, rank)
+         "longest_done": longest_len, "usual_peak_mib": max(usual) if usual else None,
+         "host_measure": measure == "rss"}, rank)
 
 
 def _leak(steps: Sequence[list], seq: int | None, measure: str, rank) -> PeakDiagnosis | None:
@@ -281,19 +283,52 @@ def plan_for_ladder(plan, diag: PeakDiagnosis | None):
     return plan.replace(seq_len=max(plan.seq_len, int(diag.numbers["seq_len"])))
 
 
-def after_ladder(decision, diag: PeakDiagnosis | None, seq_len: int):
+def long_batch_host_mib(diag: PeakDiagnosis, ranks_per_node: int) -> float | None:
+    """Host memory (MiB per node, before the margin) a long batch needs, from the step series: the usual steps'
+    peak RSS scaled by the length ratio (long / longest completed). Everything in the peak is taken to grow with
+    the length, so the static part (weights, optimizer state) is over-counted, which a sizing can afford; attention
+    that grows faster than the length is left to the margin. None when the series is not host memory (a GPU's
+    ``max_memory_allocated``: the ladder's GPU moves size that) or lacks the numbers."""
+    n = diag.numbers
+    if diag.case != LONG_BATCH or not n.get("host_measure") or not n.get("usual_peak_mib") or not n.get("longest_done"):
+        return None
+    return float(n["usual_peak_mib"]) * n["seq_len"] / n["longest_done"] * max(1, ranks_per_node)
+
+
+def after_ladder(decision, diag: PeakDiagnosis | None, seq_len: int, mem_cap_mib: float | None = None):
     """The ladder's decision for a plan sized by ``plan_for_ladder``: the data's usual ``seq_len`` given back to the
     next plan (what is learned never changes: the data keeps its lengths), a ``sized-for-seq-len:L`` move and the
-    long batch named in the reason. Any other decision is returned as it is."""
+    long batch named in the reason. When the ladder's move is more ``--mem`` and the series measured host memory,
+    ``--mem`` is raised to what the long batch needs (``long_batch_host_mib`` plus the predictor's margin, at most
+    ``mem_cap_mib``) instead of a blind doubling. Any other decision is returned as it is."""
     if diag is None or diag.case != LONG_BATCH:
         return decision
     import dataclasses
+    import math
+
+    from .predict import MARGIN
 
     length = int(diag.numbers["seq_len"])
     plan = decision.plan.replace(seq_len=seq_len) if decision.plan is not None else None
-    moves = (f"sized-for-seq-len:{length}", *decision.moves) if decision.action == "retry" else decision.moves
+    moves = decision.moves
+    sized = ""
+    need = long_batch_host_mib(diag, plan.gpus_per_node) if plan is not None else None
+    mem_move = [m for m in moves if m.startswith("mem_mib:")]
+    if need is not None and mem_move and plan.mem_mib is not None:
+        wanted = math.ceil(round(need * (1 + MARGIN), 3))  # 5920 x 1.1 is 6512, not 6512.000001
+        if mem_cap_mib is not None:
+            wanted = min(wanted, int(mem_cap_mib))
+        if wanted > plan.mem_mib:
+            before = mem_move[0].split(":", 1)[1].split("->")[0]
+            moves = tuple(f"mem_mib:{before}->{wanted}" if m == mem_move[0] else m for m in moves)
+            decision = dataclasses.replace(decision, reason=decision.reason.replace(mem_move[0], moves[0]))
+            sized = (f" --mem {wanted} MiB: the usual steps' peak {diag.numbers['usual_peak_mib']:.0f} MiB x "
+                     f"{length}/{diag.numbers['longest_done']} tokens (+{MARGIN:.0%})")
+            plan = plan.replace(mem_mib=wanted)
+    if decision.action == "retry":
+        moves = (f"sized-for-seq-len:{length}", *moves)
     return dataclasses.replace(decision, plan=plan, moves=moves,
-                               reason=f"A long batch: {diag.reason}: sized for it. {decision.reason}")
+                               reason=f"A long batch: {diag.reason}: sized for it{sized}. {decision.reason}")
 
 
 # --------------------------------------------------------------------------- the data's longest sequence

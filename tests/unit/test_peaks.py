@@ -70,7 +70,8 @@ def test_too_few_steps_for_a_trend():
 def test_a_long_batch_at_the_failing_step():
     d = peaks.analyse(series(STEADY_VARIABLE, current={"step": 21, "seq_len": 512}))
     assert d.case == peaks.LONG_BATCH and d.answers_with_ladder
-    assert d.numbers == {"step": 21, "seq_len": 512, "plan_seq_len": 128, "ratio": 4.0, "longest_done": 122}
+    assert d.numbers == {"step": 21, "seq_len": 512, "plan_seq_len": 128, "ratio": 4.0, "longest_done": 122,
+                         "usual_peak_mib": 550.9, "host_measure": True}
     assert "step 21" in d.reason and "512 tokens" in d.reason
     assert any("--max-seq-len 512" in r for r in d.remedies)
     assert any("bucket" in r for r in d.remedies) and any("cap the sequence length at 128" in r for r in d.remedies)
@@ -163,6 +164,7 @@ def test_a_long_batch_is_sized_for_then_the_usual_length_given_back():
     assert out.plan.seq_len == 128 and out.plan.mem_mib == 4000
     assert out.moves == ("sized-for-seq-len:512", "mem:2000->4000")
     assert out.reason.startswith("A long batch: step 21") and "sized for it" in out.reason
+    assert out.plan.mem_mib == 4000  # no mem cap given and 551 x 512/122 x 1.1 = 2544 MiB < 4000: kept
     leak = peaks.analyse(series(LEAKING), 64)
     same = _Decision("retry", plan)
     assert peaks.after_ladder(same, leak, 128) is same
@@ -206,3 +208,23 @@ def test_sized_for_longest_says_what_it_did():
     within = peaks.sized_for_longest(1024, 512, "hist.csv")
     assert within["sized_seq_len"] == 1024 and "within" in within["note"]
     assert peaks.sized_for_longest(128, None, "x") is None
+
+
+def test_a_long_batch_on_host_memory_gets_the_mem_it_needs_not_a_doubling():
+    # the usual steps peaked at 740 MiB RSS with batches of at most 64 tokens; step 5's batch is 512 tokens
+    steps = [(s, 64, 700.0 + 10 * s) for s in range(1, 5)]
+    d = peaks.analyse(series(steps, current={"step": 5, "seq_len": 512}, plan_seq_len=64))
+    assert peaks.long_batch_host_mib(d, 1) == 740 * 8 and peaks.long_batch_host_mib(d, 2) == 2 * 740 * 8
+    ladder = _Decision("retry", Plan(seq_len=512, mem_mib=3600), ("mem_mib:1800->3600",),
+                       "the cheapest host-memory move left: mem_mib:1800->3600.")
+    out = peaks.after_ladder(ladder, d, 64, mem_cap_mib=20000)
+    assert out.plan.mem_mib == 6512 and out.moves == ("sized-for-seq-len:512", "mem_mib:1800->6512")  # 5920 x 1.1
+    assert "mem_mib:1800->6512" in out.reason and "3600" not in out.reason
+    assert peaks.after_ladder(ladder, d, 64, mem_cap_mib=5000).plan.mem_mib == 5000  # within the node
+    # not a memory move: left to the ladder (no --mem invented where the spec does not allow it)
+    micro = _Decision("retry", Plan(seq_len=512, micro_batch=4, global_batch=8, grad_accum=2), ("micro_batch:8->4",))
+    assert peaks.after_ladder(micro, d, 64).plan.mem_mib is None
+    # a GPU series (max_memory_allocated): the ladder's GPU moves size it, no host figure
+    gpu = peaks.analyse(series(steps, current={"step": 5, "seq_len": 512}, plan_seq_len=64,
+                               measure="max_memory_allocated"))
+    assert peaks.long_batch_host_mib(gpu, 1) is None
