@@ -464,12 +464,13 @@ def _layout_attempt(tmp_path: Path, name: str, launcher: str, zero_stage: int, w
     return attempt
 
 
-@pytest.mark.parametrize("first,then", [(("deepspeed", 3, 2), ("torchrun", 0, 2)),
+@pytest.mark.parametrize("first,then", [(("deepspeed", 2, 2), ("deepspeed", 2, 2)),
+                                        (("deepspeed", 3, 2), ("torchrun", 0, 2)),
                                         (("torchrun", 0, 2), ("deepspeed", 3, 1)),
                                         (("deepspeed", 2, 2), ("fsdp", 0, 1))])
 def test_a_layout_change_into_or_out_of_deepspeed_goes_through_the_full_copy(tmp_path, first, then):
     """A DeepSpeed save carries a layout-free copy (state.pt: DDP's format) when the model is small enough:
-    ZeRO-3 -> DDP, DDP -> ZeRO-3 of another world size, ZeRO-2 -> FSDP2 load bitwise the state saved (the
+    the same layout loads ``ds/`` (and its digest, before any step, gathers through fragments linked anew), ZeRO-3 -> DDP, DDP -> ZeRO-3 of another world size, ZeRO-2 -> FSDP2 load bitwise the state saved (the
     digests hash the gathered fp32 parameters and the optimizer's state per parameter name in every layout)."""
     ckdir = tmp_path / "checkpoints"
     a1 = _layout_attempt(tmp_path, "first", *first)

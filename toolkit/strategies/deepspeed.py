@@ -351,6 +351,16 @@ def _state_keys(engine) -> tuple[list[str], dict]:
     return [], {}
 
 
+def _link_optimizer_fragments(engine) -> None:
+    """ZeRO-1/2 (and DeepSpeed's bf16 optimizer) point each parameter's fragment at the base optimizer's state only
+    at its first step, and never again: after ``load_checkpoint`` (which replaces the state tensors) or before a
+    step there is no link, or a stale one. Link anew (views, no copies); ZeRO-3 reads the state directly."""
+    zopt = engine.optimizer
+    if hasattr(zopt, "_hp_optimizer_states_linked") and any(_zero_base(engine).state.get(f) for f in _flats(engine)):
+        zopt._hp_optimizer_states_linked = False
+        zopt._lazy_init_hp_params_optimizer_state()
+
+
 def _hyper(base) -> dict:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     return groups[0] if groups else {}
@@ -369,6 +379,7 @@ def gather_full_state(engine) -> dict | None:
     main = engine.global_rank == 0
     module, base = engine.module, _zero_base(engine)
     per_element, scalars = _state_keys(engine)
+    _link_optimizer_fragments(engine)
     model: dict[str, Any] = {}
     state: dict[str, dict] = {}
     names = []
@@ -438,9 +449,7 @@ def scatter_full_state(engine, full: dict) -> None:
         hyper = (optim.get("param_groups") or [{}])[0]
         for group in base.param_groups:
             group.update({k: v for k, v in hyper.items() if k != "params" and k in group})
-        if hasattr(zopt, "_hp_optimizer_states_linked"):  # ZeRO-1/2: link the fragments to the new state
-            zopt._hp_optimizer_states_linked = False
-            zopt._lazy_init_hp_params_optimizer_state()
+        _link_optimizer_fragments(engine)  # ZeRO-1/2: the fragments point at the new state
     device = engine.device
     if stage == 3:
         group = getattr(zopt, "dp_process_group", None)
