@@ -26,7 +26,9 @@ Rules, in the order they are applied
     left: give up, saying what was tried and why.
 
 GPU ladder (cheapest in lost throughput first; each rung only when its ``allow`` name is given and the
-partition can do it; options within a rung go from mild to strong)
+partition can do it; options within a rung go from mild to strong). The rungs are the steps of the move table
+``MOVES``, one entry per move that also holds the planner's axis for it (``move_grid``): the ladder and the
+planner share the moves.
     precision      fp32 -> bf16-mixed where ``partition.bf16``, else fp16-mixed (loss scaling)
     attention      eager -> flash where ``partition.flash_attention`` and not fp32, else sdpa
     micro_batch    down to a divisor of ``global_batch / world_size``, ``grad_accum`` up (``with_changes``)
@@ -89,9 +91,10 @@ Time
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 from . import optimizers, strategies
 from .classify import Verdict
@@ -346,8 +349,117 @@ def _more_gpus(plan: Plan, ctx: _Ctx) -> list[Plan]:
     return _valid([ctx.make(plan, **s) for s in shapes if s is not None])
 
 
-GPU_RUNGS = (_precision, _attention, _micro_batch, _checkpointing, _optimizer, _shard, _offload, _nvme, _more_gpus)
+# --------------------------------------------------------------------------- the move table
+# One definition per memory move, shared by the ladder (``step``: from a failed plan, mildest first) and the
+# planner (``values``: the settings of the move's knobs it enumerates from a base plan, their product being its
+# candidates). Adding a move is one entry here.
+
+
+@dataclass(frozen=True)
+class Move:
+    """One memory move: its name, the ladder's step and the planner's axis."""
+
+    name: str
+    """The move (an ``ALLOW_NAMES`` name; ``shard`` stands for ``zero`` and ``fsdp``)."""
+    step: Callable[[Plan, "_Ctx"], list]
+    """The ladder's step from a plan: the plans it offers, mildest first ([] when not allowed or not possible)."""
+    values: Callable[[Plan, Partition, frozenset], list] | None = None
+    """The planner's axis: every setting of the move's knobs it enumerates from ``base`` on the partition with
+    the allowed moves (``base``'s own included), as knob changes. None: not an axis of its own (offload and
+    NVMe are enumerated with sharding, the engine's axis; the allocator setting is added per candidate by the
+    planner when the allocator model asks for it; more GPUs change the world size the planner keeps)."""
+
+
+def _precision_values(base: Plan, partition: Partition, allow: frozenset) -> list[dict]:
+    out = {base.precision}
+    if "precision" in allow and partition.has_gpu:
+        out |= {"bf16-mixed" if partition.bf16 else "fp16-mixed", "fp32"}
+    return [{"precision": p} for p in sorted(out)]
+
+
+def _attention_values(base: Plan, partition: Partition, allow: frozenset) -> list[dict]:
+    out = {base.attention}
+    if "attention" in allow:
+        out |= {"sdpa"} | ({"flash"} if partition.flash_attention else set())
+    return [{"attention": a} for a in sorted(out)]
+
+
+def _micro_batch_values(base: Plan, partition: Partition, allow: frozenset) -> list[dict]:
+    per_rank = base.global_batch // base.world_size
+    micros = micro_batches(per_rank, base.micro_batch) if "micro_batch" in allow else [base.micro_batch]
+    return [{"micro_batch": m} for m in micros]
+
+
+def _checkpointing_values(base: Plan, partition: Partition, allow: frozenset) -> list[dict]:
+    out = {base.checkpointing, True} if "checkpointing" in allow else {base.checkpointing}
+    return [{"checkpointing": c} for c in sorted(out)]
+
+
+def _optimizer_values(base: Plan, partition: Partition, allow: frozenset) -> list[dict]:
+    out = {base.optimizer} | ({"adamw-8bit", "adafactor"} if "optimizer" in allow else set())
+    return [{"optimizer": o} for o in sorted(out)]
+
+
+def _engine_values(base: Plan, partition: Partition, allow: frozenset) -> list[dict]:
+    return engine_options(base, allow, nvme=bool(partition.nvme_path))
+
+
+MOVES = (
+    Move("alloc_conf", _alloc_conf),
+    Move("precision", _precision, _precision_values),
+    Move("attention", _attention, _attention_values),
+    Move("micro_batch", _micro_batch, _micro_batch_values),
+    Move("checkpointing", _checkpointing, _checkpointing_values),
+    Move("optimizer", _optimizer, _optimizer_values),
+    Move("shard", _shard, _engine_values),
+    Move("offload", _offload),
+    Move("nvme", _nvme),
+    Move("gpus", _more_gpus),
+)
+"""The memory moves, cheapest in lost throughput first: the GPU ladder's order (the allocator move leads only
+when the failure is the allocator's; the partition move comes after them all)."""
+
+GPU_RUNGS = tuple(m.step for m in MOVES if m.name != "alloc_conf")
 """The GPU ladder, cheapest in lost throughput first (the partition rung comes after them)."""
+
+
+def move_grid(base: Plan, partition: Partition, allow: Iterable[str]) -> Iterator[dict]:
+    """The planner's candidates as knob changes from ``base``: the product of every move's ``values`` (in the
+    table's order), each a dict of changes (invalid combinations are the caller's to drop)."""
+    allow = frozenset(allow)
+    axes = [m.values(base, partition, allow) for m in MOVES if m.values is not None]
+    for combo in itertools.product(*axes):
+        changes: dict = {}
+        for part in combo:
+            changes.update(part)
+        yield changes
+
+
+MAX_MICRO_BATCHES = 32
+"""Most micro-batch sizes tried per plan family: the candidates are a product, so this bounds the planner's time
+whatever the global batch (2**30 has 31 divisors, 963761198400 has 6720)."""
+
+
+def micro_batches(per_rank: int, base_micro: int, most: int = MAX_MICRO_BATCHES) -> list[int]:
+    """Micro-batch sizes the planner tries, ascending: every divisor of ``per_rank`` when there are at most
+    ``most``; else ``base_micro`` and, for each power of two up to ``per_rank``, the largest divisor not above it
+    (log-spaced, so every scale is tried), thinned evenly to ``most``."""
+    every = divisors(per_rank) if per_rank >= 1 else [1]
+    if len(every) <= most:
+        return every
+    chosen, k = [], 0
+    for d in every:
+        while 2 ** (k + 1) <= d:
+            k += 1
+        if chosen and chosen[-1][0] == k:
+            chosen[-1] = (k, d)  # the largest divisor within [2**k, 2**(k+1))
+        else:
+            chosen.append((k, d))
+    picks = sorted({d for _k, d in chosen})
+    if len(picks) > most - 1:
+        step = (len(picks) - 1) / (most - 2)
+        picks = sorted({picks[round(i * step)] for i in range(most - 1)})
+    return sorted(set(picks) | ({base_micro} if per_rank % base_micro == 0 else set()))
 
 
 def _with_zero(plan: Plan | None, ctx: _Ctx, stage: int, **changes) -> Plan | None:

@@ -2,7 +2,11 @@
 
 Candidates keep what is learned (global batch, sequence length, model, world size) and vary what the
 job spec allows: precision the GPU has, attention, micro-batch (accumulation follows), checkpointing,
-optimizer (only if allowed), ZeRO stage and offload. Each is estimated (analytic: instant) and given a
+optimizer (only if allowed), ZeRO stage, FSDP and offload. They are the product of the axes of the ladder's
+move table (``ladder.MOVES``, ``ladder.move_grid``): one definition per move, whose ladder step goes only
+towards less memory, mildest first, while its planner axis also holds the settings that cost memory and buy
+speed (larger micro-batches, lower ZeRO stages; fp32 is listed too), so the fastest that fits can be
+chosen. Each is estimated (analytic: instant) and given a
 relative throughput from a simple cost model:
 
     throughput = precision speed-up / (accumulation x checkpointing x optimizer x engine costs)
@@ -23,7 +27,6 @@ ladder's allocator move, at the same speed.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -77,23 +80,10 @@ def speed(plan: Plan, partition: Partition) -> float:
 
 
 def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> list[Plan]:
-    """Every valid plan reachable from ``base`` with the allowed moves on ``partition`` (base first)."""
-    allow = set(allow)
-    precisions = {base.precision}
-    if "precision" in allow and partition.has_gpu:
-        precisions |= {"bf16-mixed" if partition.bf16 else "fp16-mixed", "fp32"}
-    attentions = {base.attention} | ({"sdpa"} | ({"flash"} if partition.flash_attention else set())
-                                     if "attention" in allow else set())
-    per_rank = base.global_batch // base.world_size
-    micros = micro_batches(per_rank, base.micro_batch) if "micro_batch" in allow else [base.micro_batch]
-    ckpts = {base.checkpointing, True} if "checkpointing" in allow else {base.checkpointing}
-    opts = {base.optimizer} | ({"adamw-8bit", "adafactor"} if "optimizer" in allow else set())
-    engines = ladder.engine_options(base, allow, nvme=bool(partition.nvme_path))
+    """Every valid plan reachable from ``base`` with the allowed moves on ``partition`` (base first): the
+    product of the moves' axes in the ladder's move table (``ladder.MOVES``, ``ladder.move_grid``)."""
     out = [base]
-    for prec, att, micro, ckpt, opt, engine in itertools.product(
-            sorted(precisions), sorted(attentions), micros, sorted(ckpts), sorted(opts), engines):
-        changes = {"precision": prec, "attention": att, "micro_batch": micro, "checkpointing": ckpt, "optimizer": opt,
-                   **engine}
+    for changes in ladder.move_grid(base, partition, allow):
         try:
             plan = with_changes(base, changes)
             partition.check_plan(plan)
@@ -104,31 +94,9 @@ def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> l
     return out
 
 
-MAX_MICRO_BATCHES = 32
-"""Most micro-batch sizes tried per plan family: the candidates are a product, so this bounds the planner's time
-whatever the global batch (2**30 has 31 divisors, 963761198400 has 6720)."""
-
-
-def micro_batches(per_rank: int, base_micro: int, most: int = MAX_MICRO_BATCHES) -> list[int]:
-    """Micro-batch sizes to try, ascending: every divisor of ``per_rank`` when there are at most ``most``; else
-    ``base_micro`` and, for each power of two up to ``per_rank``, the largest divisor not above it (log-spaced,
-    so every scale is tried), thinned evenly to ``most``."""
-    every = ladder.divisors(per_rank) if per_rank >= 1 else [1]
-    if len(every) <= most:
-        return every
-    chosen, k = [], 0
-    for d in every:
-        while 2 ** (k + 1) <= d:
-            k += 1
-        if chosen and chosen[-1][0] == k:
-            chosen[-1] = (k, d)  # the largest divisor within [2**k, 2**(k+1))
-        else:
-            chosen.append((k, d))
-    picks = sorted({d for _k, d in chosen})
-    if len(picks) > most - 1:
-        step = (len(picks) - 1) / (most - 2)
-        picks = sorted({picks[round(i * step)] for i in range(most - 1)})
-    return sorted(set(picks) | ({base_micro} if per_rank % base_micro == 0 else set()))
+MAX_MICRO_BATCHES = ladder.MAX_MICRO_BATCHES
+micro_batches = ladder.micro_batches
+"""The micro-batch axis (the move table's ``micro_batch`` values), bounded so the planner's time is."""
 
 
 SHOWN_FITTING = 12

@@ -149,3 +149,35 @@ def test_screening_chooses_what_estimating_every_candidate_would(job, part):
         assert screened.estimate.device_used_mib <= replayed.estimate.device_used_mib + 1e-6
     full.sort(key=lambda c: (-c.throughput, c.estimate.device_used_mib))
     assert planner.choose(quick).plan == planner.choose(full).plan
+
+
+@pytest.mark.parametrize("job, part", [("gpt2-clm", "a100-40gb"), ("bert-large-cls", "v100-16gb"),
+                                       ("quickstart", "a100-80gb"), ("llama-7b-zero3-nvme", "a100-40gb")])
+def test_the_ladder_and_the_planner_share_one_move_table(job, part):
+    """Every move is one entry of ladder.MOVES: the ladder's GPU rungs are its steps, in its order, and the
+    planner's candidates are the product of its axes; so every plan one ladder step offers from a plan (more GPUs
+    aside: the planner keeps the world size) is among the planner's candidates from that plan."""
+    from toolkit import ladder
+    from toolkit.classify import Verdict
+
+    assert ladder.GPU_RUNGS == tuple(m.step for m in ladder.MOVES if m.name != "alloc_conf")
+    named = {m.name for m in ladder.MOVES} - {"shard"} | {"zero", "fsdp"}
+    assert set(ladder.ALLOW_NAMES) - named == {"partition", "mem", "workers"}  # host and partition moves only
+    partition = EX.partition(part)
+    spec = load_spec(job)
+    allow = tuple(ladder.ALLOW_NAMES)
+    checked = 0
+    for start in (spec.first_plan(partition), spec.first_plan(partition).replace(precision="fp32", attention="eager")):
+        try:
+            partition.check_plan(start)
+        except Exception:
+            continue
+        cands = set(planner.candidate_plans(start, partition, allow))
+        ctx = ladder._Ctx(partition, partition, frozenset(allow), frozenset(), {}, "gpu_oom",
+                          ladder.Predictor(partition))
+        offered = [p for m in ladder.MOVES if m.values is not None or m.name in ("offload", "nvme")
+                   for p in m.step(start, ctx)]
+        missing = [ladder.move_names(start, p) for p in offered if p not in cands]
+        assert not missing
+        checked += len(offered)
+    assert checked
