@@ -530,3 +530,13 @@ def test_zero_grad_before_backward_keeps_the_last_steps_gradients_through_the_fo
         raise AssertionError("no step 2 mark")
 
     assert live_at_step2(events) > live_at_step2(usual)
+
+
+def test_a_loss_on_16bit_logits_keeps_no_fp32_copy_in_the_trace():
+    from toolkit.estimate.gpu import Runtime
+
+    p = plan(precision="bf16-true", micro_batch=4, seq_len=64)
+    today = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition())
+    lean = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(), runtime=Runtime(logits_fp32=False))
+    assert lean.peak_allocated_mib < today.peak_allocated_mib
+    assert any("no fp32 upcast" in n for n in lean.notes)

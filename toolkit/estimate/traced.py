@@ -173,7 +173,8 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     keep_grads = runtime is not None and not runtime.frees_grads
     late_zero = runtime is not None and runtime.grads_through_forward
     trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps,
-                           set_to_none=not keep_grads, zero_before_backward=late_zero)
+                           set_to_none=not keep_grads, zero_before_backward=late_zero,
+                           logits_fp32=runtime is None or runtime.logits_fp32)
     notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
     if runtime is not None and runtime.model_code != "transformers":
         notes_extra.append(f"traced the transformers class of the config, not {runtime.model_code}'s model "
@@ -207,7 +208,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 
         events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory,
                                  set_to_none=runtime is None or runtime.frees_grads,
-                                 zero_before_backward=runtime is not None and runtime.grads_through_forward)
+                                 zero_before_backward=runtime is not None and runtime.grads_through_forward,
+                                 logits_fp32=runtime is None or runtime.logits_fp32)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -233,7 +235,7 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
                    model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True,
-                   set_to_none: bool = True, zero_before_backward: bool = False) -> Trace:
+                   set_to_none: bool = True, zero_before_backward: bool = False, logits_fp32: bool = True) -> Trace:
     """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
 
     ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
@@ -252,7 +254,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with (_quiet(), _no_automatic_gc(), mode, _device_behaviour(target, notes),
           _unpacked_batches(model_factory is None), _value_free_init(fake)):
-        traced = _build(model_config, task, plan, layout, target, model_factory, notes)
+        traced = _build(model_config, task, plan, layout, target, model_factory, notes, logits_fp32)
         module = traced.module
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = _make_optimizer(plan, params, layout, target, notes)
@@ -408,8 +410,10 @@ def _layout(plan: Plan) -> _Layout:
 
 
 def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_factory,
-           notes: list[str]) -> TracedModel:
-    """The model (already in the fake mode), its batch maker and loss, with checkpointing applied."""
+           notes: list[str], logits_fp32: bool = True) -> TracedModel:
+    """The model (already in the fake mode), its batch maker and loss, with checkpointing applied.
+    ``logits_fp32=False`` (a causal LM): the loss is ``F.cross_entropy`` on the model's own (16-bit)
+    logits, as litgpt and hand-written loops take it, instead of transformers' loss, which upcasts them."""
     if model_factory is not None:
         with _default_dtype(layout.weight_dtype):
             traced = _as_traced_model(model_factory())
@@ -442,7 +446,29 @@ def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_f
     if plan.checkpointing:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.train()
+    if task == "causal-lm" and not logits_fp32:
+        notes.append("loss: F.cross_entropy on the model's logits in their own dtype (no fp32 upcast)")
+        return TracedModel(module, *_lm_batch_and_plain_loss(config, target))
     return TracedModel(module, _hf_batch_maker(config, task, target))
+
+
+def _lm_batch_and_plain_loss(config, target: str):
+    """A causal LM's batch without labels (so the model computes no loss of its own) and a loss on its
+    logits as they come: ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())`` with targets
+    already shifted by the data (litgpt, the LLMs-from-scratch book)."""
+    vocab = int(config.vocab_size)
+    held: dict = {}
+
+    def make_batch(micro_batch: int, seq_len: int) -> dict:
+        ids = torch.randint(0, vocab, (micro_batch, seq_len))
+        held["targets"] = ids.clone() if target == "cuda" else ids
+        return {"input_ids": ids}
+
+    def loss_fn(output, batch):  # noqa: ARG001 - the batch holds no targets (the model must not see them)
+        logits = output.logits if hasattr(output, "logits") else output["logits"]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), held.pop("targets").flatten())
+
+    return make_batch, loss_fn
 
 
 def _hf_batch_maker(config, task: str, target: str) -> Callable[[int, int], dict]:
@@ -930,7 +956,8 @@ def _quiet() -> Iterator[None]:
 # -- the recorded stream --------------------------------------------------------------
 
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
-                    steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False) -> list[tuple]:
+                    steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False,
+                    logits_fp32: bool = True) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
@@ -943,7 +970,7 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
     with (_quiet(), _no_automatic_gc(), FakeTensorMode(allow_non_fake_inputs=True),
           _device_behaviour(target, notes), _unpacked_batches(model_factory is None), _value_free_init(True)):
         with rec:
-            traced = _build(model_config, task, plan, layout, target, model_factory, notes)
+            traced = _build(model_config, task, plan, layout, target, model_factory, notes, logits_fp32)
             rec.adopt(traced.module.parameters())
             rec.adopt(traced.module.buffers())
             params = [p for p in traced.module.parameters() if p.requires_grad]
