@@ -90,7 +90,8 @@ def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pat
            "--ntasks-per-node=1",
            f"--cpus-per-task={cpus_per_task(partition, plan)}",
            f"--time={format_minutes(plan.time_min)}",
-           f"--output={sbatch_value(attempt_dir / 'slurm-%j.out')}"]
+           f"--output={sbatch_value(attempt_dir / 'slurm-%j.out')}",
+           f"--signal=B:USR1@{time_limit_warning_s(plan)}"]
     if partition.has_gpu:
         gres = f"{partition.gres_type}:{plan.gpus_per_node}" if partition.gres_type else str(plan.gpus_per_node)
         out.append(f"--gpus-per-node={sbatch_value(gres)}")
@@ -101,6 +102,17 @@ def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pat
         if value:
             out.append(f"--{flag}={sbatch_value(value)}")
     return out
+
+
+def time_limit_warning_s(plan: Plan) -> int:
+    """Seconds before the time limit at which Slurm sends USR1 to the batch shell (``--signal=B:USR1@...``), which
+    asks the trainer for a save (templates/launch.sbatch.j2): the runtime's own margin for the plan's limit
+    (``checkpoint.margin_s``: 10% of it, within 20-300 s)."""
+    import math
+
+    from .runtime.checkpoint import margin_s
+
+    return int(math.ceil(margin_s(60.0 * plan.time_min)))
 
 
 def cpus_per_task(partition: Partition, plan: Plan) -> int:

@@ -143,6 +143,25 @@ def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
+def test_slurm_s_time_limit_warning_reaches_the_trainer_and_it_saves(slurm_cluster, tmp_path):
+    """The rendered script asks for ``--signal=B:USR1@20`` (a 1-minute limit) and runs torchrun in the background:
+    Slurm's USR1 reaches the batch shell's trap, which writes the save request, and the trainer saves with reason
+    ``signal``. The runtime's own deadline save is pushed to 1 s before the limit (``--checkpoint-margin-s 1``),
+    so the save comes from the signal, not from the clock."""
+    text = one_minute_spec("usr1", ["--steps", "1000000", "--checkpoint-margin-s", "1"],
+                           "{max_attempts: 1, resume: {TIMEOUT: 0}}")
+    result, view, logs = submit(tmp_path, "usr1", text)
+    (attempt,) = view["attempts"]
+    assert attempt["state"] == "TIMEOUT", logs
+    script = (Path(attempt["attempt_dir"]) / "job.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@20" in script
+    full_log = "".join(p.read_text() for p in Path(attempt["attempt_dir"]).glob("slurm-*.out"))  # `logs`: tails
+    assert "save requested" in full_log and "(signal)" in full_log, logs
+    reasons = [json.loads(m.read_text())["reason"] for m in (Path(view["run_dir"]) / "checkpoints").glob("step-*/complete")]
+    assert "signal" in reasons, (reasons, logs)
+
+
+@pytest.mark.slurm
 def test_activations_oom_is_answered_by_a_smaller_micro_batch_that_resumes(slurm_cluster, tmp_path):
     """``--oom-kind activations`` scales with the micro-batch: 450 MiB a sample is 1800 MiB at micro-batch 4 (over
     --mem 2600 with two ranks), 900 MiB at 2. The retry (micro-batch 2 x 2, the same global batch) resumes from

@@ -142,6 +142,20 @@ def test_full_saves_load_into_zero_1_2_3_and_fsdp_shards_do_not():
     assert "FSDP" in ck.readable(dcp, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 3})
 
 
+def test_the_runtime_takes_the_save_request_once(tmp_path, monkeypatch):
+    """Rank 0 takes the request file the trap writes (and removes it): the next step saves with reason signal."""
+    class Ranks:
+        rank, world_size, is_main = 0, 1, True
+
+    monkeypatch.setenv("HPCMEM_ATTEMPT_DIR", str(tmp_path))
+    saver = ck.Checkpointer(tmp_path / "checkpoints", ck.Policy(), Ranks(), {})
+    assert not saver.take_request()
+    (tmp_path / ck.SAVE_REQUEST).write_text("")
+    assert saver.take_request() and not (tmp_path / ck.SAVE_REQUEST).exists()
+    assert not saver.take_request()
+    assert saver.policy.due(3, 0.0, 0.0, requested=True, deadline_saved=False) == "signal"
+
+
 def test_policy():
     p = ck.Policy(every_steps=5)
     assert [s for s in range(1, 12) if p.due(s, 0, 0, False, False)] == [5, 10]

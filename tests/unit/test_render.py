@@ -14,6 +14,7 @@ from toolkit import jobspec, render, sites
 from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.errors import RenderError
 from toolkit.plan import Plan
+from toolkit.runtime import checkpoint as ck
 
 TC = sites.load_site("testcluster")
 EX = sites.load_site("example-hpc")
@@ -141,6 +142,54 @@ def test_a_hostile_script_runs_with_its_values_intact(tmp_path):
     subprocess.run(["bash", str(attempt.script)], check=True, env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "local-08"})
     lines = (tmp_path / "a" / "argv.txt").read_text().splitlines()
     assert lines[-1] == HOSTILE and lines[-2] == "toolkit.train"
+
+
+@pytest.mark.parametrize("time_min,margin", [(1, 20), (10, 60), (30, 180), (60, 300)])
+def test_slurm_warns_the_batch_shell_at_the_runtime_s_margin(time_min, margin):
+    spec = jobspec.load_spec("quickstart")
+    plan = spec.first_plan(TC.partition("cpu"), {"time_min": time_min})
+    lines = render.directives(spec, TC.partition("cpu"), plan, Path("/r/a"))
+    assert f"--signal=B:USR1@{margin}" in lines
+    assert margin == ck.margin_s(60.0 * time_min)  # the runtime saves on its own at the same margin
+
+
+def test_the_launch_line_turns_usr1_into_a_save_request_and_keeps_the_exit_status(tmp_path):
+    """Run the rendered script for real with a stub launcher in place of torchrun: USR1 sent to the batch shell
+    (what Slurm's --signal=B:USR1 does) runs the trap while the launcher runs in the background; the trap writes
+    the save request the runtime looks for; the script then waits again and exits with the launcher's status."""
+    import signal
+    import time
+
+    spec = jobspec.load_spec("quickstart")
+    part = sites.load_site("local").partition(None)
+    plan = spec.first_plan(part)
+    stub = tmp_path / "launcher"
+    stub.write_text(textwrap.dedent("""\
+        #!/bin/bash
+        : > "$HPCMEM_ATTEMPT_DIR/started"
+        for _ in $(seq 600); do
+          [ -e "$HPCMEM_ATTEMPT_DIR/save-request" ] && exit 7
+          sleep 0.05
+        done
+        exit 1
+        """))
+    stub.chmod(0o755)
+    attempt = render.render_attempt(spec, part, plan, tmp_path / "a", python=str(stub), workdir=tmp_path)
+    proc = subprocess.Popen(["bash", str(attempt.script)], env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "9"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if (tmp_path / "a" / "started").exists():
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 7, err
+    assert "save requested" in out
+    assert (tmp_path / "a" / ck.SAVE_REQUEST).exists()
 
 
 def test_cpu_partition_gets_no_gres_and_the_memory_asked():

@@ -330,6 +330,11 @@ def state_digest(model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any] | None
 
 # -- the runtime side: when to save, saving, resuming (inside the job) ---------------------------------------------
 
+SAVE_REQUEST = "save-request"
+"""A file in the attempt directory (``HPCMEM_ATTEMPT_DIR``) asking for a save: the rendered script's USR1 trap
+writes it when Slurm's time-limit warning reaches the batch shell (templates/launch.sbatch.j2); rank 0 looks for
+it after every step and removes it when it takes the request."""
+
 DEFAULT_MARGIN_FRACTION = 0.1
 MIN_MARGIN_S, MAX_MARGIN_S = 20.0, 300.0
 
@@ -402,11 +407,28 @@ class Checkpointer:
         self.last_save = time.time()
         self.save_cost_s = 0.0
         self.last: Saved | None = None
+        attempt_dir = os.environ.get("HPCMEM_ATTEMPT_DIR", "").strip()
+        self.request_file = Path(attempt_dir) / SAVE_REQUEST if attempt_dir and ranks.is_main else None
 
     # -- signals --
 
+    def take_request(self) -> bool:
+        """Whether the batch shell asked for a save (``SAVE_REQUEST``, rank 0 only: one stat a step); the file is
+        removed when taken."""
+        if self.request_file is None:
+            return False
+        try:
+            self.request_file.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            warn(f"cannot remove the save request {self.request_file} ({exc.strerror or exc}): saving anyway")
+            self.request_file = None  # not again every step
+        return True
+
     def install_signal(self) -> None:
-        """SIGUSR1 asks for a save at the end of the current step (Slurm's time-limit warning)."""
+        """SIGUSR1 asks for a save at the end of the current step (Slurm's time-limit warning, when a signal
+        reaches the trainer itself: ``scancel -s USR1 --full``, or a launch line that forwards it)."""
         import signal
 
         def handler(signum, frame):
@@ -516,6 +538,8 @@ class Checkpointer:
 
     def maybe_save(self, step: int, engine, extras_save: Callable[[], dict]) -> Saved | None:
         """Save after ``step`` when the policy says so on any rank (one small collective per step)."""
+        if self.take_request():
+            self.requested = True
         reason = self.policy.due(step, time.time(), self.last_save, self.requested, self.deadline_saved,
                                  self.save_cost_s)
         if not self._any(reason is not None):
