@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import metrics
+from .inflight import is_oom
 from .jobenv import MIB, Ranks, ranks as env_ranks
 from ..peaks import SeriesRecorder
 
@@ -322,7 +323,7 @@ class MemoryMonitor:
 
     def _dump_snapshot(self, error: BaseException) -> None:
         """On an out-of-memory error with the allocator's history on: its snapshot into the attempt directory."""
-        if not self.history_recording or self.attempt_dir is None or not is_out_of_memory(error):
+        if not self.history_recording or self.attempt_dir is None or not is_oom(error):
             return
         try:
             import torch
@@ -352,16 +353,6 @@ class MemoryMonitor:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """An out-of-memory error: CUDA's OutOfMemoryError, MemoryError, or a RuntimeError saying so."""
-    torch = sys.modules.get("torch")
-    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if isinstance(error, MemoryError) or (oom_type is not None and isinstance(error, oom_type)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)
 
 
 def _start_history(torch) -> bool:
