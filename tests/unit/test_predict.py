@@ -166,3 +166,15 @@ def test_plan_reports_fragmentation_only_candidates(tmp_path):
     text = run_cli(*args, "--top", "3", home=tmp_path, check=True).stdout
     assert "reserved" in text.splitlines()[1] and "alloc:" in text
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True makes it fit" in text
+
+
+def test_the_controller_hands_the_specs_model_to_the_ladders_predictor():
+    """The controller's only memory-model decision: the spec's model when the estimator reads it on a GPU
+    partition (the predictor then scales the estimate by the numbers), else None (numbers only)."""
+    from toolkit import controller
+    from toolkit.jobspec import load_spec
+
+    spec = load_spec("gpt2-clm")
+    ref = controller._estimator_model(spec, A100)
+    assert ref is not None and ref.config["n_layer"] == 12
+    assert controller._estimator_model(spec, load_site("testcluster").partition("cpu")) is None
