@@ -51,15 +51,17 @@ planner share the moves.
 Using the numbers (GPU ladder)
     When the verdict states ``tried_to_allocate_mib`` and how much was in use (``process_in_use_mib``,
     or ``total_capacity_mib - free_mib``, or what PyTorch had allocated and reserved), the ladder predicts
-    each plan's peak with ``Footprint`` (below) and climbs, in one decision, as many rungs as the prediction
+    each plan's peak with the one predictor (below) and climbs, in one decision, as many rungs as the prediction
     needs to come under ``(capacity - other processes) * (1 - MARGIN)``: at each rung the mildest option that
     fits is taken; otherwise its strongest option is kept and the next rung is added on top. A later rung may
     make an earlier one unnecessary: of the fitting plan and its variants without the checkpointing or
     optimizer move, each with the largest micro-batch that fits, the one with the least ``slowdown`` wins
     (then the fewest moves). When nothing fits on this partition, the ``bigger`` partitions are tried from
     the original plan; when nothing fits anywhere, the strongest plan allowed is tried (the model is rough)
-    and the next failure gives up. Without numbers (driver, NCCL and most host failures), one rung per
-    failure: the mildest option of the first rung that applies.
+    and the next failure gives up. A driver or NCCL OOM states no numbers but reached the card's memory, and a
+    host OOM on a CPU partition reached ``--mem`` (``limit_numbers``): those limits stand in for the numbers.
+    Without numbers otherwise (a message cut short, most host failures), one rung per failure: the mildest
+    option of the first rung that applies.
 
 The memory model is the one predictor, ``toolkit/predict.py`` (``Predictor``; its docstring has the rules):
     the failed plan's footprint from the numbers, scaled to each plan by its knobs over the assumed range of
