@@ -73,6 +73,8 @@ class PeakDiagnosis:
     """step, seq_len, plan_seq_len, longest_done, slope_mib_per_step, tau, growth_mib, ... (what applies)."""
     rank: int | None = None
     """The rank whose series shows it."""
+    measure: str | None = None
+    """What the series' peaks measure: ``rss`` (host memory) or ``max_memory_allocated`` (a GPU's)."""
 
     @property
     def answers_with_ladder(self) -> bool:
@@ -81,7 +83,8 @@ class PeakDiagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"case": self.case, "reason": self.reason, "evidence": list(self.evidence),
-                "remedies": list(self.remedies), "numbers": dict(self.numbers), "rank": self.rank}
+                "remedies": list(self.remedies), "numbers": dict(self.numbers), "rank": self.rank,
+                "measure": self.measure}
 
 
 # --------------------------------------------------------------------------- recording (used by the runtime)
@@ -191,9 +194,9 @@ def analyse(series: Mapping[str, Any], plan_seq_len: int | None = None, rank: in
                                          "does not fit", (f"no step of this attempt completed; step {step} was the "
                                                           "first",),
                              ("make the plan fit: the out-of-memory ladder's moves (smaller micro-batch, "
-                              "checkpointing, sharding, offload, more memory)",), {"step": step}, rank)
+                              "checkpointing, sharding, offload, more memory)",), {"step": step}, rank, measure)
     return PeakDiagnosis(None, "the step series shows neither a long batch nor growing memory", (), (),
-                         {"steps_recorded": len(steps)}, rank)
+                         {"steps_recorded": len(steps)}, rank, measure)
 
 
 def _long_batch(step, length, seq, longest, longest_len, rank, steps, measure) -> PeakDiagnosis:
@@ -211,8 +214,7 @@ def _long_batch(step, length, seq, longest, longest_len, rank, steps, measure) -
          f"or size the plan for the longest batch: hpcmem plan JOB --max-seq-len {length} "
          "(or --seq-len-hist FILE with the data's length histogram)"),
         {"step": step, "seq_len": length, "plan_seq_len": seq, "ratio": round(ratio, 3),
-         "longest_done": longest_len, "usual_peak_mib": max(usual) if usual else None,
-         "host_measure": measure == "rss"}, rank)
+         "longest_done": longest_len, "usual_peak_mib": max(usual) if usual else None}, rank, measure)
 
 
 def _leak(steps: Sequence[list], seq: int | None, measure: str, rank) -> PeakDiagnosis | None:
@@ -245,7 +247,7 @@ def _leak(steps: Sequence[list], seq: int | None, measure: str, rank) -> PeakDia
          "a smaller micro-batch or more memory only moves the failure to a later step: hpcmem does not retry it"),
         {"slope_mib_per_step": round(slope, 3), "tau": round(tau, 3), "growth_mib": round(growth, 1),
          "from_step": int(first[0]), "to_step": int(last[0]), "from_mib": first[1], "to_mib": last[1],
-         "points": len(points)}, rank)
+         "points": len(points)}, rank, measure)
 
 
 def theil_sen_slope(points: Sequence[tuple[float, float]]) -> float:
@@ -290,7 +292,7 @@ def long_batch_host_mib(diag: PeakDiagnosis, ranks_per_node: int) -> float | Non
     that grows faster than the length is left to the margin. None when the series is not host memory (a GPU's
     ``max_memory_allocated``: the ladder's GPU moves size that) or lacks the numbers."""
     n = diag.numbers
-    if diag.case != LONG_BATCH or not n.get("host_measure") or not n.get("usual_peak_mib") or not n.get("longest_done"):
+    if diag.case != LONG_BATCH or diag.measure != "rss" or not n.get("usual_peak_mib") or not n.get("longest_done"):
         return None
     return float(n["usual_peak_mib"]) * n["seq_len"] / n["longest_done"] * max(1, ranks_per_node)
 

@@ -71,7 +71,8 @@ def test_a_long_batch_at_the_failing_step():
     d = peaks.analyse(series(STEADY_VARIABLE, current={"step": 21, "seq_len": 512}))
     assert d.case == peaks.LONG_BATCH and d.answers_with_ladder
     assert d.numbers == {"step": 21, "seq_len": 512, "plan_seq_len": 128, "ratio": 4.0, "longest_done": 122,
-                         "usual_peak_mib": 550.9, "host_measure": True}
+                         "usual_peak_mib": 550.9}
+    assert d.measure == "rss"
     assert "step 21" in d.reason and "512 tokens" in d.reason
     assert any("--max-seq-len 512" in r for r in d.remedies)
     assert any("bucket" in r for r in d.remedies) and any("cap the sequence length at 128" in r for r in d.remedies)
