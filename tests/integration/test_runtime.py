@@ -467,7 +467,8 @@ def _layout_attempt(tmp_path: Path, name: str, launcher: str, zero_stage: int, w
 @pytest.mark.parametrize("first,then", [(("deepspeed", 2, 2), ("deepspeed", 2, 2)),
                                         (("deepspeed", 3, 2), ("torchrun", 0, 2)),
                                         (("torchrun", 0, 2), ("deepspeed", 3, 1)),
-                                        (("deepspeed", 2, 2), ("fsdp", 0, 1))])
+                                        (("deepspeed", 2, 2), ("fsdp", 0, 1)),
+                                        (("fsdp", 0, 2), ("deepspeed", 3, 2))])
 def test_a_layout_change_into_or_out_of_deepspeed_goes_through_the_full_copy(tmp_path, first, then):
     """A DeepSpeed save carries a layout-free copy (state.pt: DDP's format) when the model is small enough:
     the same layout loads ``ds/`` (and its digest, before any step, gathers through fragments linked anew), ZeRO-3 -> DDP, DDP -> ZeRO-3 of another world size, ZeRO-2 -> FSDP2 load bitwise the state saved (the
@@ -476,7 +477,7 @@ def test_a_layout_change_into_or_out_of_deepspeed_goes_through_the_full_copy(tmp
     a1 = _layout_attempt(tmp_path, "first", *first)
     result = run(torchrun(first[2], *_resume_args(ckdir, 2)), _env(a1))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (ckdir / "step-00000002" / "state.pt").exists()
+    assert (ckdir / "step-00000002" / ("dcp" if first[0] == "fsdp" else "state.pt")).exists()
     a2 = _layout_attempt(tmp_path, "then", *then)
     result = run(torchrun(then[2], *_resume_args(ckdir, 4)), _env(a2))
     assert result.returncode == 0, result.stderr[-3000:]

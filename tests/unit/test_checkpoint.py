@@ -133,13 +133,13 @@ def test_a_deepspeed_save_with_its_full_copy_is_read_by_every_layout(tmp_path):
     assert ck.readable(ds, {**ds, "zero_stage": 0}, full_copy=True) is not None
 
 
-def test_full_saves_load_into_zero_1_2_3_and_fsdp_shards_do_not():
-    full = {**LAYOUT, "format": ck.FORMAT_FULL, "launcher": "torchrun"}
-    for stage in (1, 2, 3):
-        assert ck.readable(full, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": stage, "world_size": 1}) is None
-    assert "ZeRO-1/2/3 only" in ck.readable(full, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 0})
-    dcp = {**LAYOUT, "format": ck.FORMAT_DCP, "launcher": "fsdp"}
-    assert "FSDP" in ck.readable(dcp, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 3})
+def test_ddp_and_fsdp_saves_load_into_zero_1_2_3():
+    for saved in ({**LAYOUT, "format": ck.FORMAT_FULL, "launcher": "torchrun"},
+                  {**LAYOUT, "format": ck.FORMAT_DCP, "launcher": "fsdp"}):
+        for stage in (1, 2, 3):
+            now = {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": stage, "world_size": 1}
+            assert ck.readable(saved, now) is None
+        assert "ZeRO-1/2/3 only" in ck.readable(saved, {**LAYOUT, "format": ck.FORMAT_DEEPSPEED, "zero_stage": 0})
 
 
 def test_the_runtime_takes_the_save_request_once(tmp_path, monkeypatch):

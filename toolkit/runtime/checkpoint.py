@@ -150,7 +150,8 @@ def readable(saved: Mapping[str, Any], now: Mapping[str, Any], full_copy: bool =
     ``full_copy``: the save holds a full state (``state.pt``: DDP's own save, or the layout-free copy a DeepSpeed
     save carries when the model is small enough). Full state_dicts and torch.distributed.checkpoint saves
     convert into DDP and FSDP of any world size (the state_dict API reshards them); a full state also loads into
-    DeepSpeed ZeRO-1/2/3 of any world size (DeepSpeed's tensor-fragment API). A DeepSpeed save without a full
+    DeepSpeed ZeRO-1/2/3 of any world size (DeepSpeed's tensor-fragment API), and so does an FSDP2 save once its
+    shards are consolidated (strategies/deepspeed.py: ``consolidated_dcp``). A DeepSpeed save without a full
     copy loads into DeepSpeed of the same world size and ZeRO stage, or between ZeRO-1/2 layouts through
     DeepSpeed's universal checkpoint. The optimizer's state has its optimizer's shape: another optimizer cannot
     take it.
@@ -182,10 +183,10 @@ def readable(saved: Mapping[str, Any], now: Mapping[str, Any], full_copy: bool =
             return None
         return (f"a DeepSpeed save (ZeRO-{saved.get('zero_stage')}) without a full copy (state.pt: too large to "
                 f"gather, or ZeRO-0) does not convert into {engine} ({now.get('launcher')})")
-    if fmt == FORMAT_FULL and engine == FORMAT_DEEPSPEED:
+    if fmt in torch_formats and engine == FORMAT_DEEPSPEED:
         if zero_now:
             return None
-        return "a full save loads into DeepSpeed ZeRO-1/2/3 only (ZeRO-0 has no fragment API to set it through)"
+        return f"a {fmt} save loads into DeepSpeed ZeRO-1/2/3 only (ZeRO-0 has no fragment API to set it through)"
     if fmt == FORMAT_ACCELERATE and engine == FORMAT_ACCELERATE:
         # accelerate's save_state: full model and optimizer under DDP, but its own shards under FSDP/DeepSpeed.
         if all(saved.get(k) == now.get(k) for k in ("launcher", "world_size", "zero_stage")):
@@ -193,9 +194,8 @@ def readable(saved: Mapping[str, Any], now: Mapping[str, Any], full_copy: bool =
         return (f"an Accelerate save of {saved.get('launcher')} x{saved.get('world_size')} is resumed only by the "
                 f"same launcher and world size (this attempt: {now.get('launcher')} x{now.get('world_size')})")
     return (f"a {fmt} save ({saved.get('launcher')}) does not convert into {engine} ({now.get('launcher')}): "
-            "DDP and FSDP saves convert into each other (torch.distributed.checkpoint), full states (DDP's, or a "
-            "DeepSpeed save's full copy) into DeepSpeed ZeRO-1/2/3; an FSDP save's shards do not load into "
-            "DeepSpeed")
+            "DDP and FSDP saves convert into each other (torch.distributed.checkpoint) and into DeepSpeed "
+            "ZeRO-1/2/3, a DeepSpeed save with its full copy into any of them")
 
 
 def has_full_copy(saved: Saved) -> bool:

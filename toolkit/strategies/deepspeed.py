@@ -243,18 +243,23 @@ class DeepSpeed(Strategy):
 
     def load_state(self, directory, saved, engine, optimizer=None) -> None:
         """The same world size and ZeRO stage: ``engine.load_checkpoint`` (model, optimizer partitions,
-        scheduler). Another layout: the save's full copy (``state.pt``: a DeepSpeed one, or DDP's) set through
-        DeepSpeed's tensor-fragment API (``scatter_full_state``); without one, a ZeRO-1/2 save is converted with
+        scheduler). Another layout: the save's full copy (``state.pt``: a DeepSpeed one, or DDP's; an FSDP2 save's
+        shards consolidated by ``consolidated_dcp``) set through DeepSpeed's tensor-fragment API
+        (``scatter_full_state``); without one, a ZeRO-1/2 save is converted with
         DeepSpeed's universal checkpoint (``ds_to_universal``, by rank 0, into ``.universal-step-<n>`` beside the
         save, which stays as it was) and loaded with ``load_universal_checkpoint``."""
         import torch
         import torch.distributed as dist
 
-        from ..runtime.checkpoint import FORMAT_DEEPSPEED, STATE_FILE
+        from ..runtime.checkpoint import FORMAT_DCP, FORMAT_DEEPSPEED, STATE_FILE
 
         layout = saved.layout
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         full_copy = Path(directory) / STATE_FILE
+        if saved.format == FORMAT_DCP:  # an FSDP2 save: its shards consolidated once, by rank 0
+            full_copy = consolidated_dcp(directory, is_main=engine.global_rank == 0)
+            if world > 1:
+                dist.barrier()
         same = layout.get("zero_stage") == engine.zero_optimization_stage() and layout.get("world_size") == world
         if saved.format == FORMAT_DEEPSPEED and same:
             path, _client = engine.load_checkpoint(f"{directory}/ds", tag="state")
@@ -262,7 +267,8 @@ class DeepSpeed(Strategy):
                 raise ValueError(f"DeepSpeed found no loadable checkpoint in {directory}/ds")
             return
         if full_copy.exists():
-            scatter_full_state(engine, torch.load(full_copy, map_location="cpu", weights_only=True))
+            # mmap: the ranks of a node share the file's pages instead of each holding a private copy
+            scatter_full_state(engine, torch.load(full_copy, map_location="cpu", weights_only=True, mmap=True))
             return
         if saved.format != FORMAT_DEEPSPEED:
             raise ValueError(f"a {saved.format} save without {STATE_FILE} does not load into DeepSpeed")
@@ -489,6 +495,27 @@ def scatter_full_state(engine, full: dict) -> None:
         setattr(engine, k, v)
     if "engine" not in full and sample and torch.is_tensor(scalars.get("step")):
         engine.global_steps = int(scalars["step"].item())  # a DDP save: its optimizer's step count
+
+
+def consolidated_dcp(directory, is_main: bool):
+    """``<checkpoints>/.full-<step dir>.pt``: an FSDP2 save's ``dcp/`` shards gathered into one full state in DDP's
+    format (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``), made once by rank 0 (a temporary
+    file renamed into place; the save itself stays as it was). It holds the whole state on rank 0's host while
+    it is written, as the DeepSpeed full copy does."""
+    import os
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ..runtime.checkpoint import DCP_DIR
+
+    directory = Path(directory)
+    target = directory.parent / f".full-{directory.name}.pt"
+    if is_main and not target.exists():
+        tmp = directory.parent / f".partial-full-{directory.name}-{os.getpid()}.pt"
+        dcp_to_torch_save(directory / DCP_DIR, tmp)
+        os.rename(tmp, target)
+    return target
 
 
 def universal_checkpoint(directory, is_main: bool):
