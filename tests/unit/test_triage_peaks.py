@@ -8,7 +8,6 @@ import json
 import pickle
 import shutil
 
-import pytest
 from test_triage_cli import LOGS, no_slurm, triage  # noqa: F401 - the fixture is used by name
 from test_triage_snapshot import FAKE_SNAPSHOT
 
