@@ -723,8 +723,10 @@ def _gpu_decision(plan: Plan, ctx: _Ctx, bigger: Sequence[Partition], tried: lis
 
 def _with_numbers(plan: Plan, ctx: _Ctx) -> _Ctx:
     """``ctx`` with the one predictor for this failure and its target peak, when the verdict's numbers say
-    enough (a footprint of the failed plan); else unchanged (one rung per failure)."""
-    pred = Predictor(ctx.partition, plan, ctx.numbers, ctx.model, ctx.anchor)
+    enough (a footprint of the failed plan); else unchanged (one rung per failure). The model is used on a GPU
+    partition only (the estimate's figure is device memory; on a CPU partition the numbers alone scale)."""
+    model = ctx.model if ctx.partition.has_gpu else None
+    pred = Predictor(ctx.partition, plan, ctx.numbers, model, ctx.anchor)
     if pred.fp is None:
         return ctx
     return replace(ctx, pred=pred, target_mib=pred.target_mib)
@@ -733,7 +735,8 @@ def _with_numbers(plan: Plan, ctx: _Ctx) -> _Ctx:
 def _fragmented(plan: Plan, ctx: _Ctx) -> bool:
     """The failure is the allocator's (``Predictor.fragmented``): the stated idle reserved memory could have
     served the request, or the estimate of the failed plan fits its tensors but not its reserved peak."""
-    pred = ctx.pred if ctx.fp is not None else Predictor(ctx.partition, plan, ctx.numbers, ctx.model, ctx.anchor)
+    model = ctx.model if ctx.partition.has_gpu else None
+    pred = ctx.pred if ctx.fp is not None else Predictor(ctx.partition, plan, ctx.numbers, model, ctx.anchor)
     return pred.fragmented()
 
 

@@ -178,3 +178,15 @@ def test_the_controller_hands_the_specs_model_to_the_ladders_predictor():
     ref = controller._estimator_model(spec, A100)
     assert ref is not None and ref.config["n_layer"] == 12
     assert controller._estimator_model(spec, load_site("testcluster").partition("cpu")) is None
+
+
+def test_on_a_cpu_partition_the_ladder_scales_the_numbers_alone_even_with_a_model():
+    """The estimate's figure is device memory: a host OOM on a CPU partition climbs on --mem with the numbers-only
+    model whether or not the model is given."""
+    cpu = load_site("testcluster").partition("cpu")
+    plan = Plan(gpus_per_node=2, global_batch=64, micro_batch=32, grad_accum=1, seq_len=512, mem_mib=6144)
+    allow = ("micro_batch", "checkpointing", "fsdp")
+    with_model = ladder.next_plan(plan, Verdict("host_oom", {}), cpu, allow=allow, model=GPT2)
+    alone = ladder.next_plan(plan, Verdict("host_oom", {}), cpu, allow=allow)
+    assert with_model.action == "retry" and with_model.plan == alone.plan
+    assert with_model.predicted_peak_mib == alone.predicted_peak_mib <= 6144 / 2 * (1 - MARGIN)
