@@ -27,6 +27,21 @@ def test_each_step_records_its_length_and_rss_peak(tmp_path):
     assert rss == sorted(rss) and rss[-1] - rss[0] >= 4 * 8 * 0.9  # the kept tensors show in the RSS peaks
     assert series["longest_done"] == [2, 64] and series["last"][0] == 5
     assert not mon.history_recording and mon.snapshot_path is None  # CPU: no allocator history
+    assert mon.data_peak().case is None  # 5 steps: too few for a trend
+
+
+def test_the_live_series_names_a_leak_for_in_job_code(tmp_path):
+    mon = MemoryMonitor(None, plan=Plan(seq_len=64).to_dict(), rank_info=Ranks(), device="cpu")
+    assert mon.data_peak() is None
+    kept = []
+    with mon:
+        for step in range(1, 13):
+            mon.begin_step(step, 64)
+            kept.append(torch.ones(40 * 2**20 // 4))  # 40 MiB kept every step
+            mon.step(samples=1, loss=1.0)
+        mon.begin_step(13, 64)
+        d = mon.data_peak()
+    assert d.case == peaks.LEAK and 30 < d.numbers["slope_mib_per_step"] < 50
 
 
 def test_a_long_batch_is_written_down_before_its_step_runs(tmp_path):

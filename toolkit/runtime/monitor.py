@@ -212,6 +212,13 @@ class MemoryMonitor:
         self.loss = float(loss)
         return took
 
+    def data_peak(self):
+        """What this rank's step series shows so far (``peaks.PeakDiagnosis``; None before the first step): for
+        code that answers an OOM inside the job, which should not answer a leak with a smaller micro-batch."""
+        from ..peaks import analyse
+
+        return analyse(self._series.to_dict(), rank=self.ranks.rank) if self._series is not None else None
+
     def note(self, key: str, value: Any, reason: str | None = None) -> None:
         """Record in metrics.json "applied" what the runtime did differently from the plan, and why.
 
