@@ -540,3 +540,19 @@ def test_a_loss_on_16bit_logits_keeps_no_fp32_copy_in_the_trace():
     lean = estimate_traced(config("tiny-gpt2"), "causal-lm", p, gpu_partition(), runtime=Runtime(logits_fp32=False))
     assert lean.peak_allocated_mib < today.peak_allocated_mib
     assert any("no fp32 upcast" in n for n in lean.notes)
+
+
+def test_torch_before_1_11_softmax_keeps_its_input_in_the_trace():
+    from toolkit.estimate.gpu import Runtime
+
+    cfg = config("tiny-bert")
+    p = plan(attention="eager", micro_batch=4, seq_len=64)
+    new = estimate_traced(cfg, "seq-cls", p, gpu_partition(), runtime=Runtime(torch_version="1.11"),
+                          allocator_model=False)
+    old = estimate_traced(cfg, "seq-cls", p, gpu_partition(), runtime=Runtime(torch_version="1.10"),
+                          allocator_model=False)
+    assert any("softmax keeps its input" in n for n in old.notes)
+    # one fp32 a x s x s matrix more per layer, alive from its forward to its backward
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    matrices = layers * 4 * heads * 64 * 64 * 4 / 2**20
+    assert old.components["activations"] - new.components["activations"] == pytest.approx(matrices, rel=0.05)

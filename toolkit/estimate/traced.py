@@ -174,8 +174,11 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     late_zero = runtime is not None and runtime.grads_through_forward
     trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps,
                            set_to_none=not keep_grads, zero_before_backward=late_zero,
-                           logits_fp32=runtime is None or runtime.logits_fp32)
+                           logits_fp32=runtime is None or runtime.logits_fp32,
+                           softmax_saves_input=runtime is not None and runtime.softmax_saves_input)
     notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
+    if runtime is not None and runtime.softmax_saves_input:
+        notes_extra.append(f"torch {runtime.torch_version}: softmax keeps its input for the backward too (emulated)")
     if runtime is not None and runtime.model_code != "transformers":
         notes_extra.append(f"traced the transformers class of the config, not {runtime.model_code}'s model "
                            "(the analytic method models its differences)")
@@ -209,7 +212,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
         events = record_training(model_config, task, plan, target="cuda", model_factory=model_factory,
                                  set_to_none=runtime is None or runtime.frees_grads,
                                  zero_before_backward=runtime is not None and runtime.grads_through_forward,
-                                 logits_fp32=runtime is None or runtime.logits_fp32)
+                                 logits_fp32=runtime is None or runtime.logits_fp32,
+                                 softmax_saves_input=runtime is not None and runtime.softmax_saves_input)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -235,7 +239,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
                    model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True,
-                   set_to_none: bool = True, zero_before_backward: bool = False, logits_fp32: bool = True) -> Trace:
+                   set_to_none: bool = True, zero_before_backward: bool = False, logits_fp32: bool = True,
+                   softmax_saves_input: bool = False) -> Trace:
     """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
 
     ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
@@ -261,7 +266,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
         buckets = _ddp_buckets(plan, params, notes)  # held for the whole trace, as DDP holds them
         tracker = _Tracker()
         tracker.track_external(module, optimizer, *buckets)
-        with tracker:
+        with tracker, _softmax_saving_input(softmax_saves_input):
             for step in range(steps):
                 tracker.step = step
                 _train_step(traced, plan, layout, optimizer, tracker, set_to_none, zero_before_backward)
@@ -923,6 +928,46 @@ def _no_automatic_gc() -> Iterator[None]:
             gc.enable()
 
 
+class _KeepInput(torch.autograd.Function):
+    """Passes ``out`` through and keeps ``kept`` saved until the backward reaches it: what torch < 1.11's
+    softmax node did with its input (``_softmax_backward_data(grad, output, dim, self)``)."""
+
+    @staticmethod
+    def forward(ctx, out, kept):
+        ctx.save_for_backward(kept)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@contextlib.contextmanager
+def _softmax_saving_input(enabled: bool) -> Iterator[None]:
+    """Under ``enabled``, ``torch.nn.functional.softmax`` also keeps its input for the backward, as
+    autograd did before torch 1.11 (pytorch/pytorch#49600): the model code (which looks the function up
+    at call time) runs on today's torch with that era's saved tensors."""
+    if not enabled:
+        yield
+        return
+    import torch.nn.functional as F
+
+    original = F.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002 - torch's own signature
+        out = original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+        if torch.is_grad_enabled() and input.requires_grad:
+            kept = input if dtype is None else input.to(dtype)
+            out = _KeepInput.apply(out, kept)
+        return out
+
+    F.softmax = softmax
+    try:
+        yield
+    finally:
+        F.softmax = original
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype) -> Iterator[None]:
     before = torch.get_default_dtype()
@@ -957,7 +1002,7 @@ def _quiet() -> Iterator[None]:
 
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
                     steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False,
-                    logits_fp32: bool = True) -> list[tuple]:
+                    logits_fp32: bool = True, softmax_saves_input: bool = False) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
@@ -979,7 +1024,8 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             rec.adopt(buckets)
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
-                _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward)
+                with _softmax_saving_input(softmax_saves_input):
+                    _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward)
                 gc.collect(0)
         events = rec.closed()
         del traced, params, optimizer, buckets
