@@ -17,10 +17,14 @@ printed (docs/triage.md, cause ``teardown``).
 
 What it adds, only when the script ended normally (returned, or ``sys.exit(0)``) and had initialised
 torch.distributed: at exit (after the script's own ``atexit`` handlers, before finalization), a barrier (every
-rank's work finished) and ``destroy_process_group()`` (the worker threads joined), in a helper thread bounded by
-``HPCMEM_TEARDOWN_TIMEOUT_S`` (default 120 s). When the bound passes (a peer died, a collective hangs) the process
-exits at once with the script's status (0) through ``os._exit`` after flushing its output, skipping the
-finalization that would abort. After a failure nothing is added: the script ends exactly as it would have.
+rank's work finished) and ``destroy_process_group()``, in a helper thread bounded by ``HPCMEM_TEARDOWN_TIMEOUT_S``
+(default 120 s). Destroying a group joins its threads only when nothing else holds it; gloo's ``shutdown`` does not
+stop them (torch 2.13), and DeepSpeed keeps its groups (``deepspeed.utils.groups._WORLD_GROUP``, each parameter's
+``_dp_group``, the ZeRO optimizer's ``dp_process_group``) to the end. So when such threads are still alive after the
+teardown, or the bound passed (a peer died, a collective hangs), the process ends with the script's status (0)
+through ``os._exit`` after flushing its output and every open file, skipping the finalization that could abort on
+them; otherwise Python finalizes as usual. After a failure nothing is added: the script ends exactly as it would
+have.
 
 This file imports nothing from hpcmem and torch only when the script already did, so it runs under any
 interpreter a job spec names (``command.python``), with or without hpcmem installed there.
@@ -37,6 +41,9 @@ import time
 
 TIMEOUT_ENV = "HPCMEM_TEARDOWN_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
+COMM_THREADS = ("pt_gloo", "gloo_", "pt_nccl", "pt_tcpstore")
+"""Name prefixes of the native threads torch.distributed's backends start (gloo's pt_gloo_runloop and
+gloo_tcp_loop, NCCL's watchdog and heartbeat, the TCPStore's loop)."""
 
 
 class _Outcome:
@@ -85,6 +92,9 @@ def clean_teardown(timeout: float) -> str:
             barrier = f", barrier failed: {type(exc).__name__}: {str(exc)[:200]}"
         try:
             dist.destroy_process_group()
+            import gc
+
+            gc.collect()  # a group held only by reference cycles is freed now, its threads joined
             result.append("destroyed" + barrier)
         except Exception as exc:  # noqa: BLE001
             result.append(f"failed: {type(exc).__name__}: {str(exc)[:200]}")
@@ -102,18 +112,55 @@ def _at_exit(outcome: _Outcome) -> None:
     limit = timeout_s()
     started = time.monotonic()
     what = clean_teardown(limit)
+    if what == "none":
+        return
     if what == "timed out" or what.startswith("failed"):
         print(f"hpcmem: torch.distributed teardown {what} after {time.monotonic() - started:.0f} s (bound {limit:g} s); "
               "the script had finished, exiting with its status 0 without interpreter finalization",
               file=sys.stderr, flush=True)
         _exit_now(0)
+    held = comm_threads()
+    if held is None or held:
+        names = ", ".join(sorted(set(held))) if held else "unknown (no /proc/self/task)"
+        print(f"hpcmem: process groups destroyed, but {len(held) if held else 'some'} communication thread(s) are still "
+              f"held by the training libraries ({names}): exiting with status 0, skipping interpreter finalization "
+              "(docs/triage.md, teardown)", file=sys.stderr, flush=True)
+        _exit_now(0)
+
+
+def comm_threads(task_dir: str = "/proc/self/task") -> list[str] | None:
+    """Names of this process's live torch.distributed backend threads (``COMM_THREADS``); None when unknown."""
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    names = []
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "comm")) as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        if name.startswith(COMM_THREADS):
+            names.append(name)
+    return names
 
 
 def _exit_now(status: int) -> None:
+    """``os._exit(status)`` after flushing stdout, stderr and every open file (finalization would have)."""
+    import gc
+    import io
+
+    for obj in gc.get_objects():
+        try:
+            if issubclass(type(obj), io.IOBase) and not obj.closed and obj.writable():
+                obj.flush()
+        except Exception:  # noqa: BLE001 - a broken or closed stream must not stop the exit
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+        except Exception:  # noqa: BLE001
             pass
     os._exit(status)
 
