@@ -108,3 +108,19 @@ def test_a_run_without_a_site_record_reads_its_site_file_and_a_damaged_record_is
 def test_every_shipped_site_round_trips_through_its_record(name):
     site = load_site(name)
     assert site_from_record(json.loads(json.dumps(site_record(site))), name) == site
+
+
+def test_triage_reads_a_run_s_site_as_recorded(tmp_path, site_file):
+    from types import SimpleNamespace
+
+    from toolkit.triage import _case_site
+
+    ledger, run = submit(tmp_path, site_file)
+    site_file.write_text(site_file.read_text().replace("gpu_mem_gib: 16", "gpu_mem_gib: 80", 1))
+    case = SimpleNamespace(facts=SimpleNamespace(run_id=run.run_id, site="mysite"))
+    assert _case_site(case, [site_file.parent], ledger).partition("v100").gpu_mem_gib == 16
+    site_file.unlink()
+    assert _case_site(case, [site_file.parent], ledger).partition("v100").gpu_mem_gib == 16
+    outside = SimpleNamespace(facts=SimpleNamespace(run_id=None, site="testcluster"))  # not an hpcmem run: by name
+    assert _case_site(outside, [], ledger).name == "testcluster"
+    ledger.close()

@@ -29,7 +29,7 @@ def run_triage(targets: Iterable[str], site, fmt: str, *, stdin=None, colour: bo
     backend = _backend()
     with _ledger() as ledger:
         # every target's job ids in one sacct call (and one sacct -B); the cases come in target order
-        found = [diagnose(case, site or _case_site(case, sites_dirs), ledger=ledger, max_remedies=max_remedies,
+        found = [diagnose(case, site or _case_site(case, sites_dirs, ledger), ledger=ledger, max_remedies=max_remedies,
                           partition=partition)
                  for case in target_cases(list(targets), backend=backend, ledger=ledger, stdin=stdin)]
     data = TriageReport(tuple(found)).to_dict()
@@ -85,8 +85,17 @@ def _ledger():
         return _NoLedger()
 
 
-def _case_site(case, sites_dirs):
-    """The site an hpcmem run was submitted to, when --site was not given."""
+def _case_site(case, sites_dirs, ledger=None):
+    """The site an hpcmem run was submitted to, when --site was not given: as the run recorded it at submission
+    (``runs/<id>/site.json``), else the site file of that name."""
+    run_id = getattr(case.facts, "run_id", None)
+    if run_id and ledger is not None:
+        from ..runs import load_site_for
+
+        try:
+            return load_site_for(ledger.run(run_id))
+        except (HpcmemError, OSError):
+            pass  # the run's record is gone or damaged: the site by name, as before
     name = getattr(case.facts, "site", None)
     if not name:
         return None
