@@ -487,11 +487,13 @@ def test_a_layout_change_into_or_out_of_deepspeed_goes_through_the_full_copy(tmp
     assert m["resume"]["digest"] == _saved_digest(ckdir, 2)
 
 
-def test_zero2_to_zero3_resumes_bitwise_and_continues_as_the_uninterrupted_zero2_run(tmp_path):
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_zero2_to_zero3_resumes_bitwise_and_continues_as_the_uninterrupted_zero2_run(tmp_path, offload):
     """ZeRO-2 x2 saves at steps 2 and 4 (uninterrupted); a ZeRO-3 x2 attempt given only the step-2 save loads it
     bitwise (model and optimizer digests), and its own step 4 agrees with the uninterrupted ZeRO-2 step 4 to
     float32 rounding (ZeRO-3 reduces gradients in another order, so not bitwise), where a ZeRO-3 model that had
-    kept its own initial weights would differ by the whole initialisation."""
+    kept its own initial weights would differ by the whole initialisation. ``offload=cpu``: ZeRO-3 with its
+    optimizer on the host (DeepSpeed's own optimizer from the config), as the ladder's offload rung makes it."""
     import shutil
 
     import torch
@@ -502,7 +504,9 @@ def test_zero2_to_zero3_resumes_bitwise_and_continues_as_the_uninterrupted_zero2
     assert result.returncode == 0, result.stderr[-3000:]
     ckdir.mkdir()
     shutil.copytree(ref_dir / "step-00000002", ckdir / "step-00000002")
-    a2 = _layout_attempt(tmp_path, "zero3", "deepspeed", 3, 2)
+    (tmp_path / "zero3").mkdir()
+    a2, _ = write_attempt(tmp_path / "zero3", launcher="deepspeed", zero_stage=3, offload_optimizer=offload,
+                          grad_accum=1)
     result = run(torchrun(2, *_resume_args(ckdir, 4)), _env(a2))
     assert result.returncode == 0, result.stderr[-3000:]
     m = json.loads((a2 / "metrics.json").read_text())
@@ -515,6 +519,7 @@ def test_zero2_to_zero3_resumes_bitwise_and_continues_as_the_uninterrupted_zero2
         assert torch.allclose(ours["model"][name], value, rtol=0, atol=1e-6), name
     for name, state in ref["optim"]["state"].items():
         assert torch.equal(ours["optim"]["state"][name]["step"], state["step"])
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.allclose(ours["optim"]["state"][name][key], state[key], rtol=1e-4, atol=1e-9), (name, key)
+        for key in ("exp_avg", "exp_avg_sq"):  # to 1e-4 of the tensor's scale (near-zero entries cancel)
+            gap = (ours["optim"]["state"][name][key] - state[key]).abs().max()
+            assert gap <= 1e-4 * state[key].abs().max(), (name, key, gap)
 
