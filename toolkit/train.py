@@ -546,6 +546,7 @@ class Trainer:
                 last = micro == plan.grad_accum - 1
                 sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
                 with sync:
+                    self.leak(step, device)
                     if rehearsal:
                         rehearsal.before_micro(step, plan.micro_batch)
                     with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
@@ -595,6 +596,7 @@ class Trainer:
             self.begin_step(step, batches, engine.device)
             total = torch.zeros((), device=engine.device)
             for _ in range(self.plan.grad_accum):
+                self.leak(step, engine.device)
                 if rehearsal:
                     rehearsal.before_micro(step, self.plan.micro_batch)
                 loss = engine(**batches.next()).loss
@@ -702,7 +704,7 @@ class Trainer:
             hf_model, "supports_gradient_checkpointing", True)
         recovery = inflight.Recovery(self.plan, device=device, enabled=on,
                                      enable_checkpointing=enable_checkpointing if can_checkpoint else None,
-                                     on_move=on_move, log=self.log)
+                                     on_move=on_move, log=self.log, data_peak=self.monitor.data_peak)
         return recovery, discard
 
     def oom_rehearsal(self, device) -> OomRehearsal | None:
@@ -716,19 +718,24 @@ class Trainer:
 
     def begin_step(self, step: int, batches: "SyntheticBatches", device) -> None:
         """Before step ``step``: its batch length (rehearsal: variable, one long batch), recorded with the
-        monitor (which resets the step's peak); then the rehearsed leak's allocation for this step."""
+        monitor (which resets the step's peak)."""
         args = self.args
         if args.long_batch_at_step is not None and batches.task not in models.IMAGE_TASKS:
             batches.seq_len = step_seq_len(step, self.plan.seq_len, args.long_batch_at_step, args.seq_len_max,
                                            args.seed)
         self.monitor.begin_step(step, None if batches.task in models.IMAGE_TASKS else batches.seq_len)
-        if args.leak_mib_per_step:
-            import torch
 
-            n = int(args.leak_mib_per_step * 2**20) // 4
-            kept = getattr(self, "_leaked", [])
-            kept.append(torch.ones(n, dtype=torch.float32, device=device))  # written: really resident
-            self._leaked = kept
+    def leak(self, step: int, device) -> None:
+        """The rehearsed leak: step ``step`` keeps ``--leak-mib-per-step`` MiB of real tensors for good. Called in
+        the step's first forward, where a real leak (a loss kept with its graph) allocates; once per step, so a
+        step re-run by in-job recovery does not leak twice."""
+        mib = self.args.leak_mib_per_step
+        if not mib or step in getattr(self, "_leaked", {}):
+            return
+        import torch
+
+        kept = self.__dict__.setdefault("_leaked", {})
+        kept[step] = torch.ones(int(mib * 2**20) // 4, dtype=torch.float32, device=device)  # written: resident
 
     def end_step(self, step: int, loss: float) -> None:
         plan = self.plan

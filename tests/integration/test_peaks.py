@@ -2,7 +2,8 @@
 later step under the local backend's address-space cap (the CPU allocator's own error), each named by triage with
 its own remedies, and neither answered by the controller with a smaller micro-batch.
 
-In-job recovery is off in these jobs (``--inflight-recovery false``): this is about the controller and triage.
+In-job recovery is off in these jobs (``--inflight-recovery false``): this is about the controller and triage;
+except in the local leak test, which also shows that in-job recovery (on by default) does not answer a leak.
 Twice each: on the local backend (the CPU allocator's own error under its address-space cap; the job records its
 failing step as it ends) and on the test cluster's cpu partition (the cgroup's OOM killer: SIGKILL, so the step
 series is what the rank files held when the job was killed: the periodic flush, and the long batch written down
@@ -21,13 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "jobs" / "models" / "tiny-gpt2.json"
 
 
-def submit(tmp_path, name, args, training, retry="{}", site=("--site", "local"), mem_mib=1800):
+def submit(tmp_path, name, args, training, retry="{}", site=("--site", "local"), mem_mib=1800, inflight=False):
     spec = tmp_path / f"{name}.yaml"
+    switch = "" if inflight else '--inflight-recovery, "false", '
     spec.write_text(textwrap.dedent(f"""\
         name: {name}
         command:
           module: toolkit.train
-          args: [--model, "{MODEL}", --task, causal-lm, --warmup-steps, "0", --inflight-recovery, "false", {args}]
+          args: [--model, "{MODEL}", --task, causal-lm, --warmup-steps, "0", {switch}{args}]
         gpus_per_node: 1
         mem_mib: {mem_mib}
         time: "00:10:00"
@@ -51,9 +53,12 @@ def test_a_slow_leak_is_named_and_not_retried(tmp_path):
     """50 MiB of real tensors kept every step under an 1800 MiB cap: the allocator fails many steps in. The
     controller gives up naming the leak (a smaller batch would only fail later); triage gives the code remedy."""
     result, view = submit(tmp_path, "leak", '--steps, "60", --leak-mib-per-step, "50"',
-                          "{global_batch: 8, micro_batch: 8, seq_len: 64}", "{allow: [mem, micro_batch, checkpointing]}")
+                          "{global_batch: 8, micro_batch: 8, seq_len: 64}", "{allow: [mem, micro_batch, checkpointing]}",
+                          inflight=True)
     (attempt,) = view["attempts"]  # no second attempt: a leak is not retried
     finding, text, log = triage(tmp_path, attempt)
+    assert "the step series shows a leak; no in-job move answers it" in log  # in-job recovery is on: not moved
+    assert "; in-job move:" not in log  # no smaller micro-batch inside the job either
     assert "DefaultCPUAllocator: can't allocate memory" in log, log[-3000:]
     assert "step 8/60" in log  # it died hours-in style: well after its first steps
     assert attempt["verdict"]["kind"] == "cpu_alloc_oom"

@@ -151,3 +151,27 @@ def test_a_plain_pytorch_loop_recovers_from_the_allocators_own_error_with_the_sa
     assert move["from"]["micro_batch"] == 4 and move["to"] == {"micro_batch": 2, "grad_accum": 4, "checkpointing": False}
     assert recovered["plan"] == [2, 4] and straight["moves"] == []
     assert recovered["grad"] == straight["grad"]
+
+
+@pytest.mark.parametrize("case, moved", [("leak", False), ("long_batch", True), (None, True)])
+def test_a_leak_in_the_step_series_is_not_answered_inside_the_job(case, moved):
+    """A smaller micro-batch only postpones a leak: with the series showing one, the OOM ends the job (the
+    controller then gives up with the code remedy); any other case is answered with the next move."""
+    from toolkit.peaks import PeakDiagnosis
+
+    tries = []
+
+    def step(plan):
+        tries.append(plan.micro_batch)
+        if plan.micro_batch == 12:
+            raise MemoryError("out of memory")
+        return "done"
+
+    recovery = inflight.Recovery(PLAN, enabled=True, data_peak=lambda: PeakDiagnosis(case))
+    if moved:
+        assert recovery.run_step(7, step) == "done"
+        assert tries == [12, 6] and recovery.plan.micro_batch == 6 and recovery.plan.global_batch == 48
+    else:
+        with pytest.raises(MemoryError):
+            recovery.run_step(7, step)
+        assert tries == [12] and recovery.plan == PLAN

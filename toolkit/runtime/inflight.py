@@ -141,12 +141,17 @@ class Recovery:
     ``retry: {inflight: false}``).
     ``enable_checkpointing``: a function turning on activation checkpointing in the running model (None: that
     move is not offered). ``on_move(move, new_plan)``: called on every rank after a move (e.g. to record it).
-    ``log``: prints one line (the caller chooses which ranks print)."""
+    ``log``: prints one line (the caller chooses which ranks print).
+    ``data_peak``: what the rank's step series shows (``MemoryMonitor.data_peak``, a ``peaks.PeakDiagnosis``);
+    when any rank's series shows a leak, no in-job move is made and the error ends the job: a smaller
+    micro-batch only postpones a leak, and the controller answers it with the code remedy (docs/resume.md)."""
 
     def __init__(self, plan: Plan, *, device=None, enabled: bool | None = None,
                  enable_checkpointing: Callable[[], None] | None = None,
                  on_move: Callable[[dict[str, Any], Plan], None] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None,
+                 data_peak: Callable[[], Any] | None = None):
+        self.data_peak = data_peak
         self.plan, self.device = plan, device
         self.enabled = _switch() if enabled is None else enabled
         self.enable_checkpointing, self.on_move, self.log = enable_checkpointing, on_move, log
@@ -191,8 +196,20 @@ class Recovery:
             result = None
             self._answer(step, failed, discard, rewind)
 
+    def _leaking(self) -> bool:
+        """Whether any rank's step series shows a leak (every rank calls this: one all-reduce)."""
+        diagnosis = self.data_peak() if self.data_peak is not None else None
+        return any_rank(getattr(diagnosis, "case", None) == "leak", self.device)
+
     def _answer(self, step: int, error: BaseException | None, discard, rewind) -> None:
         plan = self.plan
+        if self._leaking():
+            if self.log:
+                self.log(f"out of memory at step {step}: the step series shows a leak; no in-job move answers it")
+            if error is not None:
+                raise error
+            raise HpcmemError(f"out of memory at step {step} on another rank, whose step series shows a leak: "
+                              "no in-job move answers it")
         changes = next_move(plan, can_checkpoint=self.enable_checkpointing is not None)
         if changes is None:
             if error is not None:
