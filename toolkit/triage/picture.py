@@ -32,7 +32,8 @@ from ..classify import Verdict
 from ..errors import UnknownNameError
 from ..estimate import Estimate, ModelRef, estimate
 from ..failures import is_host
-from ..ladder import describe, footprint
+from ..ladder import describe
+from ..predict import footprint
 from ..plan import KNOBS, Plan
 from ..sites import Partition
 from ..strategies import infer_launcher
