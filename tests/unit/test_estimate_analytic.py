@@ -486,6 +486,32 @@ def test_torchvision_vit_stream_allocates_the_packed_in_projection_as_one_tensor
     assert len(tv) == len(hf) - 2 * VIT_BASE.layers  # three weights became one per layer (biases are bundled)
 
 
+def test_foreach_adamw_before_torch_2_1_holds_two_parameter_sized_intermediates():
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import foreach_step_copies
+
+    assert Runtime(torch_version="2.0").foreach_adam_intermediates == 2
+    assert Runtime(torch_version="2.1.0.dev20230623+cu118").foreach_adam_intermediates == 2  # before PR #104780
+    assert Runtime(torch_version="2.1.0.dev20230801").foreach_adam_intermediates == 1
+    assert Runtime(torch_version="2.1.0+cu121").foreach_adam_intermediates == 1
+    assert Runtime().foreach_adam_intermediates == 1
+    old = Runtime(torch_version="2.0")
+    p = plan(precision="bf16-true", micro_batch=1, seq_len=128)
+    dt = an.dtypes_for(p, True)
+    states = an.model_states(GPT2, p, dt)
+    acts = inv.activations(GPT2, p, dt, old)
+    step = {ph.name: ph for ph in an.phases(GPT2, p, dt, states, acts, old)}["optimizer step"]
+    assert step.temporaries == 2 * states.step_temp_bytes and states.step_temp_bytes > 0
+    assert foreach_step_copies(p.replace(optimizer="adamw-fused"), dt, old) == 1  # fused: no foreach lists
+    assert foreach_step_copies(p, an.dtypes_for(p, False), old) == 1  # CPU tensors: torch loops per parameter
+    # the optimizer step is the peak here: allocated grows by the second list; the replayed stream holds
+    # it too (part of it fits in blocks the activations left)
+    before = estimate_analytic(GPT2, p, A100, runtime=old)
+    after = estimate_analytic(GPT2, p, A100, runtime=Runtime(torch_version="2.1"))
+    assert before.peak_allocated_mib - after.peak_allocated_mib == pytest.approx(states.step_temp_bytes / MIB)
+    assert before.peak_reserved_mib > after.peak_reserved_mib + 0.5 * states.step_temp_bytes / MIB
+
+
 def test_more_ranks_add_nccl_buffers_outside_the_allocator():
     one = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512), A100)
     four = estimate_analytic(GPT2, plan(precision="bf16-mixed", micro_batch=4, seq_len=512, gpus_per_node=4), A100)

@@ -69,6 +69,7 @@ from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
 from .activations import Activations, activations
 from .device import plan_device_memory
+from .stream import foreach_step_copies
 from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading
 
 MIB = 1024 * 1024
@@ -148,7 +149,8 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               acts.kept_layer_bytes + pixels,
               buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
         Phase("backward end", fwd_params, grads, opt, 0.0, buf + emb_temp),
-        Phase("optimizer step", params, grads, opt, 0.0, buf + states.step_temp_bytes),
+        Phase("optimizer step", params, grads, opt, 0.0,
+              buf + states.step_temp_bytes * foreach_step_copies(plan, dt, runtime)),
     )
 
 

@@ -98,6 +98,8 @@ def version_tuple(text: str | None) -> tuple[int, int]:
 
 
 ZERO_GRAD_PLACES = ("after_step", "before_backward")
+FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY = "20230708"
+"""The first torch nightly (2.1.0.devYYYYMMDD) with PR #104780's single-intermediate foreach Adam."""
 MODEL_CODES = ("transformers", "torchvision")
 
 
@@ -153,6 +155,20 @@ class Runtime:
         backward (``_softmax_backward_data(grad, output, dim, self)``; pytorch/pytorch issue #49600, fixed
         by passing the input's dtype instead, PR #65242, after the 1.10 branch cut)."""
         return version_tuple(self.torch_version) < (1, 11)
+
+    @property
+    def foreach_adam_intermediates(self) -> int:
+        """Parameter-sized intermediate lists torch's foreach Adam/AdamW step holds at once: 2 until
+        pytorch/pytorch PR #104780 / #104898 (nightlies from 2023-07-08, the 2.1 release), where
+        ``exp_avg_sq_sqrt = _foreach_sqrt(...)`` stayed referenced while ``denom = _foreach_add(
+        exp_avg_sq_sqrt, eps)`` made a second list (issue #97712); 1 after (the eps add is in place)."""
+        if version_tuple(self.torch_version) < (2, 1):
+            return 2
+        if version_tuple(self.torch_version) == (2, 1):
+            dev = re.search(r"dev(\d{8})", self.torch_version or "")
+            if dev and dev.group(1) < FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY:
+                return 2
+        return 1
 
     @property
     def cublas_in_allocator(self) -> bool:

@@ -182,6 +182,16 @@ def layer_tensors(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_
     return _Layer(saved, kept, casts, backward)
 
 
+def foreach_step_copies(plan, dt, runtime: Runtime = DEFAULT_RUNTIME) -> int:
+    """How many times the optimizer's foreach temporaries are alive at once: torch's foreach AdamW on
+    CUDA tensors holds ``runtime.foreach_adam_intermediates`` parameter-sized lists (2 before torch 2.1);
+    1 for everything else (DeepSpeed runs its own Adam)."""
+    opt = optimizers.get(plan.optimizer)
+    if opt.temporaries == "foreach" and dt.gpu and plan.launcher != "deepspeed":
+        return runtime.foreach_adam_intermediates
+    return 1
+
+
 def _torchvision_vit(shape: ModelShape, runtime: Runtime) -> bool:
     return shape.family == "vit" and runtime.model_code == "torchvision"
 
@@ -339,8 +349,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
         # optimizer step
         A(("mark", f"step {step} optimizer"))
+        copies = foreach_step_copies(plan, dt, runtime)
         if sharded:
-            tmp = [alloc(x) for x in _split(states.step_temp_bytes, _FLAT_CHUNK)]
+            tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK)]
             for i in tmp:
                 free(i)
         else:
@@ -364,7 +375,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             else:
                 waves = opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
             for wave in waves:
-                w = [alloc(x) for x in wave]
+                w = [alloc(x) for x in wave * copies]
                 for i in w:
                     free(i)
         if not keep_grads and not late_zero:
