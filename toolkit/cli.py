@@ -286,6 +286,8 @@ def runs_cmd(run_id, as_json) -> None:
             click.echo(f"  attempt {a['n']}: job {a['job_id'] or '-'} {a['state']}" + (f" [{kind}]" if kind else "")
                        + (f" peak_rss={peak:.0f}MiB" if peak else "") + (f" after: {moves}" if moves else "")
                        + f"  {a['attempt_dir']}")
+            for line in runs.resume_lines(a):
+                click.echo(f"    {line}")
 
 
 @main.command()

@@ -28,7 +28,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from . import __version__, render
 from .backends.base import FINISHED_STATES
@@ -198,6 +198,25 @@ def resume_facts(attempt: AttemptRow) -> dict[str, Any]:
     for key in out:
         out[key] = next((s[key] for s in sources if s.get(key) is not None), None)
     return out
+
+
+def resume_lines(attempt: Mapping[str, Any]) -> list[str]:
+    """What ``hpcmem runs`` prints under an attempt about its checkpoints and in-job moves (from ``run_view``)."""
+    lines = []
+    if attempt.get("resumed_from_step") is not None:
+        lines.append(f"resumed from step {attempt['resumed_from_step']}")
+    saved = attempt.get("checkpoint")
+    if isinstance(saved, Mapping) and saved.get("step") is not None:
+        lines.append(f"last checkpoint: step {saved['step']} {saved.get('path', '')}".rstrip())
+    for move in attempt.get("inflight_moves") or ():
+        if not isinstance(move, Mapping):
+            continue
+        before, after = move.get("from") or {}, move.get("to") or {}
+        changed = ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in after.items() if before.get(k) != v)
+        kind = (move.get("verdict") or {}).get("kind")
+        lines.append(f"in-job move at step {move.get('step')}" + (f" [{kind}]" if kind else "")
+                     + (f": {changed}" if changed else ""))
+    return lines
 
 
 def read_metrics(attempt_dir: Path) -> dict | None:
