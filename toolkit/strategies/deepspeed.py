@@ -325,7 +325,16 @@ def full_copy_wanted(engine) -> bool:
     if mode == "always":
         return True
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
-    return FULL_COPY_BYTES_PER_PARAM * numel <= FULL_COPY_HOST_SHARE * host_limit_bytes()
+    fits = FULL_COPY_BYTES_PER_PARAM * numel <= FULL_COPY_HOST_SHARE * host_limit_bytes()
+    # Nodes may see different limits (no cgroup, unequal RAM): every rank must take the same branch.
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1 if fits else 0], device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
+    return fits
 
 
 def _zero_base(engine):
