@@ -34,7 +34,7 @@ from .errors import HpcmemError, MaybeSubmittedError, SchedulerError
 from .estimate import estimate, spec_model
 from .failures import is_host
 from .jobspec import JobSpec
-from .ladder import HOST_RESERVE_SHARE, Decision, next_plan
+from .ladder import HOST_RESERVE_SHARE, Decision, next_plan, size_for_long_batch
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
 from .runtime import inflight
@@ -242,8 +242,8 @@ def _decide(ledger: Ledger, run: Run, last: AttemptRow, site: Site) -> None:
                          attempts_made=len([a for a in attempts if not _resumed(a)]), max_attempts=spec.max_attempts,
                          bigger=bigger,
                          model=_estimator_model(spec, partition))
-    decision = peaks.after_ladder(decision, peak, usual_seq_len,
-                                  mem_cap_mib=partition.host_mem_gib * 1024 * (1 - HOST_RESERVE_SHARE))
+    decision = size_for_long_batch(decision, peak, usual_seq_len,
+                                   mem_cap_mib=partition.host_mem_gib * 1024 * (1 - HOST_RESERVE_SHARE))
     if decision.action == "retry":
         ledger.add_attempt(run.run_id, last.n + 1, decision.plan.to_dict(), _attempt_dir(run, last.n + 1),
                            decision.partition.name, decision.to_dict())

@@ -25,6 +25,8 @@ from .resources import data_dir
 
 TASKS = ("causal-lm", "seq-cls", "image-cls")
 IMAGE_TASKS = ("image-cls",)
+HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+"""Plan attention -> transformers ``attn_implementation`` (the job builds the model so; the estimator traces it so)."""
 
 # task -> the transformers auto class (toolkit.models.build_model) and its mapping of model types
 _AUTO = {"causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),

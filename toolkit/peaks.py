@@ -297,42 +297,6 @@ def long_batch_host_mib(diag: PeakDiagnosis, ranks_per_node: int) -> float | Non
     return float(n["usual_peak_mib"]) * n["seq_len"] / n["longest_done"] * max(1, ranks_per_node)
 
 
-def after_ladder(decision, diag: PeakDiagnosis | None, seq_len: int, mem_cap_mib: float | None = None):
-    """The ladder's decision for a plan sized by ``plan_for_ladder``: the data's usual ``seq_len`` given back to the
-    next plan (what is learned never changes: the data keeps its lengths), a ``sized-for-seq-len:L`` move and the
-    long batch named in the reason. When the ladder's move is more ``--mem`` and the series measured host memory,
-    ``--mem`` is raised to what the long batch needs (``long_batch_host_mib`` plus the predictor's margin, at most
-    ``mem_cap_mib``) instead of a blind doubling. Any other decision is returned as it is."""
-    if diag is None or diag.case != LONG_BATCH:
-        return decision
-    import dataclasses
-    import math
-
-    from .predict import MARGIN
-
-    length = int(diag.numbers["seq_len"])
-    plan = decision.plan.replace(seq_len=seq_len) if decision.plan is not None else None
-    moves = decision.moves
-    sized = ""
-    need = long_batch_host_mib(diag, plan.gpus_per_node) if plan is not None else None
-    mem_move = [m for m in moves if m.startswith("mem_mib:")]
-    if need is not None and mem_move and plan.mem_mib is not None:
-        wanted = math.ceil(round(need * (1 + MARGIN), 3))  # 5920 x 1.1 is 6512, not 6512.000001
-        if mem_cap_mib is not None:
-            wanted = min(wanted, int(mem_cap_mib))
-        if wanted > plan.mem_mib:
-            before = mem_move[0].split(":", 1)[1].split("->")[0]
-            moves = tuple(f"mem_mib:{before}->{wanted}" if m == mem_move[0] else m for m in moves)
-            decision = dataclasses.replace(decision, reason=decision.reason.replace(mem_move[0], moves[0]))
-            sized = (f" --mem {wanted} MiB: the usual steps' peak {diag.numbers['usual_peak_mib']:.0f} MiB x "
-                     f"{length}/{diag.numbers['longest_done']} tokens (+{MARGIN:.0%})")
-            plan = plan.replace(mem_mib=wanted)
-    if decision.action == "retry":
-        moves = (f"sized-for-seq-len:{length}", *moves)
-    return dataclasses.replace(decision, plan=plan, moves=moves,
-                               reason=f"A long batch: {diag.reason}: sized for it{sized}. {decision.reason}")
-
-
 # --------------------------------------------------------------------------- the data's longest sequence
 
 

@@ -2,7 +2,7 @@
 fit on the shipped partitions, and the estimate against real training steps on the CPU.
 
 The real check: one steady-state training step of tiny GPT-2, BERT, LLaMA-like and ViT models,
-run the way toolkit/train.py runs it (autocast, GradScaler, accumulation, grads set to
+run the way toolkit/runtime/train.py runs it (autocast, GradScaler, accumulation, grads set to
 None), under a TorchDispatchMode that sums the bytes of live tensor storages (a CPU
 stand-in for torch.cuda.max_memory_allocated: every tensor an op makes is counted until
 its storage is freed). The CPU has no caching allocator, so this is the tensors' own

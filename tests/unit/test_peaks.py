@@ -6,6 +6,7 @@ import pytest
 
 from toolkit import peaks
 from toolkit.errors import ConfigError
+from toolkit.ladder import size_for_long_batch
 from toolkit.plan import Plan
 
 
@@ -160,7 +161,7 @@ def test_a_long_batch_is_sized_for_then_the_usual_length_given_back():
     plan = Plan(seq_len=128, mem_mib=2000)
     assert peaks.plan_for_ladder(plan, d).seq_len == 512
     assert peaks.plan_for_ladder(plan, None) is plan
-    out = peaks.after_ladder(_Decision("retry", Plan(seq_len=512, mem_mib=4000), ("mem:2000->4000",), "more --mem."),
+    out = size_for_long_batch(_Decision("retry", Plan(seq_len=512, mem_mib=4000), ("mem:2000->4000",), "more --mem."),
                              d, 128)
     assert out.plan.seq_len == 128 and out.plan.mem_mib == 4000
     assert out.moves == ("sized-for-seq-len:512", "mem:2000->4000")
@@ -168,7 +169,7 @@ def test_a_long_batch_is_sized_for_then_the_usual_length_given_back():
     assert out.plan.mem_mib == 4000  # no mem cap given and 551 x 512/122 x 1.1 = 2544 MiB < 4000: kept
     leak = peaks.analyse(series(LEAKING), 64)
     same = _Decision("retry", plan)
-    assert peaks.after_ladder(same, leak, 128) is same
+    assert size_for_long_batch(same, leak, 128) is same
     assert "Not retried" in peaks.give_up_reason(leak, 2, "77") and "loss.item()" in peaks.give_up_reason(leak, 2, "77")
 
 
@@ -218,13 +219,13 @@ def test_a_long_batch_on_host_memory_gets_the_mem_it_needs_not_a_doubling():
     assert peaks.long_batch_host_mib(d, 1) == 740 * 8 and peaks.long_batch_host_mib(d, 2) == 2 * 740 * 8
     ladder = _Decision("retry", Plan(seq_len=512, mem_mib=3600), ("mem_mib:1800->3600",),
                        "the cheapest host-memory move left: mem_mib:1800->3600.")
-    out = peaks.after_ladder(ladder, d, 64, mem_cap_mib=20000)
+    out = size_for_long_batch(ladder, d, 64, mem_cap_mib=20000)
     assert out.plan.mem_mib == 6512 and out.moves == ("sized-for-seq-len:512", "mem_mib:1800->6512")  # 5920 x 1.1
     assert "mem_mib:1800->6512" in out.reason and "3600" not in out.reason
-    assert peaks.after_ladder(ladder, d, 64, mem_cap_mib=5000).plan.mem_mib == 5000  # within the node
+    assert size_for_long_batch(ladder, d, 64, mem_cap_mib=5000).plan.mem_mib == 5000  # within the node
     # not a memory move: left to the ladder (no --mem invented where the spec does not allow it)
     micro = _Decision("retry", Plan(seq_len=512, micro_batch=4, global_batch=8, grad_accum=2), ("micro_batch:8->4",))
-    assert peaks.after_ladder(micro, d, 64).plan.mem_mib is None
+    assert size_for_long_batch(micro, d, 64).plan.mem_mib is None
     # a GPU series (max_memory_allocated): the ladder's GPU moves size it, no host figure
     gpu = peaks.analyse(series(steps, current={"step": 5, "seq_len": 512}, plan_seq_len=64,
                                measure="max_memory_allocated"))

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from toolkit import models, train
+from toolkit import models
+from toolkit.runtime import train
 from toolkit.strategies.deepspeed import deepspeed_config
 from toolkit.errors import ConfigError, HpcmemError, UnknownNameError
 from toolkit.plan import Plan

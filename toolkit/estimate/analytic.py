@@ -6,7 +6,7 @@ caller (``ModelShape.from_config``), formatting in the CLI.
 
 What a rank holds (bytes, per GPU):
 
-model states   params, grads, optimizer states, as the runtime (toolkit/train.py) makes them.
+model states   params, grads, optimizer states, as the runtime (toolkit/runtime/train.py) makes them.
                torchrun: torch autocast keeps fp32 weights and grads under fp16/bf16-mixed
                (the weights are the master copy: 4 + 4 + 8 = 16 B/param with AdamW) and
                bf16-true keeps everything in bf16 (AdamW states too: 2 + 2 + 4 B/param).

@@ -1,7 +1,7 @@
 """Real memory of a training step on CPU tensors: what the estimators are checked against.
 
 ``measured_peak_bytes`` runs a steady-state step of a transformers model the way
-``toolkit/train.py``'s torch loop does and returns the peak of live tensor storage
+``toolkit/runtime/train.py``'s torch loop does and returns the peak of live tensor storage
 bytes (every op's outputs counted until their storage is freed). Used by the tests
 and by benchmarks/estimator.py; needs torch and transformers (the ``job`` extra).
 An image-cls model gets random ``pixel_values`` of its config's image size (the plan's
@@ -58,7 +58,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def train_setup(cfg, task, p: Plan):
-    """Model, optimizer and one-step function, as toolkit/train.py's torch loop builds them."""
+    """Model, optimizer and one-step function, as toolkit/runtime/train.py's torch loop builds them."""
     torch.manual_seed(0)
     config = transformers_config(cfg, task)
     model = build_model(config, task, "eager" if p.attention == "eager" else "sdpa",

@@ -7,7 +7,7 @@ storages by category after every operator. Nothing of the model's size is alloca
 llama-7b (micro-batch 1, 2048 tokens, bf16-mixed, checkpointing) traces two steps in
 about 10 s on 2 cores with a peak RSS under 0.5 GiB.
 
-The step is the one ``toolkit/train.py`` runs, knob by knob:
+The step is the one ``toolkit/runtime/train.py`` runs, knob by knob:
 
   precision      fp32; fp16-/bf16-mixed = fp32 weights under autocast (fp16 also
                  scales the loss; GradScaler's inf check needs real numbers, so its
@@ -431,7 +431,7 @@ def _build(model_config, task, plan: Plan, layout: _Layout, target: str, model_f
                              "traced without")
         traced.module.train()
         return traced
-    from ..runtime.adapters import HF_ATTENTION
+    from ..models import HF_ATTENTION
 
     config = models.transformers_config(dict(model_config), task)
     limit = models.max_positions(config)

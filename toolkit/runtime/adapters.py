@@ -13,10 +13,8 @@ from typing import Any
 
 from .. import optimizers
 from ..errors import HpcmemError
+from ..models import HF_ATTENTION
 from ..plan import Plan
-
-# Plan attention -> transformers attn_implementation.
-HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 
 # Plan precision -> accelerate mixed_precision. bf16-true keeps the model itself in
 # bf16 (hf_model_kwargs), so there is nothing left to autocast.
