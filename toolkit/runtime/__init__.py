@@ -28,6 +28,7 @@ from .jobenv import (
 )
 from .metrics import collect, merge_ranks, write_json_atomic
 from .monitor import MemoryMonitor
+from .hf_inflight import inflight_trainer
 from .userloops import AccelerateCheckpoints, hf_time_limit_callback
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "hf_time_limit_callback",
     "hf_training_args",
     "in_hpcmem_job",
+    "inflight_trainer",
     "load_plan",
     "memory_fraction",
     "merge_ranks",

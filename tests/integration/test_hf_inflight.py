@@ -1,0 +1,106 @@
+"""In-job recovery in a real HF Trainer (toolkit/runtime/hf_inflight.py): a micro-batch that cannot allocate under a
+real address-space cap is split inside ``training_step`` and the step completes with the same gradient."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+JOB = r'''
+import json, os, resource, sys
+import torch
+import transformers
+from toolkit import runtime
+
+micro, accum, cap_mib, loss_kind, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+torch.manual_seed(0)
+
+
+class Toy(torch.nn.Module):
+    """A tiny regression model whose forward holds, until the backward, "activations" of 400 MiB a sample: a
+    tensor of ones really allocated and written, saved by the multiplication for the backward (x * 1 is exact)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, labels, **kwargs):
+        big = torch.ones(x.shape[0], 100 * 2**20)
+        h = torch.tanh(self.a(x)) * big[:, :1]
+        err = (self.b(h) - labels).pow(2)
+        items = kwargs.get("num_items_in_batch")
+        return {"loss": err.sum() / items if items is not None else err.mean()}
+
+
+model = Toy()
+if loss_kind == "mean":
+    model.accepts_loss_kwargs = False  # the Trainer divides the mean loss by the accumulation steps
+gen = torch.Generator().manual_seed(1)
+data = [{"x": torch.randn(16, generator=gen), "labels": torch.randn(1, generator=gen)} for _ in range(8)]
+args = transformers.TrainingArguments(output_dir=os.path.join(out, "hf"), per_device_train_batch_size=micro,
+                                      gradient_accumulation_steps=accum, max_steps=1, learning_rate=0.5,
+                                      optim="sgd", max_grad_norm=0.0, use_cpu=True, report_to=[],
+                                      save_strategy="no", remove_unused_columns=False, dataloader_num_workers=0,
+                                      logging_strategy="no", seed=3)
+with runtime.MemoryMonitor(out, plan={"micro_batch": micro, "grad_accum": accum}, interval_s=60) as mon:
+    Trainer = runtime.inflight_trainer(transformers.Trainer, monitor=mon, enabled=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
+    cap = vm + cap_mib * 2**20  # above what the process already maps
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    trainer.train()
+print(json.dumps({"params": [p.detach().flatten().tolist() for p in model.parameters()],
+                  "moves": trainer.inflight_moves}))
+'''
+
+
+def _run(tmp_path, name, micro, accum, loss_kind, cap_mib=1200):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / name
+    out.mkdir()
+    env = {"PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, str(script), str(micro), str(accum), str(cap_mib), loss_kind, str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["stdout"], result["dir"] = done.stdout, out
+    return result
+
+
+@pytest.mark.parametrize("loss_kind", ["mean", "num_items"])
+def test_an_oom_in_a_trainer_micro_batch_is_split_with_the_same_step(tmp_path, loss_kind):
+    """Micro-batch 4 cannot allocate its 1600 MiB of "activations" under the cap (1200 MiB above what the process
+    maps), 2 can: the Trainer's step completes with the micro-batch run in halves, and the model after the step is
+    the one a run at micro-batch 2 with twice the accumulation computes (the same 8 samples, SGD); both the
+    Trainer's mean loss divided by the accumulation steps and a loss normalised by ``num_items_in_batch``."""
+    recovered = _run(tmp_path, "recovered", 4, 2, loss_kind)
+    straight = _run(tmp_path, "straight", 2, 4, loss_kind)
+    (move,) = recovered["moves"]
+    assert "can't allocate memory" in move["verdict"]["reason"] and move["verdict"]["kind"] == "cpu_alloc_oom"
+    assert move["from"] == {"micro_batch": 4, "grad_accum": 2, "checkpointing": False}
+    assert move["to"] == {"micro_batch": 2, "grad_accum": 4, "checkpointing": False} and move["global_batch"] == 8
+    assert "hpcmem: out of memory in step 1" in recovered["stdout"]
+    assert straight["moves"] == []
+    assert recovered["params"] == straight["params"]  # bitwise: the same pieces, the same scaling
+    record = json.loads(next(recovered["dir"].glob("**/*rank*0*.json")).read_text())
+    assert record["inflight_moves"] == recovered["moves"]
+    assert record["applied"]["micro_batch"] == 2 and record["applied"]["grad_accum"] == 4
+
+
+def test_without_recovery_the_same_micro_batch_fails(tmp_path):
+    """The cap is real: micro-batch 4 with recovery off ends in the allocator's error."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB.replace("enabled=True", "enabled=False"))
+    env = {"PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script), "4", "2", "1200", "mean", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode != 0 and "can't allocate memory" in done.stderr
