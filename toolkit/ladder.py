@@ -344,11 +344,26 @@ def _offload_to(plan: Plan, ctx: _Ctx, where: str, optimizer_stage: int) -> list
 
 def _more_gpus(plan: Plan, ctx: _Ctx) -> list[Plan]:
     """More ranks per node, global batch kept (helps only where ZeRO partitions the model states)."""
-    if not ctx.allows("gpus"):
-        return []
-    most = ctx.partition.gpus_per_node if ctx.partition.has_gpu else ctx.partition.cpus_per_node
-    shapes = (_shape(plan, g) for g in range(plan.gpus_per_node + 1, most + 1))
-    return _valid([ctx.make(plan, **s) for s in shapes if s is not None])
+    return more_gpus(plan, ctx.partition) if ctx.allows("gpus") else []
+
+
+def more_gpus(plan: Plan, partition: Partition) -> list[Plan]:
+    """``plan`` on each larger rank count per node ``partition`` has (GPUs, CPUs on a CPU partition), global batch
+    kept (``_shape``), fewest first; the ladder's ``gpus`` step and triage's wider starting points."""
+    most = partition.gpus_per_node if partition.has_gpu else partition.cpus_per_node
+    out = []
+    for gpus in range(plan.gpus_per_node + 1, most + 1):
+        shape = _shape(plan, gpus)
+        if shape is None:
+            continue
+        try:
+            new = with_changes(plan, shape)
+            partition.check_plan(new)
+        except PlanError:
+            continue
+        if (new.global_batch, new.seq_len) == (plan.global_batch, plan.seq_len):
+            out.append(new)
+    return out
 
 
 # --------------------------------------------------------------------------- the move table

@@ -15,8 +15,12 @@ with the cost factors the ladder uses to scale ``--time`` on a retry (the optimi
 ``Strategy.cost`` for ZeRO, FSDP and offload) and a
 precision speed-up of 2.0 for fp16/bf16 over fp32 on GPUs without TF32 (V100), 1.6 over TF32 on GPUs
 with it (A100 and later), 1.0 on a CPU. Flash attention counts 1.1 over SDPA, eager 0.9. These are
-starting values for the nightly benchmarks to calibrate. The chosen plan is the fastest one that fits
-with ``predict.MARGIN`` of the capacity to spare: the one margin of the planner, the ladder and triage.
+starting values for the nightly benchmarks to calibrate. The chosen plan is the fastest one that fits.
+
+Fit is the one predictor's (``predict.Predictor(partition, model=model)``, no failure): the same rule and the
+same ``predict.MARGIN`` as the ladder and triage (peak device memory at most (1 - MARGIN) of the usable memory,
+and the estimate's own checks: host memory, the allocator replay). The predictor also holds the estimates, so
+each plan is estimated once.
 
 Fragmentation-aware fit: a candidate whose tensors fit but whose caching allocator's reserved peak does not
 (``Estimate.fragmentation_only``) is reported as such (``fit: fragmentation_only`` and ``alloc_conf_env`` in
@@ -34,7 +38,7 @@ from . import ladder, optimizers
 from .errors import PlanError
 from .estimate import Estimate, ModelRef, estimate
 from .plan import Plan, with_changes
-from .predict import MARGIN, alloc_conf_value, fit_fields
+from .predict import MARGIN, Predictor, alloc_conf_value, fit_fields  # noqa: F401 (MARGIN: the one margin, re-exported)
 from .sites import Partition
 
 MIXED_SPEEDUP = {"no-tf32": 2.0, "tf32": 1.6, "cpu": 1.0}
@@ -51,10 +55,12 @@ class Candidate:
     """What changed from the first plan."""
     screened: bool = False
     """The estimate is the quick lower bound (no allocator replay): enough to rule the plan out, never to choose it."""
+    predicted_fit: bool = False
+    """The one predictor's answer (``Predictor.fits``: the margin and the estimate's own checks); False when
+    screened."""
 
     def fits_with_margin(self) -> bool:
-        return (not self.screened and self.estimate.fits
-                and self.estimate.headroom_mib >= MARGIN * self.estimate.capacity_mib)
+        return not self.screened and self.predicted_fit
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
@@ -115,19 +121,19 @@ def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: It
     """
     base_speed = speed(base, partition)
     plans = candidate_plans(base, partition, allow)
+    pred = Predictor(partition, model=model, method=method)
     if method != "analytic":
-        cands = [Candidate(p, estimate(model, p, partition, method), speed(p, partition) / base_speed,
-                           ladder.move_names(base, p)) for p in plans]
-        cands += [f for c in cands for f in [_allocator_move(model, c, base, partition, allow, method)] if f]
+        cands = [_candidate(pred, p, speed(p, partition) / base_speed, base) for p in plans]
+        cands += [f for c in cands for f in [_allocator_move(pred, c, base, allow)] if f]
         return sorted(cands, key=lambda c: (-c.throughput, c.estimate.device_used_mib))
     screened = sorted(((p, estimate(model, p, partition, allocator_model=False), speed(p, partition) / base_speed)
                        for p in plans), key=lambda t: (-t[2], t[1].device_used_mib))
     out, fit = [], 0
     for plan, screen, throughput in screened:
-        if plan == base or (fit < fitting and screen.fits):
-            cand = Candidate(plan, estimate(model, plan, partition), throughput, ladder.move_names(base, plan))
+        if plan == base or (fit < fitting and pred.fits(screen.device_used_mib, plan)):
+            cand = _candidate(pred, plan, throughput, base)
             fit += cand.fits_with_margin()
-            fixed = _allocator_move(model, cand, base, partition, allow)
+            fixed = _allocator_move(pred, cand, base, allow)
             if fixed is not None:
                 out.append(cand)
                 cand = fixed
@@ -138,8 +144,13 @@ def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: It
     return out
 
 
-def _allocator_move(model: ModelRef, cand: Candidate, base: Plan, partition: Partition, allow: Iterable[str],
-                    method: str = "analytic") -> Candidate | None:
+def _candidate(pred: Predictor, plan: Plan, throughput: float, base: Plan) -> Candidate:
+    """``plan`` with its (full) estimate and the predictor's fit."""
+    return Candidate(plan, pred.estimate(plan), throughput, ladder.move_names(base, plan),
+                     predicted_fit=bool(pred.fits(plan)))
+
+
+def _allocator_move(pred: Predictor, cand: Candidate, base: Plan, allow: Iterable[str]) -> Candidate | None:
     """The fragmentation-aware fit: a candidate whose tensors fit but whose reserved peak does not
     (``fragmentation_only``) gets the allocator move (``alloc_conf``, when the spec allows it) with the setting
     the estimate found to make it fit; as fast as the candidate (the allocator setting costs nothing)."""
@@ -148,10 +159,10 @@ def _allocator_move(model: ModelRef, cand: Candidate, base: Plan, partition: Par
         return None
     try:
         plan = with_changes(cand.plan, {"alloc_conf": alloc_conf_value(cand.plan.alloc_conf, fix)})
-        partition.check_plan(plan)
+        pred.partition.check_plan(plan)
     except PlanError:
         return None
-    return Candidate(plan, estimate(model, plan, partition, method), cand.throughput, ladder.move_names(base, plan))
+    return _candidate(pred, plan, cand.throughput, base)
 
 
 def choose(candidates: list[Candidate]) -> Candidate | None:

@@ -359,22 +359,40 @@ class Predictor:
         prints = [footprint(self.failed, self.numbers, self.context_mib, self.anchor, s) for s in ACTIVATION_SHARES]
         return max(predicted_peak_mib(fp, plan) for fp in prints)
 
-    def fits(self, plan_or_peak: "Plan | float | None") -> bool | None:
-        """Whether a plan (or a peak already predicted) fits with the margin; None when it cannot be said."""
-        peak = self.peak(plan_or_peak) if isinstance(plan_or_peak, Plan) else plan_or_peak
+    def target_for(self, plan: Plan) -> float | None:
+        """``target_mib``; on a CPU partition with the model known and no stated capacity, ``plan``'s share of
+        the job's host memory (the estimate's capacity: --mem, else the partition's default, over the ranks of a
+        node) x (1 - MARGIN): what the planner plans against there."""
         target = self.target_mib
-        return None if peak is None or target is None else peak <= target
+        if target is None and self.model is not None and not self.partition.has_gpu:
+            from .estimate.analytic import capacity_mib
+            target = capacity_mib(self.partition, plan) * (1 - MARGIN)
+            if self.fp is not None:
+                target = min(target, self.fp.demand_mib - 1.0)
+        return target
+
+    def fits(self, plan_or_peak: "Plan | float | None", plan: Plan | None = None) -> bool | None:
+        """Whether a plan (or a peak already predicted, of ``plan`` when given) fits with the margin; None when it
+        cannot be said. A plan with the model known must also pass the estimate's own checks (``Estimate.fits``:
+        host memory for offload and CPU ranks, the allocator replay); a bare peak is judged on the margin alone
+        (the planner's screen: a lower bound that does not fit rules its plan out)."""
+        if isinstance(plan_or_peak, Plan):
+            pred = self.predict(plan_or_peak)
+            return None if pred is None else pred.fits
+        target = self.target_mib if plan is None else self.target_for(plan)
+        return None if plan_or_peak is None or target is None else plan_or_peak <= target
 
     def predict(self, plan: Plan) -> Prediction | None:
-        """``plan``'s peak, fit and (model known) the allocator's view of it; None when nothing can be said."""
-        peak, target = self.peak(plan), self.target_mib
+        """``plan``'s peak, fit and (model known) the allocator's view of it; None when nothing can be said.
+        Fit: peak <= the target (the one margin) and, model known, the estimate's own ``fits``."""
+        peak, target = self.peak(plan), self.target_for(plan)
         if peak is None or target is None:
             return None
         if self.model is None:
             return Prediction(peak, peak <= target, target)
         est = self.estimate(plan)
         fix = alloc_conf_value(plan.alloc_conf, est.alloc_conf_fix) if est.alloc_conf_fix else None
-        return Prediction(peak, peak <= target, target, est.peak_reserved_mib, est.fragmentation,
+        return Prediction(peak, peak <= target and bool(est.fits), target, est.peak_reserved_mib, est.fragmentation,
                           est.fragmentation_only, fix)
 
     def saves(self, before: Plan, after: Plan) -> bool:

@@ -11,6 +11,7 @@ from toolkit.estimate import model_ref, spec_model
 from toolkit.jobspec import load_spec
 from toolkit.ladder import next_plan
 from toolkit.plan import Plan
+from toolkit.predict import MARGIN, Predictor
 from toolkit.sites import load_site
 from hpcmem_cli import run_cli  # noqa: E402
 
@@ -144,7 +145,9 @@ def test_screening_chooses_what_estimating_every_candidate_would(job, part):
     plan, model = spec.first_plan(partition), spec_model(spec)
     quick = planner.plan_candidates(model, plan, partition, spec.allow)
     assert any(c.screened for c in quick) and all(not c.fits_with_margin() for c in quick if c.screened)
-    full = [planner.Candidate(c.plan, estimate(model, c.plan, partition), c.throughput, c.moves) for c in quick]
+    one = Predictor(partition, model=model)  # a fresh predictor: every candidate replayed, fit by the one rule
+    full = [planner.Candidate(c.plan, estimate(model, c.plan, partition), c.throughput, c.moves,
+                              predicted_fit=bool(one.fits(c.plan))) for c in quick]
     for screened, replayed in zip(quick, full):  # the screen is a lower bound of the replayed estimate
         assert screened.estimate.device_used_mib <= replayed.estimate.device_used_mib + 1e-6
     full.sort(key=lambda c: (-c.throughput, c.estimate.device_used_mib))
@@ -181,3 +184,40 @@ def test_the_ladder_and_the_planner_share_one_move_table(job, part):
         assert not missing
         checked += len(offered)
     assert checked
+
+
+@pytest.mark.parametrize("job, part", [("gpt2-clm", "a100-40gb"), ("bert-large-cls", "v100-16gb")])
+def test_the_planner_the_ladder_and_triage_agree_on_fit(job, part):
+    """One fit rule: for the same plans and model, the planner's fit (a Predictor with no failure), the ladder's
+    (_Ctx.fits) and triage's (remedies._score) give the same answers after an OOM that states the card full, and
+    on these GPU examples the one rule reproduces the planner's old rule (the estimate fits and keeps MARGIN of the
+    capacity free), so moving the planner onto the Predictor changed no choice."""
+    from toolkit import ladder
+    from toolkit.estimate import estimate
+    from toolkit.triage import remedies
+
+    spec, partition = load_spec(job), EX.partition(part)
+    base, model = spec.first_plan(partition), spec_model(spec)
+    every = planner.plan_candidates(model, base, partition, spec.allow, fitting=10**6)  # screened: failed the screen
+    cands = [c for c in every if not c.screened] + [c for c in every if c.screened][::25]
+    for c in cands:
+        if c.screened:
+            assert not c.fits_with_margin() and estimate(model, c.plan, partition).device_used_mib > (1 - MARGIN) * (
+                c.estimate.capacity_mib)
+            continue
+        old_rule = c.estimate.fits and c.estimate.headroom_mib >= MARGIN * c.estimate.capacity_mib
+        assert c.fits_with_margin() == old_rule, c.moves
+    # a failed plan the estimator also says is over the card: its stated demand does not rescale the estimate
+    usable = partition.gpu_mem_gib * 1024.0
+    failed = max(planner.candidate_plans(base, partition, spec.allow),
+                 key=lambda p: estimate(model, p, partition, allocator_model=False).device_used_mib)
+    numbers = {"tried_to_allocate_mib": 64.0, "total_capacity_mib": usable, "free_mib": 32.0}
+    pred = Predictor(partition, failed, numbers, model)
+    assert estimate(model, failed, partition).device_used_mib >= pred.demand_mib
+    ctx = ladder._Ctx(partition, partition, frozenset(spec.allow), frozenset(), numbers, "gpu_oom", pred,
+                      pred.target_mib, model, failed)
+    triage = {s.plan: s.fits for s in remedies._score([c.plan for c in cands], pred)}
+    planned = {c.plan: c.fits_with_margin() for c in cands}
+    laddered = {c.plan: ctx.fits(c.plan) for c in cands}
+    assert triage == planned and laddered == planned
+    assert set(planned.values()) == {True, False}  # both answers occur: the agreement is not vacuous

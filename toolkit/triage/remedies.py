@@ -70,7 +70,7 @@ from typing import Any, Iterable, Mapping
 from .. import ladder, planner
 from ..predict import EXPANDABLE, MARGIN, Predictor, alloc_conf_value
 from ..classify import Verdict
-from ..errors import HpcmemError, PlanError, UnknownNameError
+from ..errors import HpcmemError, UnknownNameError
 from ..estimate import ModelRef
 from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
@@ -265,7 +265,8 @@ def _score(plans: Iterable[Plan], pred: Predictor, model: ModelRef | None = None
     out = []
     for plan in plans:
         peak = pred.peak(plan, model)
-        out.append(_Scored(plan, peak, pred.fits(peak), planner.speed(plan, pred.partition) / base))
+        fits = pred.fits(plan) if model is None else pred.fits(peak)  # the run's model: the planner's whole rule
+        out.append(_Scored(plan, peak, fits, planner.speed(plan, pred.partition) / base))
     return out
 
 
@@ -286,23 +287,6 @@ def _steps_back(failed: Plan, plan: Plan) -> bool:
             or any(getattr(plan, k) == "none" != getattr(failed, k) for k in ("offload_optimizer", "offload_params")))
 
 
-def _more_gpu_starts(start: Plan, partition: Partition) -> list[Plan]:
-    """``start`` on each larger GPU count per node the partition has, global batch kept."""
-    out = []
-    for gpus in range(start.gpus_per_node + 1, partition.gpus_per_node + 1):
-        per_rank, rest = divmod(start.global_batch, start.nodes * gpus)
-        if rest:
-            continue
-        micro = max(d for d in range(1, min(per_rank, start.micro_batch) + 1) if per_rank % d == 0)
-        try:
-            plan = with_changes(start, {"gpus_per_node": gpus, "micro_batch": micro})
-            partition.check_plan(plan)
-        except PlanError:
-            continue
-        out.append(plan)
-    return out
-
-
 # --------------------------------------------------------------------------- GPU OOM
 
 
@@ -316,7 +300,7 @@ def _gpu(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, pred
         first = _score([start], pred)
     scored = [s for s in _score(_candidates(start, failed, maker.partition, allow), pred) if s.plan != start]
     if not any(s.fits for s in scored + first) and "gpus" in allow:
-        for wider in _more_gpu_starts(start, maker.partition):
+        for wider in ladder.more_gpus(start, maker.partition):
             scored += _score([wider, *_candidates(wider, failed, maker.partition, allow)], pred)
     fitting = [s for s in scored if s.fits]
     room = max_items - len(first)
