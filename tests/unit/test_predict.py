@@ -190,3 +190,35 @@ def test_on_a_cpu_partition_the_ladder_scales_the_numbers_alone_even_with_a_mode
     alone = ladder.next_plan(plan, Verdict("host_oom", {}), cpu, allow=allow)
     assert with_model.action == "retry" and with_model.plan == alone.plan
     assert with_model.predicted_peak_mib == alone.predicted_peak_mib <= 6144 / 2 * (1 - MARGIN)
+
+
+def test_fit_with_the_model_known_is_the_margin_and_the_estimates_own_checks():
+    """The planner's fit (Predictor.fits(plan), no failure): the peak within usable x (1 - MARGIN) and the estimate's
+    own checks; a CPU-offload plan whose job gets too little host memory (--mem 1 GiB) has a peak far below the
+    target but does not fit, and fits again with the partition's host memory."""
+    from toolkit import strategies
+    from toolkit.plan import with_changes
+
+    base = Plan(global_batch=32, micro_batch=8, grad_accum=4, seq_len=512, precision="bf16-mixed", attention="sdpa")
+    offload = with_changes(base, {**strategies.switch_to("deepspeed"), "zero_stage": 2, "offload_optimizer": "cpu"})
+    starved = offload.replace(mem_mib=1024)
+    pred = Predictor(A100, model=GPT2)
+    assert pred.target_for(starved) == pred.target_mib == A100.gpu_mem_gib * 1024 * (1 - MARGIN)
+    assert pred.fits(pred.peak(starved)) and not estimate(GPT2, starved, A100).fits
+    assert pred.fits(starved) is False and pred.predict(starved).fits is False
+    assert pred.fits(offload) is True
+
+
+def test_on_a_cpu_partition_the_planners_target_is_the_ranks_share_of_the_jobs_host_memory():
+    """No GPU: the target is the plan's share of the job's host memory (--mem, else the partition's default) over
+    its ranks x (1 - MARGIN), with the model known; the numbers-only predictor still says nothing there."""
+    cpu = load_site("testcluster").partition("cpu")
+    plan = Plan(global_batch=8, micro_batch=2, grad_accum=2, seq_len=128, gpus_per_node=2)
+    pred = Predictor(cpu, model=GPT2)
+    assert pred.target_mib is None
+    assert pred.target_for(plan) == pytest.approx(cpu.default_mem_mib / 2 * (1 - MARGIN))
+    assert pred.target_for(plan.replace(mem_mib=2048)) == pytest.approx(2048 / 2 * (1 - MARGIN))
+    peak = pred.peak(plan)
+    assert pred.fits(plan) == (peak <= pred.target_for(plan) and estimate(GPT2, plan, cpu).fits)
+    assert pred.fits(plan.replace(mem_mib=int(peak))) is False  # the whole share would be the peak: over the margin
+    assert Predictor(cpu).target_for(plan) is None and Predictor(cpu).fits(plan) is None

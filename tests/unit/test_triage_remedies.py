@@ -377,3 +377,16 @@ def test_nccl_shm_by_cause_takes_the_host_rungs():
     from toolkit.failures import family_of, is_host
     assert is_host(v) and family_of("nccl_oom", "shm") == "host" and family_of("nccl_oom", "device") == "gpu"
     assert is_host(Verdict("nccl_oom", reason="NCCL could not extend /dev/shm/nccl-1"))  # an older verdict, no cause
+
+
+def test_triage_widens_with_the_ladders_more_gpus_move():
+    """One 'more GPUs, global batch kept' move: triage's copy is gone and ladder.more_gpus gives each larger rank
+    count per node whose world divides the global batch, micro-batch the largest divisor up to the current one."""
+    from toolkit.triage import remedies as remedies_mod
+
+    assert not hasattr(remedies_mod, "_more_gpu_starts")
+    plan = Plan(global_batch=48, micro_batch=16, grad_accum=3, seq_len=512)
+    wider = ladder.more_gpus(plan, A100)  # 4 a node: 24 a rank on 2, 16 on 3, 12 on 4
+    assert [(p.gpus_per_node, p.micro_batch, p.grad_accum) for p in wider] == [(2, 12, 2), (3, 16, 1), (4, 12, 1)]
+    assert all(p.global_batch == 48 for p in wider)
+    assert ladder.more_gpus(plan.replace(gpus_per_node=4, micro_batch=12, grad_accum=1), A100) == []
