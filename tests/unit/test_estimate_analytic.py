@@ -538,3 +538,32 @@ def test_a_fragmentation_only_failure_names_the_setting_that_fits(monkeypatch):
         assert not e.fits and e.oom is not None
         assert e.alloc_conf_fix is None or e.fix_device_used_mib is not None
         assert any("fragmentation" in n for n in e.notes)
+
+
+def test_fsdp1_without_the_rate_limiter_reserves_every_units_gather_and_gradient_for_the_step():
+    from toolkit.estimate.gpu import Runtime
+
+    # limit_all_gathers defaulted to False until PR #104900 (nightlies from 2023-07-12, the 2.1 release);
+    # torch >= 2.4's fsdp is FSDP2, which hpcmem runs (no rate limiter question)
+    assert Runtime(torch_version="2.1.0.dev20230623").fsdp_unlimited_all_gathers
+    assert Runtime(torch_version="2.0.1").fsdp_unlimited_all_gathers
+    assert not Runtime(torch_version="2.1.0.dev20230712").fsdp_unlimited_all_gathers
+    assert not Runtime(torch_version="2.1.0+cu121").fsdp_unlimited_all_gathers
+    assert not Runtime(torch_version="2.3").fsdp_unlimited_all_gathers
+    assert not Runtime().fsdp_unlimited_all_gathers
+    # two nightlies that differ only in the limiter's default (both after the foreach Adam change)
+    old, new = Runtime(torch_version="2.1.0.dev20230710"), Runtime(torch_version="2.1.0.dev20230712")
+    assert old.fsdp_unlimited_all_gathers and not new.fsdp_unlimited_all_gathers
+    assert old.foreach_adam_intermediates == new.foreach_adam_intermediates
+    # the pytorch-memory-optim FSDP row's setup on a ViT-B: fp32, checkpointed blocks, 4 ranks
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", micro_batch=64, seq_len=197, checkpointing=True)
+    unlimited, limited = (estimate_analytic(VIT_BASE, p, A100, runtime=r) for r in (old, new))
+    unit = 4 * VIT_BASE.layer_params / MIB
+    # the frees happened (memory_allocated does not see the pending blocks); the reserved memory holds at
+    # least one pass's gathered units more than the two in flight under the limiter
+    assert unlimited.peak_allocated_mib == pytest.approx(limited.peak_allocated_mib)
+    assert unlimited.peak_reserved_mib - limited.peak_reserved_mib >= (VIT_BASE.layers - 2) * unit
+    # only FSDP FULL_SHARD: DeepSpeed ZeRO-3 under the same two nightlies is unchanged
+    ds = p.replace(launcher="deepspeed", zero_stage=3)
+    assert estimate_analytic(VIT_BASE, ds, A100, runtime=old).peak_reserved_mib == \
+        estimate_analytic(VIT_BASE, ds, A100, runtime=new).peak_reserved_mib

@@ -101,6 +101,11 @@ ZERO_GRAD_PLACES = ("after_step", "before_backward")
 FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY = "20230708"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104780's single-intermediate foreach Adam."""
 MODEL_CODES = ("transformers", "torchvision")
+FSDP_LIMIT_ALL_GATHERS_NIGHTLY = "20230712"
+"""The first torch nightly (2.1.0.devYYYYMMDD) with PR #104900 (merged 2023-07-11): FSDP1's
+``limit_all_gathers`` (the rate limiter) defaults to True; before it, False."""
+FSDP2_TORCH = (2, 4)
+"""torch whose ``fsdp`` is FSDP2 (``fully_shard``, what hpcmem runs); before it a ``fsdp`` launch is FSDP1."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,29 @@ class Runtime:
             if dev and dev.group(1) < FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY:
                 return 2
         return 1
+
+    @property
+    def fsdp_unlimited_all_gathers(self) -> bool:
+        """FSDP1 without its rate limiter: torch before 2.1.0.dev20230712 (``limit_all_gathers: bool =
+        False`` in ``FullyShardedDataParallel.__init__`` until PR #104900), when the caller passes none
+        (Lightning Fabric's ``FSDPStrategy`` forwards its ``**kwargs`` and sets only ``use_orig_params``).
+        FSDP1 frees each unit's unsharded flat parameter after ``record_stream`` on the compute stream
+        (``FlatParamHandle._free_unsharded_flat_param``; all-gathered on its ``unshard`` stream) and each
+        unit's unsharded gradient after ``record_stream`` on the ``post_backward`` stream; the caching
+        allocator reuses such a block only once those streams pass the recorded point. The limiter makes
+        the CPU wait for the free of the unit two back; without it, a GPU-bound step's CPU thread issues
+        the whole forward and backward before the GPU is through the first units, so no such block is
+        reused within the step: every unit's forward and backward gather and every unit's unsharded
+        gradient are reserved at once (the bound; ``memory_allocated`` does not see it: the frees have
+        happened). False from 2.1 on and for FSDP2 (which reuses its all-gather buffers by stream order)."""
+        if self.torch_version is None or version_tuple(self.torch_version) >= FSDP2_TORCH:
+            return False
+        if version_tuple(self.torch_version) < (2, 1):
+            return True
+        if version_tuple(self.torch_version) == (2, 1):
+            dev = re.search(r"dev(\d{8})", self.torch_version or "")
+            return bool(dev and dev.group(1) < FSDP_LIMIT_ALL_GATHERS_NIGHTLY)
+        return False
 
     @property
     def cublas_in_allocator(self) -> bool:

@@ -245,7 +245,15 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     persistent_grads: list[int] = []
     if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
         persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
-    if states.buffer_bytes > 0:
+    # FSDP1 without its rate limiter (Runtime.fsdp_unlimited_all_gathers; FULL_SHARD): the blocks FSDP
+    # frees after record_stream (each unit's gathered flat parameter, forward and backward, and its
+    # unsharded gradient) are not reused before the step's end, so each is a block of its own until then;
+    # the one-block gradient buffer below is then one of them.
+    unlimited = (sharded and plan.launcher == "fsdp" and runtime.fsdp_unlimited_all_gathers
+                 and states.gathered_bytes > 0 and getattr(plan, "reshard_after_forward", True))
+    unit = dt.param * shape.layer_params
+    root = dt.param * max(shape.n_params - shape.layers * shape.layer_params, 0)
+    if states.buffer_bytes > 0 and not unlimited:
         if per_tensor and plan.world_size > 1:
             for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
                 alloc(bucket)
@@ -285,8 +293,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             cast_ids: list[int] = []
             kept_ids: list[list[int]] = []
             gathered = []
+            pending = [alloc(root)] if unlimited and root > 0 else []  # FSDP1 keeps the root gathered
             for li in range(shape.layers):
-                if states.gathered_bytes > 0 and sharded:
+                if unlimited:
+                    pending.append(alloc(unit))
+                elif states.gathered_bytes > 0 and sharded:
                     gathered.append(alloc(states.gathered_bytes))
                 cast_ids += [alloc(x) for x in layer.casts]
                 if plan.checkpointing:
@@ -321,13 +332,17 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in head_tmp:
                 free(i)
             for li in reversed(range(shape.layers)):
-                if gathered:
+                if unlimited:
+                    pending.append(alloc(unit))
+                elif gathered:
                     free(gathered.pop())
-                if sharded and states.gathered_bytes > 0:
+                if sharded and states.gathered_bytes > 0 and not unlimited:
                     gathered.append(alloc(states.gathered_bytes))
                 recast = [alloc(x) for x in layer.casts] if plan.checkpointing else []
                 tmp = [alloc(x) for x in layer.backward]
                 idx = layer_idx.get(li, [])
+                if unlimited:  # the unit's unsharded gradient, reduce-scattered into its shard
+                    pending.append(alloc(unit))
                 _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
                 for i in tmp:
                     free(i)
@@ -335,7 +350,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     free(i)
                 for i in kept_ids[li]:
                     free(i)
-            for i in gathered:
+            for i in gathered + pending:
                 free(i)
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
             emb = emb_idx
