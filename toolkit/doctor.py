@@ -217,7 +217,7 @@ def rebuild_run(run_dir: Path, home: Path) -> tuple[Run, list[dict], str]:
     state, reason = "running", ""
     if end and end.get("state") in ("succeeded", "failed", "gave_up", "cancelled"):
         state, reason = end["state"], str(end.get("reason") or "")
-    _poll_states(attempts, record, home, last_may_run=state == "running")
+    _poll_states(attempts, record, run_dir, home, last_may_run=state == "running")
     if not attempts:
         plan = record.get("first_plan")
         if not isinstance(plan, dict):
@@ -273,17 +273,17 @@ def _job_id_of(attempt_dir: Path, home: Path) -> str | None:
     return max(slurm, key=lambda j: [int(x) for x in j.split("_")]) if slurm else None
 
 
-def _poll_states(attempts: list[dict], record: dict, home: Path, *, last_may_run: bool) -> None:
-    """The jobs' states from the run's scheduler (one batched query); what it cannot say stays as it is."""
+def _poll_states(attempts: list[dict], record: dict, run_dir: Path, home: Path, *, last_may_run: bool) -> None:
+    """The jobs' states from the run's scheduler (one batched query; the scheduler of the site the run recorded,
+    ``site.json``); what it cannot say stays as it is."""
     ids = [a["job_id"] for a in attempts if a["job_id"]]
     if not ids:
         return
     statuses = {}
     try:
         from .backends import LocalBackend, get_backend
-        from .sites import load_site_file
 
-        scheduler = load_site_file(Path(record["site_path"])).scheduler
+        scheduler = runs.recorded_site(run_dir, record["site_path"]).scheduler
         backend = LocalBackend(state_dir=home / "local") if scheduler == "local" else get_backend(scheduler)
         statuses = backend.poll(ids)
     except (HpcmemError, OSError):

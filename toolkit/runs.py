@@ -231,11 +231,17 @@ def load_site_for(run: Run) -> Site:
     """The site profile as the run recorded it at submission (``site.json``), never the site file again: editing
     or deleting that file changes nothing for a run already submitted. A run made before hpcmem recorded it
     reads its site file, as it did then."""
-    path = Path(run.run_dir) / SITE_RECORD
+    return recorded_site(Path(run.run_dir), run.site_path)
+
+
+def recorded_site(run_dir: Path, site_path: str) -> Site:
+    """``load_site_for`` from a run directory and its recorded site path (also for ``hpcmem doctor``, which
+    rebuilds runs from their directories)."""
+    path = Path(run_dir) / SITE_RECORD
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        return load_site_file(Path(run.site_path))
+        return load_site_file(Path(site_path))
     except (OSError, ValueError) as exc:
         raise LedgerError(f"{path} is unreadable ({exc}); see `hpcmem doctor`") from None
     try:

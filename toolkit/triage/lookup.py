@@ -41,10 +41,12 @@ _WHERE = (
 # By the classifier's cause (Verdict.cause), first: the causes its reason does not spell out.
 _BY_CAUSE = {
     "teardown": ("Training completed, then the process crashed while shutting down (teardown): the results and "
-                 "checkpoints written before it are good. Make the exit clean: call "
-                 "torch.distributed.destroy_process_group() at the end of the script, let DeepSpeed/NCCL threads stop "
-                 "before the interpreter exits (an exit through os._exit(0) after the last write is a workaround); "
-                 "resubmitting only repeats the training."),
+                 "checkpoints written before it are good. Make the exit clean: jobs hpcmem renders start a script "
+                 "through toolkit/runtime/run_script.py, which after a normal exit waits for every rank, destroys the "
+                 "process group and, if backend threads are still alive, exits without interpreter shutdown "
+                 "(docs/triage.md); elsewhere call torch.distributed.destroy_process_group() at the end of the "
+                 "script and let DeepSpeed/NCCL threads stop before the interpreter exits (an exit through "
+                 "os._exit(0) after the last write is a workaround); resubmitting only repeats the training."),
     "segfault": ("A segmentation fault (SIGSEGV) in native code: rerun with PYTHONFAULTHANDLER=1 (and "
                  "CUDA_LAUNCH_BLOCKING=1) to see where; often mismatched builds (torch, CUDA, NCCL, extensions) or a "
                  "DataLoader worker with too little /dev/shm."),
