@@ -21,7 +21,8 @@ all-reduce a failed rank would never join): one all-reduce of "I failed" (``infl
 splits the same way; the earlier pieces run under ``accelerator.no_sync`` and only the last syncs, if the
 micro-batch was going to. An OOM in the backward under DDP, or in a single process once gradients of earlier
 micro-batches are held (the failed backward may have added part of its gradient to them), is raised: the job ends
-and the controller answers it. The switch is the job's (``HPCMEM_INFLIGHT``, ``inflight.enabled()``).
+and the controller answers it. The switch is the job's (``HPCMEM_INFLIGHT``, ``inflight.enabled()``); under
+DeepSpeed or FSDP the wrapper stands aside (as ``inflight.Recovery`` does, see its docstring).
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ class InflightTrainingStep:
         state = self.__dict__.get("_hpcmem_inflight")
         if state is None:
             on = inflight.enabled() if self.inflight_enabled is None else bool(self.inflight_enabled)
+            # DeepSpeed's engine counts its own micro-steps and FSDP gathers inside the forward (docs/resume.md):
+            # left to the controller
+            kind = str(getattr(getattr(self, "accelerator", None), "distributed_type", ""))
+            on = on and "DEEPSPEED" not in kind.upper() and "FSDP" not in kind.upper()
             state = {"on": on, "pieces": 1, "agree": False, "phase": None}
             self.__dict__["_hpcmem_inflight"] = state
             self.inflight_moves: list[dict[str, Any]] = []
