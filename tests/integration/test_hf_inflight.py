@@ -101,12 +101,13 @@ def test_an_oom_in_a_trainer_micro_batch_is_split_with_the_same_step(tmp_path, l
     assert record["applied"]["micro_batch"] == 2 and record["applied"]["grad_accum"] == 4
 
 
-def test_without_recovery_the_same_micro_batch_fails(tmp_path):
-    """The cap is real: micro-batch 4 with recovery off ends in the allocator's error."""
+def test_with_the_jobs_switch_off_the_same_micro_batch_fails(tmp_path):
+    """The cap is real: micro-batch 4 with the job's switch off (``HPCMEM_INFLIGHT=0``, the helper left to follow
+    it) ends in the allocator's error."""
     script = tmp_path / "job.py"
-    script.write_text(JOB.replace("enabled=True", "enabled=False"))
+    script.write_text(JOB.replace("enabled=True", "enabled=None"))
     env = {"PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-           "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+           "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "HPCMEM_INFLIGHT": "0"}
     done = subprocess.run([sys.executable, str(script), "4", "2", "1200", "mean", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode != 0 and "can't allocate memory" in done.stderr
@@ -133,3 +134,19 @@ def test_two_ddp_ranks_agree_and_split_the_same_way(tmp_path):
     got = [v for p in recovered[0]["params"] for v in p]
     want = [v for p in straight[0]["params"] for v in p]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
+
+
+def test_a_micro_batch_is_split_into_consecutive_pieces_on_dim_0():
+    """split_inputs (pure): tensors with a batch dimension are cut in order, other values go to every piece;
+    nothing to cut that far, or tensors disagreeing on the batch, is None."""
+    import torch
+
+    from toolkit.runtime.hf_inflight import split_inputs
+
+    batch = {"x": torch.arange(10).view(5, 2), "labels": torch.arange(5), "flag": True, "scalar": torch.tensor(3)}
+    first, second = split_inputs(batch, 2)
+    assert first["x"].tolist() == [[0, 1], [2, 3], [4, 5]] and second["labels"].tolist() == [3, 4]
+    assert first["flag"] is second["flag"] is True and first["scalar"].item() == 3
+    assert split_inputs(batch, 6) is None
+    assert split_inputs({"x": torch.zeros(4, 1), "y": torch.zeros(2)}, 2) is None
+    assert split_inputs([torch.zeros(4)], 2) is None
