@@ -239,7 +239,13 @@ class _Ctx:
         return self.pred.saves(before, after)
 
     def fits(self, plan: Plan) -> bool:
-        return self.fp is not None and self.peak(plan) <= self.target_mib
+        """The predictor's fit (``Predictor.fits``: the margin, and with the model known the estimate's own checks,
+        host memory included) on the failed plan's partition; on another (``on``), its peak against that one's."""
+        if self.fp is None:
+            return False
+        if self.partition == self.pred.partition and self.target_mib == self.pred.target_mib:
+            return bool(self.pred.fits(plan))
+        return self.peak(plan) <= self.target_mib
 
 
 def _knobs(plan: Plan) -> tuple:

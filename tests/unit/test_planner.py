@@ -221,3 +221,12 @@ def test_the_planner_the_ladder_and_triage_agree_on_fit(job, part):
     laddered = {c.plan: ctx.fits(c.plan) for c in cands}
     assert triage == planned and laddered == planned
     assert set(planned.values()) == {True, False}  # both answers occur: the agreement is not vacuous
+    # host memory is part of the one rule: a CPU-offload plan whose job gets 1 GiB of host memory has a peak well
+    # within the target, and none of the three offers it
+    from toolkit import strategies
+    from toolkit.plan import with_changes
+    starved = with_changes(base, {**strategies.switch_to("deepspeed"), "zero_stage": 2, "offload_optimizer": "cpu",
+                                  "mem_mib": 1024})
+    assert pred.peak(starved) <= pred.target_mib and not estimate(model, starved, partition).fits
+    assert not Predictor(partition, model=model).fits(starved)
+    assert not ctx.fits(starved) and not remedies._score([starved], pred)[0].fits
