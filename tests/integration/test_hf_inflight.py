@@ -150,3 +150,13 @@ def test_a_micro_batch_is_split_into_consecutive_pieces_on_dim_0():
     assert split_inputs(batch, 6) is None
     assert split_inputs({"x": torch.zeros(4, 1), "y": torch.zeros(2)}, 2) is None
     assert split_inputs([torch.zeros(4)], 2) is None
+
+
+def test_a_micro_batch_too_large_twice_is_split_in_quarters(tmp_path):
+    """Micro-batch 8 (3200 MiB) and its halves (1600 MiB) cannot allocate under the cap, quarters can: two moves
+    in the first step (8 -> 4 -> 2), the model bitwise the one micro-batch 2 x four times the accumulation gives."""
+    (recovered,) = _run(tmp_path, "recovered", 8, 1, "mean")
+    (straight,) = _run(tmp_path, "straight", 2, 4, "mean")
+    assert [(m["step"], m["from"]["micro_batch"], m["to"]["micro_batch"], m["to"]["grad_accum"])
+            for m in recovered["moves"]] == [(1, 8, 4, 2), (1, 4, 2, 4)]
+    assert recovered["params"] == straight["params"]
