@@ -208,14 +208,9 @@ def resume_lines(attempt: Mapping[str, Any]) -> list[str]:
     saved = attempt.get("checkpoint")
     if isinstance(saved, Mapping) and saved.get("step") is not None:
         lines.append(f"last checkpoint: step {saved['step']} {saved.get('path', '')}".rstrip())
-    for move in attempt.get("inflight_moves") or ():
-        if not isinstance(move, Mapping):
-            continue
-        before, after = move.get("from") or {}, move.get("to") or {}
-        changed = ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in after.items() if before.get(k) != v)
-        kind = (move.get("verdict") or {}).get("kind")
-        lines.append(f"in-job move at step {move.get('step')}" + (f" [{kind}]" if kind else "")
-                     + (f": {changed}" if changed else ""))
+    from .runtime.inflight import move_text
+
+    lines += [move_text(m) for m in attempt.get("inflight_moves") or () if isinstance(m, Mapping)]
     return lines
 
 

@@ -207,6 +207,10 @@ def test_in_job_recovery_is_one_job_and_the_run_shows_the_move(tmp_path):
     assert move["step"] == 3 and move["to"]["micro_batch"] == 2 and move["global_batch"] == 8
     text = hpcmem("runs", view["run_id"], home=tmp_path / "home", check=True).stdout
     assert "in-job move at step 3" in text and "micro_batch 4 -> 2" in text and "grad_accum 2 -> 4" in text, text
+    (finding,) = json.loads(hpcmem("triage", view["run_id"], "--format", "json", home=tmp_path / "home",
+                                   check=True).stdout)["findings"]
+    assert finding["inflight_moves"] == runs["attempts"][0]["inflight_moves"]
+    assert any("in-job recovery answered" in n for n in finding["notes"]), finding["notes"]
 
 
 @pytest.mark.slurm

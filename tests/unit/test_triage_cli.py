@@ -152,3 +152,27 @@ def test_a_crash_in_teardown_after_training_says_so(tmp_path, no_slurm):
     assert f["verdict"]["kind"] == "not_oom" and f["verdict"]["cause"] == "teardown"
     assert f["verdict"]["phase"] == "teardown" and f["remedies"] == []
     assert "Training completed" in f["verdict"]["reason"] and "destroy_process_group" in f["where_to_look"][0]
+
+
+def test_in_job_moves_the_attempt_recorded_are_shown(tmp_path, no_slurm):
+    """An attempt directory whose log has an OOM the runtime answered inside the job: the rank record's
+    inflight_moves come out in the JSON (schema-checked), the text and the markdown."""
+    attempt = tmp_path / "attempt-1"
+    attempt.mkdir()
+    (attempt / "slurm-41.out").write_text(
+        "step 2/4 loss 8.3\n"
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 419430400 bytes. Error code 12 (Cannot allocate memory)\n"
+        "hpcmem: out of memory in step 3; in-job move: micro_batch 4 -> 2\nstep 3/4 loss 8.2\nstep 4/4 loss 8.1\n")
+    move = {"step": 3, "verdict": {"kind": "cpu_alloc_oom", "reason": "can't allocate memory"},
+            "from": {"micro_batch": 4, "grad_accum": 2, "checkpointing": False},
+            "to": {"micro_batch": 2, "grad_accum": 4, "checkpointing": False}, "global_batch": 8}
+    (attempt / "metrics.json").write_text(json.dumps({"ranks": {"0": {"rank": 0, "inflight_moves": [move]}}}))
+    (finding,) = triage(attempt / "slurm-41.out", home=tmp_path, env=no_slurm)
+    assert finding["inflight_moves"] == [move]
+    text = triage(attempt / "slurm-41.out", home=tmp_path, env=no_slurm, fmt="text")
+    assert "In-job moves" in text and "in-job move at step 3 [cpu_alloc_oom]: micro_batch 4 -> 2, grad_accum 2 -> 4" in text
+    md = triage(attempt / "slurm-41.out", home=tmp_path, env=no_slurm, fmt="markdown")
+    assert "**In-job moves**" in md and "- in-job move at step 3" in md
+    (attempt / "metrics.json").unlink()
+    assert triage(attempt / "slurm-41.out", home=tmp_path, env=no_slurm)[0]["inflight_moves"] == []

@@ -122,6 +122,18 @@ def plan_after_moves(plan: Plan, moves: list[Mapping[str, Any]] | None) -> Plan:
         return plan
 
 
+def move_text(move: Mapping[str, Any]) -> str:
+    """One in-job move (metrics.json ``inflight_moves``) in a line: its step, verdict kind and what changed."""
+    before, after = move.get("from") or {}, move.get("to") or {}
+    if not isinstance(before, Mapping) or not isinstance(after, Mapping):
+        before, after = {}, {}
+    changed = ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in after.items() if before.get(k) != v)
+    verdict = move.get("verdict") if isinstance(move.get("verdict"), Mapping) else {}
+    kind = verdict.get("kind")
+    return (f"in-job move at step {move.get('step')}" + (f" [{kind}]" if kind else "")
+            + (f": {changed}" if changed else ""))
+
+
 def any_rank(flag: bool, device=None) -> bool:
     """True when ``flag`` is true on any rank: the one collective that makes every rank take the same move."""
     import torch

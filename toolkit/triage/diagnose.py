@@ -64,8 +64,13 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
     if note and verdict.is_oom:
         notes.append(note)
     picture, found, look = None, (), ()
+    moves = inflight_moves(case)
     recovered = verdict.is_oom and facts.state == "COMPLETED" and not facts.exit_code
-    if recovered:
+    if recovered and moves:
+        notes.append("the job completed (exit 0): hpcmem's in-job recovery answered the out-of-memory error in its "
+                     "log inside the job with the same global batch (In-job moves); nothing to change, though a "
+                     "next run can start from the plan the job ended with")
+    elif recovered:
         notes.append("the job completed (exit 0): the out-of-memory error in its log was caught and recovered inside "
                      "the job (a retry with a smaller batch, an evaluation that skipped a batch); nothing to change")
         look = ("The job completed: if its results are wrong, the recovered out-of-memory error above is where its "
@@ -91,7 +96,22 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
                    partition=partition.name if partition is not None else facts.partition,
                    plan=known.plan if known.known else None, plan_assumed=known.assumed, picture=picture,
                    remedies=found, where_to_look=look, notes=tuple(notes),
-                   peaks=peak.to_dict() if peak is not None else None, memory_snapshots=tuple(snapshots))
+                   peaks=peak.to_dict() if peak is not None else None, memory_snapshots=tuple(snapshots),
+                   inflight_moves=moves)
+
+
+def inflight_moves(case) -> tuple:
+    """The in-job moves recorded in the attempt directory next to the case's logs (rank 0's record first; every
+    rank records the same agreed moves), () when there is none."""
+    from ..runtime.metrics import attempt_rank_records
+
+    for directory in dict.fromkeys(p.parent for p in case.log_paths):
+        records = sorted(attempt_rank_records(directory), key=lambda r: r.get("rank") or 0)
+        for record in records:
+            moves = record.get("inflight_moves")
+            if isinstance(moves, list) and moves:
+                return tuple(m for m in moves if isinstance(m, dict))
+    return ()
 
 
 def data_peaks(case, plan_seq_len: int | None):

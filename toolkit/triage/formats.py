@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from ..runtime.inflight import move_text
 from ..templating import clip_around, mib_text, render_template, safe_data
 from .changes import slowdown_text
 
@@ -81,7 +82,8 @@ def finding_view(f: Mapping[str, Any]) -> dict[str, Any]:
             "plan_line": plan_line(f.get("plan"), f.get("plan_assumed") or (), f["job"].get("knob_sources") or {}),
             "rank_lines": rank_lines(f["verdict"].get("ranks") or ()),
             "attempt_lines": attempt_lines(f["job"].get("attempts") or ()),
-            "remedy_views": [remedy_view(r, f.get("notes") or ()) for r in f.get("remedies") or ()]}
+            "remedy_views": [remedy_view(r, f.get("notes") or ()) for r in f.get("remedies") or ()],
+            "inflight_lines": [move_text(m) for m in f.get("inflight_moves") or ()]}
 
 
 def _title(f: Mapping[str, Any]) -> str:

@@ -15,7 +15,8 @@ from .. import __version__
 
 SCHEMA = "hpcmem.triage/3"
 """/2 (issue 12): the verdict gains cause, confidence, confirm, phase, step, total_steps.
-/3 (issue 14): a finding gains ``peaks`` (the data-driven case: toolkit/peaks.py) and ``memory_snapshots``."""
+/3 (issue 14): a finding gains ``peaks`` (the data-driven case: toolkit/peaks.py), ``memory_snapshots`` and
+``inflight_moves`` (what in-job recovery answered before this ending)."""
 SINCE_SCHEMA = "hpcmem.triage-since/2"
 """/2 (issue 12): a group gains hint and phases; each job its cause, confidence, phase, step, total_steps."""
 
@@ -52,6 +53,9 @@ class Finding:
     first_step or null; reason, evidence, remedies, numbers, rank)."""
     memory_snapshots: tuple = ()
     """The allocator snapshots the job wrote (``snapshot.describe``: path, viewer, summary, error)."""
+    inflight_moves: tuple = ()
+    """The in-job moves the attempt recorded (metrics.json ``inflight_moves``: step, verdict, from, to,
+    global_batch): OOMs hpcmem's runtime answered inside the job before this ending."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -71,6 +75,7 @@ class Finding:
             "notes": list(self.notes),
             "peaks": self.peaks,
             "memory_snapshots": list(self.memory_snapshots),
+            "inflight_moves": [dict(m) for m in self.inflight_moves],
         }
 
 
