@@ -179,3 +179,62 @@ def test_hf_trainer_resumes_from_the_time_limit_save(tmp_path):
     _hf(tmp_path, out, margin=20, usr1_at=5, end_in_s=None)      # the next attempt resumes at step 1, saves at 5
     assert _hf_saves(out) == ["checkpoint-1", "checkpoint-5"]
     assert json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())["global_step"] == 5
+
+
+ACCELERATE_RECOVERY = textwrap.dedent("""
+    import json, resource, sys
+    import torch
+    from accelerate import Accelerator
+    from toolkit.plan import Plan
+    from toolkit.runtime import inflight
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    plan = Plan(global_batch=8, micro_batch=int(sys.argv[1]), grad_accum=8 // int(sys.argv[1]))
+    size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+    cap = size + 1200 * 2**20                 # what is mapped now + 1200 MiB: 2 samples' "activations" fit, 4 do not
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    held = []
+
+    def micro_batches(plan):
+        for _ in range(plan.grad_accum):
+            x = torch.randn(plan.micro_batch, 16, generator=gen)
+            held.append(torch.ones(plan.micro_batch * 100 * 2**20, dtype=torch.float32))  # 400 MiB a sample
+            loss = model(x).pow(2).sum() / plan.global_batch
+            acc.backward(loss)
+            held.clear()
+
+    recovery = inflight.Recovery(plan, enabled=True)
+    state = recovery.capture(gen)
+    recovery.run_step(1, micro_batches, discard=lambda: (opt.zero_grad(set_to_none=True), held.clear()),
+                      rewind=lambda: recovery.restore(state, gen))
+    grad = acc.unwrap_model(model).weight.grad.flatten().tolist()
+    opt.step()
+    print(json.dumps({"grad": grad, "moves": recovery.moves, "plan": [recovery.plan.micro_batch,
+                                                                      recovery.plan.grad_accum]}))
+""")
+
+
+def test_an_accelerate_loop_recovers_in_the_job_with_the_same_gradient(tmp_path):
+    """The runtime's in-job recovery helper in an Accelerate loop (``accelerator.backward`` in the step) under a
+    real address-space cap: micro-batch 4 cannot allocate, 2 can; the step is re-run from the same data and the
+    gradient equals a straight run at micro-batch 2 x 4 (the same global batch)."""
+    script = tmp_path / "acc_recovery.py"
+    script.write_text(ACCELERATE_RECOVERY)
+
+    def run(micro: int) -> dict:
+        full = {"PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        done = subprocess.run([sys.executable, str(script), str(micro)], env=full, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    recovered, straight = run(4), run(2)
+    (move,) = recovered["moves"]
+    assert move["verdict"]["kind"] == "cpu_alloc_oom" and move["from"]["micro_batch"] == 4
+    assert recovered["plan"] == [2, 4] and straight["moves"] == []
+    assert recovered["grad"] == straight["grad"]
