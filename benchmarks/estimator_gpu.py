@@ -15,8 +15,9 @@ CUDA context when the source measured one), runs the estimator and compares like
 - ``max_allocated``    with ``Estimate.peak_allocated_mib``.
 
 Prints one line per row and a summary per method: over all rows, over the rows without a
-gap (see below) and per source (median |error|, max |error|, worst under-prediction, rows
-under by more than 5 %). ``--traced`` adds the
+gap (see below), over the in-sample and the held-out sources (a source with ``"held_out": true``:
+rows the estimator was not developed against) and per source (median |error|, max |error|, worst
+under-prediction, rows under by more than 5 %). ``--traced`` adds the
 traced method (a fake-tensor step per row: slower). Rows that use something the Plan
 vocabulary cannot say are still scored with the nearest plan, and the gap is listed under the
 row: the script uses the richest vocabulary the current ``toolkit/plan.py`` has (an ``fsdp``
@@ -56,6 +57,10 @@ LAUNCHERS = ("torchrun", "deepspeed", "fsdp")
 UNDER_FLAG_PCT = 5.0
 EXACT = "EXACT (rows without a gap)"
 """Summary group of the rows whose setup the Plan vocabulary states exactly."""
+IN_SAMPLE = "IN-SAMPLE (sources the estimator was developed against)"
+HELD_OUT = "HELD OUT (sources marked held_out)"
+"""Summary groups: a source with ``"held_out": true`` was added after the estimator's last change and was
+not used to develop it; its rows are summarized apart so that the in-sample figures do not hide them."""
 DEFAULT_CONTEXT_MIB = 500.0
 """CUDA context given to a partition when the source did not measure one (it only enters device_used)."""
 
@@ -178,6 +183,8 @@ def check_source(path: Path, doc: dict) -> None:
     for name in ("context_mib", "gpu_mem_gib"):
         if name not in doc:
             raise DataError(f"{where}.{name}: missing (null when unknown)")
+    if "held_out" in doc and not isinstance(doc["held_out"], bool):
+        raise DataError(f"{where}.held_out: expected true or false, got {doc['held_out']!r}")
     if doc["context_mib"] is not None and not isinstance(doc["context_mib"], (int, float)):
         raise DataError(f"{where}.context_mib: expected a number or null, got {doc['context_mib']!r}")
     runtime_of(path, doc)
@@ -384,7 +391,8 @@ def score(cases: list[Case], methods: tuple[str, ...]) -> list[dict]:
 def _result(case: Case, method: str, pred: float | None, how: str, secs: float, est=None) -> dict:
     measured = float(case.row["measured_mib"])
     err = None if pred is None else 100.0 * (pred - measured) / measured
-    return {"source": case.source.name, "row": case.index, "setup": case.label, "gpu": case.source.doc["gpu"],
+    return {"source": case.source.name, "held_out": bool(case.source.doc.get("held_out", False)), "row": case.index,
+            "setup": case.label, "gpu": case.source.doc["gpu"],
             "method": method, "measured": case.source.doc["measured"], "measured_mib": measured,
             "predicted_mib": pred, "compared": how, "error_pct": err, "seconds": round(secs, 3),
             "gaps": case.gaps, "peak_allocated_mib": None if est is None else est.peak_allocated_mib,
@@ -392,12 +400,13 @@ def _result(case: Case, method: str, pred: float | None, how: str, secs: float, 
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Per method, over all rows, over the rows without a gap and per source: median/max |error|,
-    worst under-prediction, rows under by more than 5 %."""
+    """Per method, over all rows, over the rows without a gap, over the in-sample and the held-out sources
+    and per source: median/max |error|, worst under-prediction, rows under by more than 5 %."""
     groups: dict[tuple[str, str], list[float]] = {}
     failed: dict[tuple[str, str], int] = {}
     for r in results:
-        keys = [(r["method"], "ALL"), (r["method"], r["source"])]
+        keys = [(r["method"], "ALL"), (r["method"], HELD_OUT if r.get("held_out") else IN_SAMPLE),
+                (r["method"], r["source"])]
         if not r["gaps"]:
             keys.append((r["method"], EXACT))
         for key in keys:
@@ -406,10 +415,13 @@ def summarize(results: list[dict]) -> list[dict]:
             else:
                 groups.setdefault(key, []).append(r["error_pct"])
     out = []
-    order = {"ALL": 0, EXACT: 1}
-    for (method, source), errs in sorted(groups.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 2), kv[0][1])):
+    order = {"ALL": 0, EXACT: 1, IN_SAMPLE: 2, HELD_OUT: 3}
+    held = {r["source"] for r in results if r.get("held_out")}
+    for (method, source), errs in sorted(groups.items(),
+                                         key=lambda kv: (kv[0][0], order.get(kv[0][1], 4 + (kv[0][1] in held)), kv[0][1])):
         absolute = [abs(e) for e in errs]
-        out.append({"method": method, "source": source, "rows": len(errs), "failed": failed.get((method, source), 0),
+        out.append({"method": method, "source": source, "held_out": source in held or source == HELD_OUT,
+                    "rows": len(errs), "failed": failed.get((method, source), 0),
                     "median_abs_pct": statistics.median(absolute), "max_abs_pct": max(absolute),
                     "worst_under_pct": min(min(errs), 0.0),
                     "under_gt_5pct": sum(1 for e in errs if e < -UNDER_FLAG_PCT)})
@@ -436,11 +448,12 @@ def print_report(results: list[dict], summary: list[dict]) -> None:
             notes_seen.add(r["compared"])
     for how in sorted(notes_seen):
         print(f"\nnote: max_reserved rows compared with {how}")
-    print(f"\n{'method':<8} {'source':<42} {'rows':>4} {'median|e|%':>10} {'max|e|%':>8} {'worst under%':>12} "
+    print(f"\n{'method':<8} {'source (* held out)':<56} {'rows':>4} {'median|e|%':>10} {'max|e|%':>8} {'worst under%':>12} "
           f"{'under>5%':>8}")
     for s in summary:
         fail = f"  ({s['failed']} failed)" if s["failed"] else ""
-        print(f"{s['method']:<8} {s['source']:<42} {s['rows']:>4} {s['median_abs_pct']:>10.1f} {s['max_abs_pct']:>8.1f} "
+        name = s["source"] + (" *" if s["held_out"] and s["source"] != HELD_OUT else "")
+        print(f"{s['method']:<8} {name:<56} {s['rows']:>4} {s['median_abs_pct']:>10.1f} {s['max_abs_pct']:>8.1f} "
               f"{s['worst_under_pct']:>12.1f} {s['under_gt_5pct']:>8}{fail}")
 
 

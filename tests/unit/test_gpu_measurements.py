@@ -105,6 +105,7 @@ def _write(tmp_path, doc, name="bad.json"):
     (lambda d: d.update(context_mib=None), ".context_mib"),
     (lambda d: d["model_config"].pop("hidden_size"), "hidden_size"),
     (lambda d: d["rows"][0].update(zero_stage=2), "rows[0]"),
+    (lambda d: d.update(held_out="yes"), ".held_out"),
 ])
 def test_a_malformed_file_is_named_with_its_field(gpu, tmp_path, edit, field):
     doc = copy.deepcopy(json.loads((DATA / "hf-guide-bert-large-v100.json").read_text()))
@@ -176,3 +177,26 @@ def test_runtime_facts_are_checked_and_a_row_overrides_its_source(gpu, tmp_path,
     bad["runtime"]["torch"] = "2.1"
     assert gpu.main(["--data", str(_write(tmp_path, bad))]) == 2
     assert "runtime.torch" in capsys.readouterr().err
+
+
+def test_held_out_sources_are_summarized_apart(gpu, tmp_path, capsys):
+    """A source marked held_out is in ALL and in HELD OUT, never in IN-SAMPLE, and is flagged per source."""
+    doc = json.loads((DATA / "hf-guide-bert-large-v100.json").read_text())
+    (tmp_path / "tuned.json").write_text(json.dumps(doc))
+    held = copy.deepcopy(doc)
+    held["held_out"] = True
+    held["rows"] = held["rows"][:2]
+    (tmp_path / "new.json").write_text(json.dumps(held))
+    assert gpu.main(["--json", "--data", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["held_out"] for r in out["rows"]] == [True, True] + [False] * len(doc["rows"])
+    groups = {s["source"]: s for s in out["summary"]}
+    assert groups["ALL"]["rows"] == len(doc["rows"]) + 2
+    assert groups[gpu.HELD_OUT]["rows"] == 2 and groups[gpu.HELD_OUT]["held_out"]
+    assert groups[gpu.IN_SAMPLE]["rows"] == len(doc["rows"]) and not groups[gpu.IN_SAMPLE]["held_out"]
+    assert groups["new"]["held_out"] and not groups["tuned"]["held_out"]
+    held_errs = sorted(abs(r["error_pct"]) for r in out["rows"] if r["held_out"])
+    assert groups[gpu.HELD_OUT]["max_abs_pct"] == held_errs[-1]
+    assert gpu.main(["--data", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "new *" in text and "tuned *" not in text
