@@ -334,7 +334,10 @@ def gpu_partition(source: Source, gpus: int) -> Partition:
     return dataclasses.replace(template, **{k: v for k, v in changes.items() if k in names})
 
 
-_FAMILIES = (("V100", "v100-16gb"), ("A100", "a100-80gb"), ("H100", "a100-80gb"), ("H200", "a100-80gb"))
+_FAMILIES = (("V100", "v100-16gb"), ("A100", "a100-80gb"), ("H100", "a100-80gb"), ("H200", "a100-80gb"),
+             ("RTX 40", "a100-80gb"))
+"""GPU family -> the example site's partition used as the template (the card, its memory and the context are
+replaced; an Ada GeForce card takes the A100 template: bf16-capable, not Hopper, so the same cuBLAS workspace)."""
 
 
 def _family_template(gpu: str, where: str) -> Partition:
