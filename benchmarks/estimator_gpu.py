@@ -313,7 +313,7 @@ def fsdp_plan(row: dict, knobs: dict, where: str) -> tuple[Plan | None, list[str
         plan = Plan(launcher="fsdp", offload_params=offload, **knobs, **extra)
     except HpcmemError as exc:
         return None, [f"the Plan refused launcher=fsdp for this row ({exc})"]
-    return plan, ["measured with FSDP1 (flat parameters, Lightning Fabric); hpcmem's fsdp launcher is FSDP2"]
+    return plan, ["measured with FSDP1 (flat parameters); hpcmem's fsdp launcher is FSDP2"]
 
 
 def gpu_partition(source: Source, gpus: int) -> Partition:
