@@ -544,7 +544,7 @@ class Checkpointer:
                                  self.save_cost_s)
         if not self._any(reason is not None):
             return None
-        if reason == "time-limit" or self.requested:
+        if reason == "time-limit":  # a signal save does not stand for it: Slurm's warning may come a minute early
             self.deadline_saved = True
         self.requested = False
         return self.save(step, engine, extras_save, reason or "another rank")

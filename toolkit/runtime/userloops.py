@@ -165,7 +165,8 @@ def hf_time_limit_callback(margin_s: float | None = None, *, signal_save: bool =
             reason = policy.due(state.global_step, time.time(), time.time(), s["requested"], s["deadline_saved"],
                                 s["save_cost_s"])
             if _any_rank(reason is not None):
-                s["deadline_saved"] = True
+                if reason == "time-limit":  # a signal save does not stand for it (Slurm's warning may come early)
+                    s["deadline_saved"] = True
                 s["requested"] = False
                 s["asked_at"] = time.time()
                 control.should_save = True
