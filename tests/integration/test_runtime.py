@@ -252,8 +252,9 @@ def test_host_oom_surfaces_pytorchs_own_error(tmp_path):
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    # Few malloc arenas: on a many-core machine each thread's arena reserves 64 MiB of address space.
-    env = _env(attempt, {"MALLOC_ARENA_MAX": "2"})
+    # Few malloc arenas: on a many-core machine each thread's arena reserves 64 MiB of address space. In-job
+    # recovery off (the spec's retry.inflight: false): this is about the error as the job ends with it.
+    env = _env(attempt, {"MALLOC_ARENA_MAX": "2", "HPCMEM_INFLIGHT": "0"})
     result = run([sys.executable, "-m", "toolkit.train", *train_args("gpt2")], env, preexec_fn=cap)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "DefaultCPUAllocator: can't allocate memory" in result.stderr
