@@ -3,7 +3,6 @@
 import json
 import mmap
 
-
 from toolkit import peaks
 from toolkit.plan import Plan
 from toolkit.runtime import metrics
