@@ -64,10 +64,13 @@ def _loop(tmp_path: Path, name: str, steps: int, every: int, ckpt: Path | None, 
     env = {"INIT_SEED": str(init_seed)}
     if ckpt is not None:
         env["HPCMEM_CHECKPOINT_DIR"] = str(ckpt)
+    # Started as a rendered job starts a user's script: through the runner, whose clean teardown keeps gloo's
+    # threads from aborting the interpreter's exit (seen here once: "terminate called without an active exception").
+    runner = str(ROOT / "toolkit" / "runtime" / "run_script.py")
     if nproc == 1:
-        cmd = [sys.executable, str(script)]
+        cmd = [sys.executable, runner, str(script)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", runner,
                str(script)]
     _run(cmd + [str(steps), str(every), str(out)], env, tmp_path)
     return json.loads(out.read_text())
