@@ -133,7 +133,8 @@ def test_a_job_saves_before_its_time_limit_on_slurm(slurm_cluster, tmp_path):
     needed), Slurm ends it with TIMEOUT, and the run shows the save. (Retrying a TIMEOUT is the controller's
     decision.) Slurm's USR1 warning (``--signal=B:USR1@20``) may come up to a minute early (seen 13-26 s into a
     1-minute job), so the clock's margin here is 55 s: its save comes first, a signal save may follow."""
-    text = one_minute_spec("out-of-time", ["--steps", "1000000", "--checkpoint-margin-s", "55"], "{max_attempts: 1}")
+    text = one_minute_spec("out-of-time", ["--steps", "1000000", "--checkpoint-margin-s", "55"],
+                           "{max_attempts: 1, resume: {TIMEOUT: 0}}")  # one attempt: its saves alone
     result, view, logs = submit(tmp_path, "out-of-time", text)
     first = view["attempts"][0]
     assert first["state"] == "TIMEOUT", logs
