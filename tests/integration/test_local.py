@@ -22,22 +22,28 @@ def test_quickstart_runs_locally(tmp_path):
     assert attempt["metrics"]["peak_rss_mib"] == metrics["peak_rss_mib"]
 
 
-def test_local_job_over_its_cap_fails_with_the_allocator_error_then_fits(tmp_path):
-    """The first plan dies of PyTorch's real allocator error under the address-space cap; the controller
-    comes back by itself with a plan that fits, same global batch. In-job recovery is turned off by the spec
-    (``retry: {inflight: false}``, HPCMEM_INFLIGHT=0 in the job) since this is about the controller's resubmit; with it
-    on the same error is answered inside the job (test_in_job_recovery_answers_the_same_error_in_one_attempt)."""
+def over_the_cap_spec(tmp_path, name: str, retry: str) -> Path:
+    """Tiny GPT-2 at micro-batch 64 x seq 512 (eager): over the local backend's 1800 MiB address-space cap."""
     spec = tmp_path / "big.yaml"
     spec.write_text(textwrap.dedent(f"""\
-        name: over-the-cap
+        name: {name}
         command:
           module: toolkit.train
           args: [--model, "{REPO}/jobs/models/tiny-gpt2.json", --task, causal-lm, --steps, "2", --warmup-steps, "0"]
         gpus_per_node: 1
         mem_mib: 1800
         training: {{global_batch: 64, micro_batch: 64, seq_len: 512, attention: eager}}
-        retry: {{inflight: false}}
+        retry: {retry}
         """))
+    return spec
+
+
+def test_local_job_over_its_cap_fails_with_the_allocator_error_then_fits(tmp_path):
+    """The first plan dies of PyTorch's real allocator error under the address-space cap; the controller
+    comes back by itself with a plan that fits, same global batch. In-job recovery is turned off by the spec
+    (``retry: {inflight: false}``, HPCMEM_INFLIGHT=0 in the job) since this is about the controller's resubmit; with it
+    on the same error is answered inside the job (test_in_job_recovery_answers_the_same_error_in_one_attempt)."""
+    spec = over_the_cap_spec(tmp_path, "over-the-cap", "{inflight: false}")
     result = hpcmem("submit", str(spec), "--site", "local", "--wait", "--json", "--interval", "0.5", home=tmp_path)
     view = json.loads(result.stdout)
     first, last = view["attempts"][0], view["attempts"][-1]
@@ -56,16 +62,7 @@ def test_in_job_recovery_answers_the_same_error_in_one_attempt(tmp_path):
     """The same job with in-job recovery on (the default): the allocator's error is caught in the step, all ranks
     agree, the micro-batch halves (accumulation doubles) until it fits, and the step is re-run: one attempt,
     COMPLETED, the same global batch, the moves in metrics.json and `hpcmem runs`."""
-    spec = tmp_path / "big.yaml"
-    spec.write_text(textwrap.dedent(f"""\
-        name: over-the-cap-in-job
-        command:
-          module: toolkit.train
-          args: [--model, "{REPO}/jobs/models/tiny-gpt2.json", --task, causal-lm, --steps, "2", --warmup-steps, "0"]
-        gpus_per_node: 1
-        mem_mib: 1800
-        training: {{global_batch: 64, micro_batch: 64, seq_len: 512, attention: eager}}
-        """))
+    spec = over_the_cap_spec(tmp_path, "over-the-cap-in-job", "{}")
     result = hpcmem("submit", str(spec), "--site", "local", "--wait", "--json", "--interval", "0.5", home=tmp_path)
     view = json.loads(result.stdout)
     (attempt,) = view["attempts"]
