@@ -50,6 +50,7 @@ from toolkit.plan import ATTENTIONS, OFFLOADS, PRECISIONS, Plan  # noqa: E402
 from toolkit.plan import LAUNCHERS as PLAN_LAUNCHERS  # noqa: E402
 from toolkit.plan import OPTIMIZERS as PLAN_OPTIMIZERS  # noqa: E402
 from toolkit.sites import Partition  # noqa: E402
+from toolkit.strategies.fsdp import REDUCE_DTYPES  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MEASURES = ("max_allocated", "max_reserved", "nvidia_smi_used")
@@ -210,11 +211,14 @@ def check_source(path: Path, doc: dict) -> None:
             raise DataError(f"{rw}.measured_mib: must be positive, got {row['measured_mib']}")
         if not row["quote"].strip():
             raise DataError(f"{rw}.quote: empty")
+        if "reduce_dtype" in row and row["reduce_dtype"] not in REDUCE_DTYPES:
+            raise DataError(f"{rw}.reduce_dtype: must be one of {', '.join(REDUCE_DTYPES)}; got {row['reduce_dtype']!r}")
         runtime_of(path, doc, row, rw)
 
 
 RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
-                  "zero_grad": str, "model_code": str}
+                  "zero_grad": str, "model_code": str,
+                  "fsdp_limit_all_gathers": bool}
 
 
 def runtime_of(path: Path, doc: dict, row: dict | None = None, where: str | None = None):
@@ -309,6 +313,8 @@ def fsdp_plan(row: dict, knobs: dict, where: str) -> tuple[Plan | None, list[str
     elif row["zero_stage"] == 2:
         return None, ["the Plan's fsdp launcher has no SHARD_GRAD_OP (reshard_after_forward) knob"]
     offload = "cpu" if "cpu" in (row["offload_params"], row["offload_optimizer"]) else "none"
+    if "reduce_dtype" in row:
+        extra["reduce_dtype"] = row["reduce_dtype"]
     try:
         plan = Plan(launcher="fsdp", offload_params=offload, **knobs, **extra)
     except HpcmemError as exc:

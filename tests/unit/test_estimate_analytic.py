@@ -551,6 +551,10 @@ def test_fsdp1_without_the_rate_limiter_reserves_every_units_gather_and_gradient
     assert not Runtime(torch_version="2.1.0+cu121").fsdp_unlimited_all_gathers
     assert not Runtime(torch_version="2.3").fsdp_unlimited_all_gathers
     assert not Runtime().fsdp_unlimited_all_gathers
+    # a job that passes limit_all_gathers says so, whatever its torch's default (llama-recipes on 2.0)
+    assert not Runtime(torch_version="2.0.1", fsdp_limit_all_gathers=True).fsdp_unlimited_all_gathers
+    assert Runtime(torch_version="2.1.0+cu121", fsdp_limit_all_gathers=False).fsdp_unlimited_all_gathers
+    assert not Runtime(torch_version="2.4", fsdp_limit_all_gathers=False).fsdp_unlimited_all_gathers  # FSDP2
     # two nightlies that differ only in the limiter's default (both after the foreach Adam change)
     old, new = Runtime(torch_version="2.1.0.dev20230710"), Runtime(torch_version="2.1.0.dev20230712")
     assert old.fsdp_unlimited_all_gathers and not new.fsdp_unlimited_all_gathers

@@ -200,3 +200,31 @@ def test_held_out_sources_are_summarized_apart(gpu, tmp_path, capsys):
     assert gpu.main(["--data", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "new *" in text and "tuned *" not in text
+
+
+def test_a_rows_fsdp_reduce_dtype_and_the_jobs_limit_all_gathers_reach_the_estimate(gpu, tmp_path, capsys):
+    """What an FSDP1 script passes (MixedPrecision's reduce dtype, limit_all_gathers) is stated in the data and
+    changes the estimate; a value the Plan or Runtime does not know is one line naming the field."""
+    doc = json.loads((DATA / "llama-recipes-issue100-llama2-7b-fsdp-a100.json").read_text())
+    row = doc["rows"][1]
+    assert gpu.runtime_of(Path("x.json"), doc, row).fsdp_limit_all_gathers is True
+    source = gpu.Source(Path("x.json"), doc)
+    assert gpu.build_case(source, 1).plan.reduce_dtype == row["reduce_dtype"] == "param"
+    # the same row without the script's limiter: torch 2.0's default (off) reserves every unit's gathers
+    unlimited = copy.deepcopy(doc)
+    del unlimited["runtime"]["fsdp_limit_all_gathers"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x.json").write_text(json.dumps(doc))
+    (tmp_path / "b" / "x.json").write_text(json.dumps(unlimited))
+    peaks = []
+    for d in ("a", "b"):
+        assert gpu.main(["--json", "--data", str(tmp_path / d), "--only", "sdpa"]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["rows"][0]["predicted_mib"])
+    assert peaks[1] > peaks[0] * 1.5
+    for where, value, field in (("runtime", "yes", "fsdp_limit_all_gathers"), ("row", "bf8", "reduce_dtype")):
+        bad = copy.deepcopy(doc)
+        (bad["runtime"] if where == "runtime" else bad["rows"][0])[field] = value
+        assert gpu.main(["--data", str(_write(tmp_path, bad))]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and field in err[0]

@@ -132,6 +132,10 @@ class Runtime:
     """the causal-LM loss upcasts the logits to fp32 (transformers: ``logits.float()`` before the
     cross-entropy); False: ``F.cross_entropy`` on 16-bit logits (litgpt, hand-written loops)"""
 
+    fsdp_limit_all_gathers: bool | None = None
+    """FSDP1's ``limit_all_gathers`` as the job passes it (None: the job passes none and the torch version's
+    default applies; see ``fsdp_unlimited_all_gathers``)"""
+
     model_code: str = "transformers"
     """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and
@@ -191,6 +195,8 @@ class Runtime:
         happened). False from 2.1 on and for FSDP2 (which reuses its all-gather buffers by stream order)."""
         if self.torch_version is None or version_tuple(self.torch_version) >= FSDP2_TORCH:
             return False
+        if self.fsdp_limit_all_gathers is not None:
+            return not self.fsdp_limit_all_gathers
         if version_tuple(self.torch_version) < (2, 1):
             return True
         if version_tuple(self.torch_version) == (2, 1):
