@@ -347,6 +347,27 @@ def test_zero_stages_shard_the_traced_categories():
     assert any("ZeRO-3" in note for note in notes)
 
 
+def test_fsdp_without_resharding_keeps_the_whole_model_gathered_through_forward_and_backward_only():
+    trace = literal_trace()
+    fsdp = functools.partial(Plan, launcher="fsdp", nodes=1, gpus_per_node=4, micro_batch=1, global_batch=4)
+    # FULL_SHARD: a quarter of every state, plus the prefetched layers gathered (2 x 40)
+    full, _, _ = shard(trace, fsdp(precision="fp32"))
+    assert full == {**dict.fromkeys(CATEGORIES, 0.0), "params": 100 + 80, "activations": 300, "optimizer": 300}
+    # SHARD_GRAD_OP: the shards, and on top of them the whole fp32 model from the forward to the backward
+    # (forward: 100 + 400 + 300 + 300 = 1100 > the step's 100 + 100 + 400)
+    kept, _, notes = shard(trace, fsdp(precision="fp32", reshard_after_forward=False))
+    assert kept == {**dict.fromkeys(CATEGORIES, 0.0), "params": 100 + 400, "activations": 300, "optimizer": 300}
+    assert any("gathered from each layer's forward to its backward" in n for n in notes)
+    # under mixed precision the gathered copy is 16-bit: half the traced fp32 weights
+    mixed, _, _ = shard(trace, fsdp(precision="bf16-mixed", reshard_after_forward=False))
+    assert mixed["params"] == 100 + 200
+    # when the step is the peak, no gathered copy is counted there
+    step_heavy = Trace(samples=trace.samples[:2] + ((1, 2, 400, 0, 400, 0, 0, 8000, 0),), step_ends=trace.step_ends,
+                       n_params=100, largest_layer_bytes=40, seconds=0.0)
+    at_step, _, _ = shard(step_heavy, fsdp(precision="fp32", reshard_after_forward=False))
+    assert at_step["params"] == 100 and at_step["optimizer"] == 2000
+
+
 def test_offload_moves_states_to_the_host():
     trace = literal_trace()
     gpu, host, _ = shard(trace, ds(zero_stage=2, offload_optimizer="cpu"))

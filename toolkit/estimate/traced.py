@@ -125,9 +125,11 @@ class Trace:
     seconds: float
     notes: tuple[str, ...] = ()
 
-    def peak(self, scale: Mapping[str, float] | None = None, extra: int = 0) -> tuple[int, dict[str, float]]:
-        """(index of the peak sample, bytes by category there) with categories scaled (default 1)."""
-        return _scaled_peak(self.samples, scale or {}, extra)
+    def peak(self, scale: Mapping[str, float] | None = None, extra: int = 0,
+             gathered: float = 0.0) -> tuple[int, dict[str, float]]:
+        """(index of the peak sample, bytes by category there) with categories scaled (default 1), plus
+        ``gathered`` times the traced parameters in the forward and backward passes (not at the step)."""
+        return _scaled_peak(self.samples, scale or {}, extra, gathered)
 
 
 @dataclass
@@ -312,13 +314,18 @@ def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]
     place = plan.strategy.placement(plan)
     scale = {"params": place.params, "grads": place.grads, "optimizer": place.optimizer}
     extra = int(trace.largest_layer_bytes * place.gathered_layers)
+    # weights kept gathered through forward and backward are in the compute dtype: half the traced fp32
+    # weights under mixed precision
+    gathered = place.gathered_params * (0.5 if plan.precision in ("fp16-mixed", "bf16-mixed") else 1.0)
     notes: list[str] = []
     if plan.strategy.sharded:
+        kept = (f", and the whole model's weights gathered from each layer's forward to its backward (x{gathered:.3g})"
+                if gathered else "")
         notes.append(f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
                      f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
-                     f"x{place.optimizer:.3g}, plus {place.gathered_layers:g} gathered layer(s)); communication "
+                     f"x{place.optimizer:.3g}, plus {place.gathered_layers:g} gathered layer(s){kept}); communication "
                      "buckets are not counted")
-    at, gpu = trace.peak(scale, extra)
+    at, gpu = trace.peak(scale, extra, gathered)
     step, phase = trace.samples[at][:2]
     notes.append(f"peak first reached in the {PHASES[phase]} pass of step {step + 1} of {len(trace.step_ends)} "
                  f"({len(trace.samples)} operators traced in {trace.seconds:.1f} s)")
@@ -334,15 +341,19 @@ def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]
     return gpu, host, notes
 
 
-def _scaled_peak(samples: Sequence[tuple], scale: Mapping[str, float], extra: int) -> tuple[int, dict[str, float]]:
-    factors = [float(scale.get(name, 1.0)) for name in CATEGORIES]
+def _scaled_peak(samples: Sequence[tuple], scale: Mapping[str, float], extra: int,
+                 gathered: float = 0.0) -> tuple[int, dict[str, float]]:
+    optimizer_phase = PHASES.index("optimizer")
+    base = [float(scale.get(name, 1.0)) for name in CATEGORIES]
+    passes = [f + (gathered if name == "params" else 0.0) for name, f in zip(CATEGORIES, base)]
     best, best_total = 0, -1.0
     for i, sample in enumerate(samples):
+        factors = base if sample[1] == optimizer_phase else passes
         total = sum(f * b for f, b in zip(factors, sample[2:]))
         if total > best_total:
             best, best_total = i, total
-    at = samples[best][2:]
-    out = {name: f * b for name, f, b in zip(CATEGORIES, factors, at)}
+    factors = base if samples[best][1] == optimizer_phase else passes
+    out = {name: f * b for name, f, b in zip(CATEGORIES, factors, samples[best][2:])}
     out["params"] += extra
     return best, out
 

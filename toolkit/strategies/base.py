@@ -85,6 +85,10 @@ class Placement:
     """what is offloaded goes to NVMe, not host memory"""
     gathered_layers: float = 0.0
     """layers whose full weights are gathered at once on top of the shards (ZeRO-3: the largest one)"""
+    gathered_params: float = 0.0
+    """share of the whole model's weights, in the compute dtype, that stays gathered on top of the shards
+    from each layer's forward to its backward (FSDP without resharding after the forward: all of it at
+    the backward's start); none of it is alive at the optimizer step"""
 
 
 @dataclass(frozen=True)

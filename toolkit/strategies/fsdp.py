@@ -182,13 +182,13 @@ class FSDP(Strategy):
 
     def placement(self, plan) -> Placement:
         share = 1.0 / plan.world_size
-        # Without resharding every block stays gathered from its forward to its backward: count the weights whole.
-        params = share if plan.reshard_after_forward else 1.0
+        # Without resharding every block stays gathered from its forward to its backward, on top of its shard.
         gathered = float(PREFETCHED_UNITS) if plan.reshard_after_forward else 0.0
+        whole = 0.0 if plan.reshard_after_forward else 1.0
         if plan.offload_params == "cpu":
-            return Placement(0.0 if plan.reshard_after_forward else 1.0, 0.0, 0.0, host_params=share,
-                             host_optimizer=share, gathered_layers=gathered)
-        return Placement(params, share, share, gathered_layers=gathered)
+            return Placement(0.0, 0.0, 0.0, host_params=share, host_optimizer=share, gathered_layers=gathered,
+                             gathered_params=whole)
+        return Placement(share, share, share, gathered_layers=gathered, gathered_params=whole)
 
     def startup_host_bytes(self, shape, plan) -> float:
         # the runtime builds the whole model on each rank, then shards it (meta-device init is the user's choice)
