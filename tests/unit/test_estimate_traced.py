@@ -371,7 +371,10 @@ def test_fsdp_without_resharding_keeps_the_whole_model_gathered_through_forward_
 def test_offload_moves_states_to_the_host():
     trace = literal_trace()
     gpu, host, _ = shard(trace, ds(zero_stage=2, offload_optimizer="cpu"))
-    assert gpu["optimizer"] == 0
+    # from ZeRO-2 on the gradients are reduced through the bucket into the host's partition: none stay on the GPU
+    assert gpu["optimizer"] == 0 and gpu["grads"] == 0
+    one, _, _ = shard(trace, ds(zero_stage=1, offload_optimizer="cpu"))
+    assert one["grads"] > 0  # ZeRO-1 keeps the whole 16-bit gradients on the device
     # Each of the node's 4 ranks keeps a quarter of the fp32 state and of the fp32 gradients (4 bytes x 100).
     assert host == pytest.approx(4 * (1200 + 400) / 4 * HOST_BUFFER_FACTOR)
     gpu, host, _ = shard(trace, ds(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"))

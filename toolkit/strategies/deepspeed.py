@@ -207,6 +207,8 @@ class DeepSpeed(Strategy):
         host_params = host_optimizer = 0.0
         if plan.offload_optimizer != "none":
             host_optimizer, optimizer = optimizer, 0.0
+            if stage >= 2:  # reduced through the bucket straight into the host's partition (model_states)
+                grads = 0.0
         if plan.offload_params != "none":
             host_params, params = params, 0.0
         return Placement(params, grads, optimizer, host_params, host_optimizer,
