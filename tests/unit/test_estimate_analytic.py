@@ -17,6 +17,7 @@ fp32 / bf16-mixed x checkpointing x sdpa / eager x two micro-batches; they staye
 """
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -571,3 +572,43 @@ def test_fsdp1_without_the_rate_limiter_reserves_every_units_gather_and_gradient
     ds = p.replace(launcher="deepspeed", zero_stage=3)
     assert estimate_analytic(VIT_BASE, ds, A100, runtime=old).peak_reserved_mib == \
         estimate_analytic(VIT_BASE, ds, A100, runtime=new).peak_reserved_mib
+
+
+def test_zero3_offload_hands_the_largest_gradient_partition_to_the_host_through_device_copies():
+    """DeepSpeed ZeRO-3 with optimizer offload (stage3.py partition_grads): each gradient partition is copied
+    back to the device, its norm taken in fp64 chunks of at most 250M elements, and it is cast to fp32 on the
+    device before the copy to the host. The largest partition's copies are a transient of the backward."""
+    from toolkit.estimate.analytic import dtypes_for, model_states
+
+    def states(shape, **knobs):
+        p = plan(launcher="deepspeed", gpus_per_node=4, precision="bf16-mixed", zero_stage=3, **knobs)
+        return p, model_states(shape, p, dtypes_for(p, True))
+
+    p, offload = states(LLAMA7B, offload_optimizer="cpu", offload_params="cpu")
+    part = LLAMA7B.largest_param_numel / 4  # the 32000 x 4096 embedding (and untied head), a quarter per rank
+    assert offload.reduce_temp_bytes == pytest.approx(2 * part + 8 * part)  # bf16 copy + fp64 norm (> fp32 cast)
+    assert states(LLAMA7B)[1].reduce_temp_bytes == 0  # without offload the partition stays on the device
+    two = Plan(launcher="deepspeed", nodes=1, gpus_per_node=4, global_batch=4, micro_batch=1, seq_len=512,
+               precision="bf16-mixed", zero_stage=2, offload_optimizer="cpu")
+    assert model_states(LLAMA7B, two, dtypes_for(two, True)).reduce_temp_bytes == 0  # ZeRO-2's own path
+    assert model_states(LLAMA7B, p, dtypes_for(p, False)).reduce_temp_bytes == 0  # no CUDA norm on the CPU
+    # a partition above the chunk: the fp64 norm is one chunk, the fp32 cast the whole partition
+    big = ModelShape.from_param_count(20_000_000_000, hidden=8192, layers=20, heads=64, vocab=256_000)
+    _, s = states(big, offload_optimizer="cpu")
+    part = big.largest_param_numel / 4
+    assert part > 250_000_000 and s.reduce_temp_bytes == pytest.approx(2 * part + max(8 * 250_000_000, 4 * part))
+    # the phases: the untied head's hand-over in the head's backward, the embedding's at the backward's end;
+    # a tied head (GPT-2) hands its gradient over with the embedding's, at the end only
+    dt = dtypes_for(p, True)
+    acts = an.activations(LLAMA7B, p, dt)
+    with_, without = ({ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, acts)}
+                      for st in (offload, dataclasses.replace(offload, reduce_temp_bytes=0.0)))
+    for name in ("head backward", "backward end"):
+        assert with_[name].temporaries - without[name].temporaries == pytest.approx(offload.reduce_temp_bytes)
+    assert with_["backward start"].total == without["backward start"].total
+    g, tied = states(GPT2, offload_optimizer="cpu")
+    gdt, gacts = dtypes_for(g, True), an.activations(GPT2, g, dtypes_for(g, True))
+    gp = {ph.name: ph for ph in an.phases(GPT2, g, gdt, tied, gacts)}
+    gq = {ph.name: ph for ph in an.phases(GPT2, g, gdt, dataclasses.replace(tied, reduce_temp_bytes=0.0), gacts)}
+    assert gp["head backward"].total == gq["head backward"].total
+    assert gp["backward end"].total - gq["backward end"].total == pytest.approx(tied.reduce_temp_bytes)

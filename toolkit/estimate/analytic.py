@@ -136,19 +136,24 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     vocab_grad = 2.0 * dt.grad * shape.vocab * shape.hidden
     emb_temp = vocab_grad if live or (causal and shape.tied) else 0.0
     head_temp = acts.head_backward_temp_bytes + (vocab_grad if live and causal else 0.0)
+    # the largest parameter's gradient handed to the host (ZeRO-3 offload): an untied LM head's in the head's
+    # backward, the embedding's at the backward's end
+    reduce_temp = states.reduce_temp_bytes
+    head_reduce = reduce_temp if causal and not shape.tied else 0.0
     return (
         # autocast's cache holds every 16-bit weight copy until the forward returns
         Phase("forward end", fwd_params, fwd_live, opt, kept + acts.outside_bytes,
               buf + L * acts.layer_cast_bytes + acts.head_cast_bytes + acts.loss_forward_temp_bytes),
         Phase("backward start", fwd_params, live, opt, kept + acts.outside_bytes,
               buf + layer_casts + acts.head_cast_bytes + acts.loss_backward_temp_bytes),
-        Phase("head backward", fwd_params, live + head_g, opt, kept + pixels, buf + layer_casts + head_temp),
+        Phase("head backward", fwd_params, live + head_g, opt, kept + pixels,
+              buf + layer_casts + head_temp + head_reduce),
         Phase("backward, last layer", fwd_params, live + head_g, opt, kept + pixels,
               buf + layer_casts + acts.layer_backward_temp_bytes),
         Phase("backward, first layer", fwd_params, live + head_g + (L - 1) * layer_g, opt,
               acts.kept_layer_bytes + pixels,
               buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
-        Phase("backward end", fwd_params, grads, opt, 0.0, buf + emb_temp),
+        Phase("backward end", fwd_params, grads, opt, 0.0, buf + emb_temp + reduce_temp),
         Phase("optimizer step", params, grads, opt, 0.0,
               buf + states.step_temp_bytes * foreach_step_copies(plan, dt, runtime)),
     )

@@ -277,6 +277,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     head_idx = [k for k, e in enumerate(params) if e[3] is None and k >= first_layer]
     emb_idx = [k for k, e in enumerate(params) if e[3] is None and k < first_layer]
     states_made = bool(flat_states) or sharded
+    # ZeRO-3 with optimizer offload: the largest gradient partition's device copies while it goes to the host,
+    # (its 16-bit partition and its fp64 norm chunk or fp32 cast, whichever is larger), as one block
+    reduce_temp = [int(states.reduce_temp_bytes)] if states.reduce_temp_bytes > 0 else []
+    head_reduce = reduce_temp if shape.task == "causal-lm" and not shape.tied else []
     micro = 1 if plan.grad_accum == 1 else 2
     keep_grads = states.persistent_grads or not runtime.frees_grads
     # zero_grad between the loss and the backward: the step's grads are freed before the next backward
@@ -329,6 +333,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             head_params = head_idx
             _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+            if head_reduce:  # an untied LM head's gradient handed to the host (ZeRO-3 offload)
+                for i in [alloc(x) for x in head_reduce]:
+                    free(i)
             for i in head_tmp:
                 free(i)
             for li in reversed(range(shape.layers)):
@@ -358,6 +365,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             add = (grads or (shape.task == "causal-lm" and shape.tied)) and vocab_grad > 0
             t = [alloc(vocab_grad), alloc(vocab_grad)] if add else []
             _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+            for i in [alloc(x) for x in reduce_temp]:  # the embedding's gradient handed to the host (ZeRO-3 offload)
+                free(i)
             for i in t:
                 free(i)
             for i in out_ids:

@@ -69,6 +69,9 @@ class ModelStates:
     step_temp_bytes: float
     host_bytes_per_rank: float
     """offloaded states (with their buffers) and pinned NVMe buffers"""
+    reduce_temp_bytes: float = 0.0
+    """device bytes alive at once while the largest parameter's gradient is reduced and handed to the host
+    (DeepSpeed ZeRO-3 with optimizer offload: see ``DeepSpeed.model_states``)"""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ NVME_MAX_IN_CPU = 1_000_000_000
 """Parameters kept in CPU memory at once when the rest is on NVMe (elements)."""
 BUCKET_ELEMENTS = 50_000_000
 """reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size as ``config`` writes them."""
+NORM_CHUNK_ELEMENTS = 250_000_000
+"""ZeRO-3's ``_constant_buffered_norm2``: a gradient partition's norm is taken in fp64 chunks of this many elements."""
 SUB_GROUP_ELEMENTS = 1_000_000_000
 """ZeRO-3 sub_group_size default: the unit the optimizer steps (and swaps to NVMe)."""
 OFFLOAD_BUFFER_FACTOR = 1.5
@@ -179,12 +181,21 @@ class DeepSpeed(Strategy):
         largest = min(shape.largest_param_numel, shard)
         step = (4.0 * shard if dt.grad != 4 else 0.0) + opt.step_temp_bytes(shard, largest, dt.state, 4, dt.gpu)
         host = 0.0
+        reduce_temp = 0.0
         if plan.offload_optimizer != "none":
             # Master copy, states and fp32 grads live on the host and step there; from ZeRO-2 on the grads
             # are reduced through the bucket straight into the host's partition.
             optimizer, step = 0.0, 0.0
             if stage >= 2:
                 grads = 0.0
+            if stage == 3 and dt.gpu:
+                # stage3.py partition_grads: each gradient partition is copied back to the device
+                # (grad_buffer.to(device)), its norm taken in fp64 chunks (_constant_buffered_norm2,
+                # get_norm_dtype: fp64 on CUDA), then cast to the fp32 master dtype on the device before the
+                # copy to the host (_offload_grad_partition_at_boundary); the largest partition sets the peak.
+                part = shape.largest_param_numel / n
+                reduce_temp = dt.grad * part + max(8.0 * min(part, NORM_CHUNK_ELEMENTS),
+                                                   4.0 * part if dt.grad != 4 else 0.0)
             if plan.offload_optimizer == "cpu":
                 host += OFFLOAD_BUFFER_FACTOR * (opt_full * shard / psi + 4.0 * shard)
             else:  # NVMe: states and grads swap through pinned fp32 buffers, each one sub-group large
@@ -197,7 +208,7 @@ class DeepSpeed(Strategy):
                 host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
-                           step_temp_bytes=step, host_bytes_per_rank=host)
+                           step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
