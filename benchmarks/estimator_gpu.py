@@ -212,7 +212,8 @@ def check_source(path: Path, doc: dict) -> None:
         if not row["quote"].strip():
             raise DataError(f"{rw}.quote: empty")
         if "reduce_dtype" in row and row["reduce_dtype"] not in REDUCE_DTYPES:
-            raise DataError(f"{rw}.reduce_dtype: must be one of {', '.join(REDUCE_DTYPES)}; got {row['reduce_dtype']!r}")
+            raise DataError(f"{rw}.reduce_dtype: must be one of {', '.join(REDUCE_DTYPES)}; "
+                            f"got {row['reduce_dtype']!r}")
         runtime_of(path, doc, row, rw)
 
 

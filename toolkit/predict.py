@@ -117,7 +117,8 @@ def state_bytes_per_param(plan: Plan) -> float:
     master = 4.0 if plan.precision in ("fp16-mixed", "bf16-mixed") else 0.0
     optimizer = optimizers.get(plan.optimizer).state_bytes_per_param(plan.precision)
     place = plan.strategy.placement(plan)
-    return weights * (place.params + place.gathered_params) + grads * place.grads + (master + optimizer) * place.optimizer
+    return (weights * (place.params + place.gathered_params) + grads * place.grads
+            + (master + optimizer) * place.optimizer)
 
 
 def _activation_share(plan: Plan, anchor: Plan | None = None, share: float = 0.5) -> float:
