@@ -358,9 +358,10 @@ def test_fsdp_without_resharding_keeps_the_whole_model_gathered_through_forward_
     kept, _, notes = shard(trace, fsdp(precision="fp32", reshard_after_forward=False))
     assert kept == {**dict.fromkeys(CATEGORIES, 0.0), "params": 100 + 400, "activations": 300, "optimizer": 300}
     assert any("gathered from each layer's forward to its backward" in n for n in notes)
-    # under mixed precision the gathered copy is 16-bit: half the traced fp32 weights
+    # under FSDP mixed precision the traced weights are already the 16-bit copy the gathered weights are kept in
+    assert fsdp(precision="bf16-mixed").strategy.layout(fsdp(precision="bf16-mixed")).weights == "bfloat16"
     mixed, _, _ = shard(trace, fsdp(precision="bf16-mixed", reshard_after_forward=False))
-    assert mixed["params"] == 100 + 200
+    assert mixed["params"] == 100 + 400
     # when the step is the peak, no gathered copy is counted there
     step_heavy = Trace(samples=trace.samples[:2] + ((1, 2, 400, 0, 400, 0, 0, 8000, 0),), step_ends=trace.step_ends,
                        n_params=100, largest_layer_bytes=40, seconds=0.0)

@@ -314,9 +314,9 @@ def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]
     place = plan.strategy.placement(plan)
     scale = {"params": place.params, "grads": place.grads, "optimizer": place.optimizer}
     extra = int(trace.largest_layer_bytes * place.gathered_layers)
-    # weights kept gathered through forward and backward are in the compute dtype: half the traced fp32
-    # weights under mixed precision
-    gathered = place.gathered_params * (0.5 if plan.precision in ("fp16-mixed", "bf16-mixed") else 1.0)
+    # the traced weights are in the engine's layout dtype (FSDP mixed precision: the 16-bit compute copy, the
+    # fp32 shards being the master), which is the dtype the gathered weights are kept in
+    gathered = place.gathered_params
     notes: list[str] = []
     if plan.strategy.sharded:
         kept = (f", and the whole model's weights gathered from each layer's forward to its backward (x{gathered:.3g})"
