@@ -289,3 +289,14 @@ def with_changes(plan: Plan, changes: Mapping[str, Any]) -> Plan:
         if per_step and merged["global_batch"] % per_step == 0:
             changes["grad_accum"] = merged["global_batch"] // per_step
     return plan.replace(**changes)
+
+
+def apply_overrides(plan: Plan, changes: dict[str, Any]) -> Plan:
+    """``plan`` with HF-style changes; the global batch becomes micro_batch x grad_accum x world_size."""
+    if not changes:
+        return plan
+    merged = {**plan.to_dict(), **changes}
+    merged.pop("world_size")
+    # HF semantics: the flags are taken literally, the global batch follows from them.
+    merged["global_batch"] = merged["micro_batch"] * merged["grad_accum"] * merged["nodes"] * merged["gpus_per_node"]
+    return Plan.from_dict(merged)

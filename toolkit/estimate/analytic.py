@@ -88,9 +88,10 @@ def dtypes_for(plan: Plan, gpu: bool) -> Dtypes:
     return plan.strategy.dtypes(plan, gpu)
 
 
-def model_states(shape: ModelShape, plan: Plan, dt: Dtypes) -> ModelStates:
-    """Params, grads and optimizer per rank, as the plan's engine holds them (toolkit/strategies/)."""
-    return plan.strategy.model_states(shape, plan, dt)
+def model_states(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> ModelStates:
+    """Params, grads and optimizer per rank, as the plan's engine holds them (toolkit/strategies/), with the
+    engine settings the job states (``Runtime.engine_config``)."""
+    return plan.strategy.model_states(shape, plan, dt, runtime.engine_config)
 
 
 # -- activations: the inventory lives in activations.py (shared with stream.py) --------------------
@@ -120,6 +121,8 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     L, ckpt, causal = shape.layers, plan.checkpointing, shape.task == "causal-lm"
     params, opt, buf, grads = states.params_bytes, states.optimizer_bytes, states.buffer_bytes, states.grads_bytes
     fwd_params = params + states.gathered_bytes
+    at = states.gathered_moments  # the engine's own schedule of gathered weights, where it has one
+    moment = (lambda name: fwd_params) if at is None else (lambda name: params + getattr(at, name))
     # Grads present from the start of the backward (DeepSpeed's buffers, a previous
     # micro-batch's); the rest is allocated during it: the head's first, then layer by layer.
     live = grads if states.persistent_grads or plan.grad_accum > 1 else 0.0
@@ -140,20 +143,21 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     # backward, the embedding's at the backward's end
     reduce_temp = states.reduce_temp_bytes
     head_reduce = reduce_temp if causal and not shape.tied else 0.0
+    bwd_buf = buf + states.grad_bucket_bytes  # ZeRO-1/2's buckets: from the first gradient to the backward's end
     return (
         # autocast's cache holds every 16-bit weight copy until the forward returns
-        Phase("forward end", fwd_params, fwd_live, opt, kept + acts.outside_bytes,
+        Phase("forward end", moment("forward_end"), fwd_live, opt, kept + acts.outside_bytes,
               buf + L * acts.layer_cast_bytes + acts.head_cast_bytes + acts.loss_forward_temp_bytes),
-        Phase("backward start", fwd_params, live, opt, kept + acts.outside_bytes,
+        Phase("backward start", moment("head_backward"), live, opt, kept + acts.outside_bytes,
               buf + layer_casts + acts.head_cast_bytes + acts.loss_backward_temp_bytes),
-        Phase("head backward", fwd_params, live + head_g, opt, kept + pixels,
-              buf + layer_casts + head_temp + head_reduce),
-        Phase("backward, last layer", fwd_params, live + head_g, opt, kept + pixels,
-              buf + layer_casts + acts.layer_backward_temp_bytes),
-        Phase("backward, first layer", fwd_params, live + head_g + (L - 1) * layer_g, opt,
+        Phase("head backward", moment("head_backward"), live + head_g, opt, kept + pixels,
+              bwd_buf + layer_casts + head_temp + head_reduce),
+        Phase("backward, last layer", moment("last_layer"), live + head_g, opt, kept + pixels,
+              bwd_buf + layer_casts + acts.layer_backward_temp_bytes),
+        Phase("backward, first layer", moment("first_layer"), live + head_g + (L - 1) * layer_g, opt,
               acts.kept_layer_bytes + pixels,
-              buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
-        Phase("backward end", fwd_params, grads, opt, 0.0, buf + emb_temp + reduce_temp),
+              bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
+        Phase("backward end", moment("backward_end"), grads, opt, 0.0, bwd_buf + emb_temp + reduce_temp),
         Phase("optimizer step", params, grads, opt, 0.0,
               buf + states.step_temp_bytes * foreach_step_copies(plan, dt, runtime)),
     )
@@ -186,7 +190,7 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     runtime = runtime or DEFAULT_RUNTIME
     gpu = partition.has_gpu
     dt = dtypes_for(plan, gpu)
-    states = model_states(shape, plan, dt)
+    states = model_states(shape, plan, dt, runtime)
     if gpu and not runtime.frees_grads and not states.persistent_grads:
         states = replace(states, persistent_grads=True)  # torch 1.x: zero_grad kept them allocated
     acts = activations(shape, plan, dt, runtime)

@@ -14,7 +14,8 @@ Pure arithmetic, no torch import.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 MIB = 1024 * 1024
 KIB = 1024
@@ -136,12 +137,19 @@ class Runtime:
     """FSDP1's ``limit_all_gathers`` as the job passes it (None: the job passes none and the torch version's
     default applies; see ``fsdp_unlimited_all_gathers``)"""
 
+    engine_config: Mapping[str, Any] | None = field(default=None, hash=False)
+    """the engine's settings as the job states them, where they change device memory: DeepSpeed's ds_config
+    ``zero_optimization`` section (its bucket sizes; ``strategies.deepspeed.ZeroSettings``). None: the config
+    hpcmem writes for the plan."""
+
     model_code: str = "transformers"
     """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and
     ``nn.MultiheadAttention``, whose tensors differ; see ``activations.layer_bytes_per_token``)"""
 
     def __post_init__(self):
+        if self.engine_config is not None and not isinstance(self.engine_config, Mapping):
+            raise ValueError(f"Runtime.engine_config: expected an object, got {self.engine_config!r}")
         if self.zero_grad not in ZERO_GRAD_PLACES:
             raise ValueError(f"Runtime.zero_grad: {self.zero_grad!r} is not one of {', '.join(ZERO_GRAD_PLACES)}")
         if self.model_code not in MODEL_CODES:

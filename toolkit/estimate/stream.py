@@ -29,7 +29,7 @@ thousand events.
 
 from __future__ import annotations
 
-from math import prod
+from math import floor, prod
 from typing import Iterator
 
 from .. import optimizers
@@ -253,6 +253,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                  and states.gathered_bytes > 0 and getattr(plan, "reshard_after_forward", True))
     unit = dt.param * shape.layer_params
     root = dt.param * max(shape.n_params - shape.layers * shape.layer_params, 0)
+    # gathered weights: blocks of gathered_bytes, two in flight; where the engine schedules them module by module
+    # (ZeRO-3's coordinator: ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak
+    g_block, g_depth = states.gathered_bytes, 1
+    if states.gathered_moments is not None and unit > 0:
+        g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
     if states.buffer_bytes > 0 and not unlimited:
         if per_tensor and plan.world_size > 1:
             for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
@@ -302,7 +307,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 if unlimited:
                     pending.append(alloc(unit))
                 elif states.gathered_bytes > 0 and sharded:
-                    gathered.append(alloc(states.gathered_bytes))
+                    gathered.append(alloc(g_block))
                 cast_ids += [alloc(x) for x in layer.casts]
                 if plan.checkpointing:
                     tmp = [alloc(x) for x in layer.saved]
@@ -311,7 +316,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                         free(i)
                 else:
                     kept_ids.append([alloc(x) for x in layer.saved])
-                if gathered and len(gathered) > 1:
+                if gathered and len(gathered) > g_depth:
                     free(gathered.pop(0))
             cast_ids += [alloc(x) for x in head_casts]
             lp = alloc(logprobs) if logprobs else None
@@ -331,6 +336,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
             for i in loss_bwd:
                 free(i)
+            # ZeRO-1/2's gradient buckets, made at the first gradient hook, released in the backward's epilogue
+            grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK)]
             head_params = head_idx
             _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
             if head_reduce:  # an untied LM head's gradient handed to the host (ZeRO-3 offload)
@@ -344,7 +351,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 elif gathered:
                     free(gathered.pop())
                 if sharded and states.gathered_bytes > 0 and not unlimited:
-                    gathered.append(alloc(states.gathered_bytes))
+                    gathered.append(alloc(g_block))
                 recast = [alloc(x) for x in layer.casts] if plan.checkpointing else []
                 tmp = [alloc(x) for x in layer.backward]
                 idx = layer_idx.get(li, [])
@@ -367,7 +374,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
             for i in [alloc(x) for x in reduce_temp]:  # the embedding's gradient handed to the host (ZeRO-3 offload)
                 free(i)
-            for i in t:
+            for i in t + grad_buckets:
                 free(i)
             for i in out_ids:
                 free(i)

@@ -232,7 +232,7 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
         notes.append(f"allocator not replayed: the analytic stream of a sharded engine needs the model's shape ({exc})")
         return None
     dt = an.dtypes_for(plan, True)
-    states = an.model_states(shape, plan, dt)
+    states = an.model_states(shape, plan, dt, runtime or an.DEFAULT_RUNTIME)
     acts = an.activations(shape, plan, dt, runtime or an.DEFAULT_RUNTIME)
     notes.append(f"{plan.launcher}: the allocator's overhead over the tensors is the analytic stream's, replayed")
     return plan_device_memory(shape, plan, dt, states, acts, gpu_model=partition.gpu_model, capacity_mib=capacity,

@@ -77,7 +77,8 @@ from typing import Any, Sequence
 from .. import models, optimizers
 from ..models import HF_ATTENTION
 from ..errors import ConfigError, HpcmemError, PlanError
-from ..plan import Plan, parse_sets, with_changes
+from ..plan import Plan, apply_overrides, parse_sets, with_changes
+from ..strategies.deepspeed import plan_from_ds_config
 from . import checkpoint as ckpt
 from . import inflight, jobenv
 from .monitor import MemoryMonitor
@@ -237,35 +238,6 @@ def plan_overrides(args: argparse.Namespace, ds_cfg: dict[str, Any] | None) -> d
     if args.optim is not None:
         changes["optimizer"] = OPTIM_NAMES[args.optim]
     return changes
-
-
-def plan_from_ds_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The knobs a user's ds_config.json sets (numbers only; "auto" leaves the plan's)."""
-    out: dict[str, Any] = {"launcher": "deepspeed"}
-    zero = cfg.get("zero_optimization") or {}
-    out["zero_stage"] = int(zero.get("stage", 0))
-    for key, knob in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
-        device = (zero.get(key) or {}).get("device", "none")
-        out[knob] = device if device in ("cpu", "nvme") else "none"
-    for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
-        if isinstance(cfg.get(key), int):
-            out[knob] = cfg[key]
-    if (cfg.get("fp16") or {}).get("enabled") is True:
-        out["precision"] = "fp16-mixed"
-    elif (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled") is True:
-        out["precision"] = "bf16-mixed"
-    return out
-
-
-def apply_overrides(plan: Plan, changes: dict[str, Any]) -> Plan:
-    """``plan`` with HF-style changes; the global batch becomes micro_batch x grad_accum x world_size."""
-    if not changes:
-        return plan
-    merged = {**plan.to_dict(), **changes}
-    merged.pop("world_size")
-    # HF semantics: the flags are taken literally, the global batch follows from them.
-    merged["global_batch"] = merged["micro_batch"] * merged["grad_accum"] * merged["nodes"] * merged["gpus_per_node"]
-    return Plan.from_dict(merged)
 
 
 def resolve_plan(args: argparse.Namespace, ranks: jobenv.Ranks) -> tuple[Plan, dict[str, Any] | None]:

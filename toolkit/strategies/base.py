@@ -21,7 +21,7 @@ and their tests (docs/add-an-engine.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 from ..errors import PlanError, UnknownNameError
 
@@ -50,6 +50,21 @@ class Dtypes:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """Unsharded weights an engine holds gathered at the step's moments (bytes per rank), where it tracks them
+    per module (DeepSpeed ZeRO-3's parameter coordinator: ``deepspeed.zero3_gathered``)."""
+
+    forward_end: float
+    """the LM head's forward (the forward's last module), where the activations peak"""
+    head_backward: float
+    last_layer: float
+    """the last layer's backward (with its recomputed forward under checkpointing)"""
+    first_layer: float
+    backward_end: float
+    """the embeddings' backward"""
+
+
+@dataclass(frozen=True)
 class ModelStates:
     """Per-rank bytes of weights, gradients and optimizer, and what offload puts on the host."""
 
@@ -72,6 +87,12 @@ class ModelStates:
     reduce_temp_bytes: float = 0.0
     """device bytes alive at once while the largest parameter's gradient is reduced and handed to the host
     (DeepSpeed ZeRO-3 with optimizer offload: see ``DeepSpeed.model_states``)"""
+    gathered_moments: Gathered | None = None
+    """``gathered_bytes`` moment by moment, where the engine's own schedule says it (None: the same at every moment
+    of the forward and backward)"""
+    grad_bucket_bytes: float = 0.0
+    """communication buffers alive from the first gradient to the backward's end only (DeepSpeed ZeRO-1/2's
+    contiguous-gradient buckets, made at the first gradient hook and released in the backward's epilogue)"""
 
 
 @dataclass(frozen=True)
@@ -188,7 +209,9 @@ class Strategy:
             return Layout("bfloat16")
         return Layout("float32", autocast=half, loss_scaling=plan.precision == "fp16-mixed")
 
-    def model_states(self, shape, plan, dt: Dtypes) -> ModelStates:
+    def model_states(self, shape, plan, dt: Dtypes, engine_config: Mapping[str, Any] | None = None) -> ModelStates:
+        """What the engine keeps per rank. ``engine_config``: the engine's own settings as the job states them
+        (DeepSpeed: its ds_config's ``zero_optimization`` section); None: what hpcmem writes for the plan."""
         raise NotImplementedError
 
     def placement(self, plan) -> Placement:

@@ -9,12 +9,17 @@ ds_config.json (``config``), whose batch fields come straight from the plan, so 
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .. import optimizers
-from ..errors import PlanError
-from .base import MIXED, SIXTEEN_BIT, Dtypes, Layout, ModelStates, Placement, Strategy, get, register
+from ..errors import ConfigError, PlanError
+from .base import MIXED, SIXTEEN_BIT, Dtypes, Gathered, Layout, ModelStates, Placement, Strategy, get, register
 
 # Buffers DeepSpeed stages parameters through when they live on NVMe. One buffer must hold the largest
 # single parameter; they are allocated up front (count x size x element bytes per rank), so they are sized
@@ -29,6 +34,8 @@ NVME_MAX_IN_CPU = 1_000_000_000
 """Parameters kept in CPU memory at once when the rest is on NVMe (elements)."""
 BUCKET_ELEMENTS = 50_000_000
 """reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size as ``config`` writes them."""
+DS_REDUCE_BUCKET_DEFAULT = 500_000_000
+"""DeepSpeed's own ``reduce_bucket_size`` when a ds_config leaves it out (runtime/zero/config.py, 5e8)."""
 NORM_CHUNK_ELEMENTS = 250_000_000
 """ZeRO-3's ``_constant_buffered_norm2``: a gradient partition's norm is taken in fp64 chunks of this many elements."""
 SUB_GROUP_ELEMENTS = 1_000_000_000
@@ -42,6 +49,208 @@ ZERO_COST = {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.15}
 OFFLOAD_COST = {"none": 1.0, "cpu": 1.5, "nvme": 2.0}
 """Step-time factors (coarse judgements from the ZeRO and ZeRO-Infinity papers' throughput tables)."""
 PLAN_DS_PRECISION = {"fp32": "fp32", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+
+# DeepSpeed's own defaults for the zero_optimization fields that change device memory, when a ds_config leaves
+# them out (runtime/zero/config.py); "auto" is what transformers' Trainer fills in (integrations/deepspeed.py),
+# as a function of the model's hidden size (None: no "auto" for that field).
+_ZERO_NUMBERS = {  # field: (attribute, default, auto)
+    "reduce_bucket_size": ("reduce_bucket_size", DS_REDUCE_BUCKET_DEFAULT, lambda h: h * h),
+    "stage3_prefetch_bucket_size": ("prefetch_bucket_size", 50_000_000, lambda h: int(0.9 * h * h)),
+    "stage3_max_live_parameters": ("max_live_parameters", 1_000_000_000, None),
+    "stage3_max_reuse_distance": ("max_reuse_distance", 1_000_000_000, None),
+    "stage3_param_persistence_threshold": ("param_persistence_threshold", 100_000, lambda h: 10 * h),
+}
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The ``zero_optimization`` settings that change what ZeRO puts on each device (read in DeepSpeed 0.19.8;
+    the same lifetimes in v0.7's source).
+
+    The gradient buckets (``bucket_bytes``):
+
+    - stage 1 and 2 with ``contiguous_gradients``: ``setup_buckets`` (stage_1_and_2.py) makes one buffer of
+      ``reduce_bucket_size`` elements in the 16-bit dtype at the first gradient hook, a second one with
+      ``overlap_comm`` (double buffering), and ``_release_ipg_buffers`` frees them in the backward's epilogue;
+    - stage 3 with ``contiguous_gradients``: one ``reduce_bucket_size`` buffer in the communication dtype,
+      made at start-up and kept (stage3.py, "IPG").
+
+    ``overlap_comm`` defaults to stage == 3 (``overlap_comm_valid``) and ``contiguous_gradients`` to True;
+    CPU optimizer offload forces it on at stages 1-2. The stage-3 parameter coordinator's settings
+    (prefetch, live, reuse distance, persistence; elements) drive ``zero3_gathered``.
+    """
+
+    reduce_bucket_size: int = DS_REDUCE_BUCKET_DEFAULT
+    contiguous_gradients: bool = True
+    overlap_comm: bool = False
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+
+    @classmethod
+    def from_config(cls, zero: Mapping[str, Any], *, stage: int, hidden: int | None = None,
+                    offload: bool = False) -> "ZeroSettings":
+        """From a ``zero_optimization`` section; DeepSpeed's defaults fill what it leaves out, and "auto" is
+        what transformers' Trainer fills in. Bad values raise ConfigError naming the field."""
+        if not isinstance(zero, Mapping):
+            raise ConfigError(f"zero_optimization: expected an object, got {zero!r}"[:200])
+        numbers = {}
+        for key, (attr, default, auto) in _ZERO_NUMBERS.items():
+            value = zero.get(key, default)
+            if value == "auto" and auto is not None:
+                if not hidden:
+                    raise ConfigError(f"zero_optimization.{key}: 'auto' needs the model's hidden size")
+                value = auto(hidden)
+            positive = key == "reduce_bucket_size"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                    or value in (float("inf"), float("-inf")) or value != int(value) or value < (1 if positive else 0):
+                what = "a positive" if positive else "a non-negative"
+                raise ConfigError(f"zero_optimization.{key}: expected {what} whole number, got {value!r}"[:200])
+            numbers[attr] = int(value)
+        flags = {}
+        for name, default in (("contiguous_gradients", True), ("overlap_comm", stage == 3)):
+            value = zero.get(name, default)
+            if value is None:
+                value = default
+            if not isinstance(value, bool):
+                raise ConfigError(f"zero_optimization.{name}: expected true or false, got {value!r}"[:200])
+            flags[name] = value
+        contiguous = flags["contiguous_gradients"] or (offload and stage in (1, 2))
+        return cls(contiguous_gradients=contiguous, overlap_comm=flags["overlap_comm"], **numbers)
+
+    def bucket_bytes(self, stage: int, grad_bytes: float, n_params: float, gpu: bool) -> tuple[float, float]:
+        """(kept through the step, alive during the backward only), bytes per rank. On a CPU rank only the
+        part a gradient writes becomes resident (``torch.empty`` pages are touched on first write)."""
+        if stage == 0 or not self.contiguous_gradients:
+            return 0.0, 0.0
+        one = grad_bytes * (self.reduce_bucket_size if gpu else min(self.reduce_bucket_size, n_params))
+        if stage == 3:
+            return one, 0.0
+        return 0.0, one * (2 if self.overlap_comm else 1)
+
+
+def _zero3_modules(other: tuple, layer: tuple, layers: int, tied: bool,
+                   causal: bool) -> tuple[list[list[int]], list[int], list[int]]:
+    """The model's modules as ZeRO-3 hooks them, each the list of the parameters it owns (indices into the
+    element counts returned): the input embeddings, each layer's weights (a bias rides with the weight before
+    it), the modules after the layers, and a tied LM head as one more module owning the token embedding.
+    Returns (modules in forward order, element counts, the index of each layer's first module followed by the
+    index of the first module after the layers)."""
+    sizes: list[int] = []
+    modules: list[list[int]] = []
+    group_start = [0]
+
+    def add(tensors) -> None:
+        group_start[0] = len(modules)
+        for _name, dims, kind in tensors:
+            sizes.append(prod(dims))
+            if kind == "bias" and len(modules) > group_start[0]:
+                modules[-1].append(len(sizes) - 1)
+            else:
+                modules.append([len(sizes) - 1])
+
+    first = [t for t in other if t[2] == "embedding" or t[0].startswith("embeddings")]
+    add(first)
+    layer_first: list[int] = []
+    for _ in range(layers):
+        layer_first.append(len(modules))
+        add(layer)
+    layer_first.append(len(modules))
+    add([t for t in other if t not in first])
+    if causal and tied and first:
+        modules.append([0])  # the tied LM head: the token embedding, the first parameter
+    return modules, sizes, layer_first
+
+
+def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool) -> dict[str, int]:
+    """Elements of gathered (unsharded) weights DeepSpeed ZeRO-3 holds at each moment of a steady-state step,
+    from a run of its parameter coordinator's policy (``PartitionedParameterCoordinator`` in
+    runtime/zero/partitioned_param_coordinator.py, DeepSpeed 0.19.8) over the step's module trace:
+
+    - a module's own parameters are gathered before it runs; then, the trace being known from the second step on,
+      each module's fetch prefetches the next parameters in trace order, up to ``min(max_live_parameters - live,
+      prefetch_bucket_size)`` more elements (a parameter larger than that is still fetched whole), so the prefetched
+      window grows until ``max_live_parameters`` elements are live;
+    - after a module, a parameter is released unless it was prefetched for a later use or the module trace uses
+      it again within ``max_reuse_distance`` elements of parameters (``__params_to_release``); parameters of at
+      most ``param_persistence_threshold`` elements stay gathered for good; the embeddings stay gathered through
+      their backward (its post-backward hook does not fire: the token ids need no gradient);
+    - the trace is the forward, then the backward in reverse, each checkpointed layer recomputing its forward
+      just before its backward; the optimizer step releases everything (``_partition_all_parameters``).
+
+    Keys: the moments of ``base.Gathered``; each value is the largest count over that moment's modules."""
+    return dict(_zero3_moments(tuple(shape.other_tensors), tuple(shape.layer_tensors), shape.layers,
+                               bool(shape.tied), causal, checkpointing, zs))
+
+
+@lru_cache(maxsize=256)
+def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: bool, checkpointing: bool,
+                   zs: ZeroSettings) -> tuple[tuple[str, int], ...]:
+    modules, sizes, layer_first = _zero3_modules(other, layer, layers, tied, causal)
+    persistent = {p for p, n in enumerate(sizes) if n <= zs.param_persistence_threshold}
+    resident = sum(sizes[p] for p in persistent)
+    n_fwd = len(modules)
+    trace = list(range(n_fwd))
+    trace.extend(reversed(range(layer_first[-1], n_fwd)))  # the modules after the layers, the head first
+    marks: dict[str, list[int]] = {"forward_end": [n_fwd - 1], "head_backward": [n_fwd], "last_layer": [],
+                                   "first_layer": []}
+    for li in reversed(range(layers)):
+        lo, hi = layer_first[li], layer_first[li + 1]
+        at = len(trace)
+        if checkpointing:
+            trace.extend(range(lo, hi))
+        trace.extend(reversed(range(lo, hi)))
+        if li in (layers - 1, 0):
+            marks["last_layer" if li == layers - 1 else "first_layer"] += list(range(at, len(trace)))
+    tail = len(trace)
+    trace.extend(reversed(range(layer_first[0])))
+    marks["backward_end"] = list(range(tail, len(trace)))
+    # where each parameter is used, and the elements of parameters the trace passes up to each step
+    uses: dict[int, list[int]] = {}
+    passed = [0]
+    for step, m in enumerate(trace):
+        for p in modules[m]:
+            uses.setdefault(p, []).append(step)
+        passed.append(passed[-1] + sum(sizes[p] for p in modules[m]))
+
+    live: set[int] = set()
+    n_live = 0
+    fetched_for = [-(10 ** 12)] * len(sizes)
+    queue = deque((p, step) for step, m in enumerate(trace) for p in sorted(modules[m]) if p not in persistent)
+    held: list[int] = []
+    for step, m in enumerate(trace):
+        own = [p for p in modules[m] if p not in persistent]
+        for p in own:
+            if p not in live:
+                live.add(p)
+                n_live += sizes[p]
+        need = sum(1 for p in own if fetched_for[p] < step)
+        for _ in range(min(need, len(queue))):  # this module's own entries leave the queue
+            p, used_at = queue.popleft()
+            fetched_for[p] = used_at
+        budget = min(zs.max_live_parameters - n_live, zs.prefetch_bucket_size)
+        inflight = 0
+        while queue and inflight < budget:
+            p, used_at = queue.popleft()
+            fetched_for[p] = max(fetched_for[p], used_at)
+            if p not in live:
+                live.add(p)
+                n_live += sizes[p]
+                inflight += sizes[p]
+        held.append(n_live)
+        if step >= tail:  # the embeddings: released only in the backward's epilogue
+            continue
+        for p in own:
+            if fetched_for[p] > step + 1:
+                continue  # prefetched for a later use
+            later = uses[p][bisect_right(uses[p], step)] if uses[p][-1] > step else None
+            if later is not None and passed[later] - passed[step + 1] < zs.max_reuse_distance:
+                continue  # used again within the reuse distance
+            live.discard(p)
+            n_live -= sizes[p]
+    return tuple((name, resident + max((held[i] for i in steps), default=0)) for name, steps in marks.items())
 
 
 @register
@@ -165,7 +374,7 @@ class DeepSpeed(Strategy):
             note += "; bf16-true under ZeRO-0 keeps fp32 master weights, as DeepSpeed's bf16 mode does"
         return Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed", note=note)
 
-    def model_states(self, shape, plan, dt: Dtypes) -> ModelStates:
+    def model_states(self, shape, plan, dt: Dtypes, engine_config=None) -> ModelStates:
         psi = float(shape.n_params)
         n = plan.world_size
         stage = plan.zero_stage
@@ -175,8 +384,15 @@ class DeepSpeed(Strategy):
         params = dt.param * (shard if stage == 3 else psi)
         grads = dt.grad * (shard if stage >= 2 else psi)
         optimizer = opt_full * shard / psi
-        bucket = dt.grad * min(psi, BUCKET_ELEMENTS) if stage >= 1 else 0.0
-        gathered = 2.0 * dt.param * shape.largest_param_numel if stage == 3 else 0.0
+        zero = engine_config if engine_config is not None else _memory_settings(stage, dt.gpu)
+        zs = ZeroSettings.from_config(zero, stage=stage, hidden=shape.hidden, offload=plan.offload_optimizer != "none")
+        bucket, grad_bucket = zs.bucket_bytes(stage, dt.grad, psi, dt.gpu)
+        moments = None
+        gathered = 0.0
+        if stage == 3:  # the parameter coordinator's gathered weights, moment by moment (zero3_gathered)
+            held = zero3_gathered(shape, zs, checkpointing=plan.checkpointing, causal=shape.task == "causal-lm")
+            moments = Gathered(**{name: dt.param * n for name, n in held.items()})
+            gathered = max(dt.param * n for n in held.values())
         # The step: an fp32 copy of this rank's 16-bit grads for the optimizer, then its own transient.
         largest = min(shape.largest_param_numel, shard)
         step = (4.0 * shard if dt.grad != 4 else 0.0) + opt.step_temp_bytes(shard, largest, dt.state, 4, dt.gpu)
@@ -208,7 +424,8 @@ class DeepSpeed(Strategy):
                 host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
-                           step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp)
+                           step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp,
+                           grad_bucket_bytes=grad_bucket, gathered_moments=moments)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
@@ -576,13 +793,9 @@ def _zero_section(plan, nvme_path: str | None, gpu: bool, largest_param: int | N
     zero: dict[str, Any] = {"stage": plan.zero_stage}
     if plan.zero_stage == 0:
         return zero
-    zero.update({"contiguous_gradients": True, "overlap_comm": gpu,
-                 "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS})
+    zero.update(_memory_settings(plan.zero_stage, gpu))
     if plan.zero_stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": BUCKET_ELEMENTS,
-                     "stage3_param_persistence_threshold": 100_000,
-                     "stage3_max_live_parameters": 1_000_000_000,
-                     "stage3_gather_16bit_weights_on_model_save": True})
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     if plan.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload(plan.offload_optimizer, nvme_path, gpu, buffers=NVME_OPTIMIZER_BUFFERS)
     if plan.offload_params != "none":
@@ -590,6 +803,49 @@ def _zero_section(plan, nvme_path: str | None, gpu: bool, largest_param: int | N
         if plan.offload_params == "nvme":
             zero["offload_param"].update({"buffer_size": nvme_buffer_elements(largest_param), "max_in_cpu": NVME_MAX_IN_CPU})
     return zero
+
+
+def plan_from_ds_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan knobs a user's ds_config.json sets (numbers only; "auto" leaves the plan's), as ``hpcmem-train
+    --deepspeed`` and ``hpcmem estimate --ds-config`` take them. A field of the wrong kind is a one-line
+    ConfigError naming it."""
+    out: dict[str, Any] = {"launcher": "deepspeed"}
+    zero = cfg.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f"zero_optimization: expected an object, got {zero!r}"[:200])
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}"[:200])
+    out["zero_stage"] = int(stage)
+    for key, knob in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
+        section = zero.get(key) or {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"zero_optimization.{key}: expected an object, got {section!r}"[:200])
+        device = section.get("device", "none")
+        out[knob] = device if device in ("cpu", "nvme") else "none"
+    for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
+        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
+            out[knob] = cfg[key]
+    if _enabled(cfg, "fp16"):
+        out["precision"] = "fp16-mixed"
+    elif _enabled(cfg, "bf16") or _enabled(cfg, "bfloat16"):
+        out["precision"] = "bf16-mixed"
+    return out
+
+
+def _enabled(cfg: Mapping[str, Any], section: str) -> bool:
+    value = cfg.get(section) or {}
+    return isinstance(value, Mapping) and value.get("enabled") is True
+
+
+def _memory_settings(stage: int, gpu: bool) -> dict[str, Any]:
+    """The part of the zero_optimization section hpcmem writes (stage >= 1) that sizes device memory."""
+    out: dict[str, Any] = {"contiguous_gradients": True, "overlap_comm": gpu,
+                           "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS}
+    if stage == 3:
+        out.update({"stage3_prefetch_bucket_size": BUCKET_ELEMENTS, "stage3_param_persistence_threshold": 100_000,
+                    "stage3_max_live_parameters": 1_000_000_000})
+    return out
 
 
 def nvme_buffer_elements(largest_param: int | None) -> int:
