@@ -219,7 +219,7 @@ def check_source(path: Path, doc: dict) -> None:
 
 RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
                   "zero_grad": str, "model_code": str,
-                  "fsdp_limit_all_gathers": bool}
+                  "fsdp_limit_all_gathers": bool, "engine_config": dict}
 
 
 def runtime_of(path: Path, doc: dict, row: dict | None = None, where: str | None = None):
