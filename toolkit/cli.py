@@ -422,13 +422,17 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
 @click.option("--offload-optimizer", type=click.Choice(PLAN_CHOICES["offload_optimizer"]), default="none", show_default=True)
 @click.option("--offload-params", type=click.Choice(PLAN_CHOICES["offload_params"]), default="none", show_default=True)
 @click.option("--nodes", type=_Count(), default=1, show_default=True)
+@click.option("--ds-config", "ds_config", metavar="FILE",
+              help="The DeepSpeed config the job brings (ds_config.json): its ZeRO stage, offload, precision, "
+                   "micro-batch and accumulation set the plan (as hpcmem-train --deepspeed takes them), and its "
+                   "zero_optimization bucket sizes the estimate's gradient buffers.")
 @_launcher_opt
 @_gpus_opt
 @_longest_opt
 @_json_opt
 @click.pass_context
 def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, micro_batch, grad_accum, precision,
-                 optimizer, checkpointing, attention, zero_stage, offload_optimizer, offload_params, nodes,
+                 optimizer, checkpointing, attention, zero_stage, offload_optimizer, offload_params, nodes, ds_config,
                  launcher, gpus_per_node, max_seq_len, seq_len_hist, as_json) -> None:
     """Predict a training step's peak memory per GPU (and host memory under offload) before submitting."""
     from .estimate import estimate, model_ref, spec_model
@@ -452,12 +456,17 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
                     offload_optimizer=offload_optimizer, offload_params=offload_params)
         part.check_plan(plan)
         ref = model_ref(model, task)
+    runtime = None
+    if ds_config:
+        plan, runtime = _with_ds_config(plan, ds_config)
+        part.check_plan(plan)
     plan, sized = _sized_for_longest(plan, max_seq_len, seq_len_hist)
-    est = estimate(ref, plan, part, method)
+    est = estimate(ref, plan, part, method, runtime=runtime)
     from .predict import fit_fields, fit_text
 
     if as_json:
-        _emit_json({**est.to_dict(), **fit_fields(est, plan), **({"sized_for_longest": sized} if sized else {})})
+        _emit_json({**est.to_dict(), **fit_fields(est, plan), "plan": plan.to_dict(),
+                    **({"sized_for_longest": sized} if sized else {})})
         return
     if sized:
         click.echo(f"note: {sized['note']}")
@@ -474,6 +483,27 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
     click.echo(f"  {fit_text(est, plan)}")
     for note in est.notes:
         click.echo(f"  note: {note}")
+
+
+def _with_ds_config(plan, path: str):
+    """``plan`` with what a user's ds_config sets, and the estimate's Runtime carrying its zero_optimization."""
+    from .errors import ConfigError
+    from .estimate.gpu import Runtime
+    from .plan import apply_overrides
+    from .schema import read_small_text
+    from .strategies.deepspeed import plan_from_ds_config
+
+    try:
+        cfg = json.loads(read_small_text(Path(path), "DeepSpeed config"))
+    except ValueError as exc:
+        raise ConfigError(f"DeepSpeed config {path}: not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"DeepSpeed config {path}: must hold a JSON object")
+    try:
+        return (apply_overrides(plan, plan_from_ds_config(cfg)),
+                Runtime(engine_config=cfg.get("zero_optimization") or {}))
+    except ConfigError as exc:
+        raise ConfigError(f"DeepSpeed config {path}: {exc}") from None
 
 
 @main.command("plan")
