@@ -345,6 +345,19 @@ def test_zero_stages_shard_the_traced_categories():
     three, _, notes = shard(trace, ds(zero_stage=3))
     assert three["params"] == 100 + 40  # a quarter, plus the largest layer gathered
     assert any("ZeRO-3" in note for note in notes)
+    # with the model's shape, DeepSpeed's own device memory (strategies.deepspeed.model_states) replaces the
+    # gathered layer, each part at its largest: gathered weights, gradient buckets, the offload hand-over
+    from toolkit.strategies import ModelStates
+
+    engine = ModelStates(params_bytes=0, grads_bytes=0, optimizer_bytes=0, persistent_grads=True, buffer_bytes=10,
+                         gathered_bytes=70, step_temp_bytes=0, host_bytes_per_rank=0, reduce_temp_bytes=5,
+                         grad_bucket_bytes=3)
+    three, _, notes = shard(trace, ds(zero_stage=3), engine)
+    assert three["params"] == 100 + 70 + 10 + 3 + 5
+    assert any("gathered weights (its parameter coordinator)" in n for n in notes)
+    assert shard(trace, Plan(launcher="fsdp", nodes=1, gpus_per_node=4, micro_batch=1, global_batch=4),
+                 engine)[0] == shard(trace, Plan(launcher="fsdp", nodes=1, gpus_per_node=4, micro_batch=1,
+                                                  global_batch=4))[0]  # only DeepSpeed's
 
 
 def test_fsdp_without_resharding_keeps_the_whole_model_gathered_through_forward_and_backward_only():

@@ -192,13 +192,29 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
         partition.check_plan(plan)
     except PlanError as exc:
         notes.append(f"the partition cannot run this plan as it stands: {exc}")
-    gpu, host_bytes, shard_notes = shard(trace, plan)
+    gpu, host_bytes, shard_notes = shard(trace, plan, _engine_states(model_config, task, plan, runtime, partition.has_gpu))
     notes += shard_notes
     context = partition.cuda_context_mib if cuda_context_mib is None else float(cuda_context_mib)
     dm = None
     if partition.has_gpu and allocator_model:
         dm = _replayed(model_config, task, plan, partition, context, model_factory, runtime, notes)
     return _estimate(gpu, host_bytes, plan, partition, context, allocator_overhead_frac, notes, dm)
+
+
+def _engine_states(model_config, task: str, plan: Plan, runtime, gpu: bool):
+    """DeepSpeed's ModelStates of the plan's model (``strategies.deepspeed``), or None (another engine, or a
+    model whose shape the config does not give)."""
+    if plan.launcher != "deepspeed" or model_config is None:
+        return None
+    from ..errors import ConfigError as _ConfigError
+    from ..modelshape import ModelShape
+    from . import analytic as an
+
+    try:
+        shape = ModelShape.from_config(model_config, task=task)
+    except _ConfigError:
+        return None
+    return an.model_states(shape, plan, an.dtypes_for(plan, gpu), runtime or an.DEFAULT_RUNTIME)
 
 
 def _replayed(model_config, task: str, plan: Plan, partition: Partition, context: float, model_factory, runtime,
@@ -302,18 +318,28 @@ def run_training_steps(model_config: Mapping[str, Any] | None, task: str, plan: 
 
 # -- ZeRO and offload: arithmetic on the traced categories -------------------------------
 
-def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]:
+def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], float, list[str]]:
     """Per-GPU bytes by category at the sharded peak, host bytes per node, notes.
 
     The sharded total is recomputed at every traced instant and the highest is taken, so
     the peak may move (e.g. from the optimizer step to the backward pass) once a category
     shrinks. Host memory: each of a node's ranks keeps its shard of what is offloaded
     (optimizer state with fp32 gradients; parameters), times HOST_BUFFER_FACTOR.
+    ``engine``: DeepSpeed's own device memory from the strategy's ModelStates of the plan's model, when
+    its shape is known: its gathered weights at their largest, its gradient buckets and ZeRO-3 offload's
+    hand-over transient are added at the peak instead of one gathered layer (a bound: each at its largest).
     """
     n = plan.world_size
     place = plan.strategy.placement(plan)
     scale = {"params": place.params, "grads": place.grads, "optimizer": place.optimizer}
     extra = int(trace.largest_layer_bytes * place.gathered_layers)
+    engine_note = ""
+    if engine is not None and plan.launcher == "deepspeed":
+        extra = int(engine.gathered_bytes + engine.buffer_bytes + engine.grad_bucket_bytes + engine.reduce_temp_bytes)
+        engine_note = (f"; DeepSpeed's own device memory added at the peak, each part at its largest: "
+                       f"{engine.gathered_bytes / MIB:.0f} MiB of gathered weights (its parameter coordinator), "
+                       f"{(engine.buffer_bytes + engine.grad_bucket_bytes) / MIB:.0f} MiB of gradient buckets, "
+                       f"{engine.reduce_temp_bytes / MIB:.0f} MiB handing a gradient to the host")
     # the traced weights are in the engine's layout dtype (FSDP mixed precision: the 16-bit compute copy, the
     # fp32 shards being the master), which is the dtype the gathered weights are kept in
     gathered = place.gathered_params
@@ -324,7 +350,10 @@ def shard(trace: Trace, plan: Plan) -> tuple[dict[str, float], float, list[str]]
         notes.append(f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
                      f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
                      f"x{place.optimizer:.3g}, plus {place.gathered_layers:g} gathered layer(s){kept}); communication "
-                     "buckets are not counted")
+                     "buckets are not counted" if not engine_note else
+                     f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
+                     f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
+                     f"x{place.optimizer:.3g}){engine_note}")
     at, gpu = trace.peak(scale, extra, gathered)
     step, phase = trace.samples[at][:2]
     notes.append(f"peak first reached in the {PHASES[phase]} pass of step {step + 1} of {len(trace.step_ends)} "
