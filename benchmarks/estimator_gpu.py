@@ -24,6 +24,10 @@ row: the script uses the richest vocabulary the current ``toolkit/plan.py`` has 
 launcher, ``adamw-fused``, ``adamw-perparam``, ``sgd-plain`` ... when they exist there; FSDP as
 DeepSpeed ZeRO and the coarse optimizer names when not).
 
+A row may state the job's ``PYTORCH_CUDA_ALLOC_CONF`` as ``alloc_conf`` (e.g. ``"expandable_segments:True"``):
+it becomes the Plan's ``alloc_conf``, under which the estimator's caching-allocator model replays the step, and is
+shown in the row's setup label.
+
 Exit status 0 (this is a report), or 2 with one line naming the file and the field when a
 data file is malformed.
 """
@@ -135,6 +139,8 @@ class Case:
             if r["offload_optimizer"] != "none" or r["offload_params"] != "none":
                 shard += "-offload"
             bits.append(shard)
+        if r.get("alloc_conf"):
+            bits.append(f"alloc_conf={r['alloc_conf']}")
         return " ".join(bits)
 
 
@@ -211,6 +217,9 @@ def check_source(path: Path, doc: dict) -> None:
             raise DataError(f"{rw}.measured_mib: must be positive, got {row['measured_mib']}")
         if not row["quote"].strip():
             raise DataError(f"{rw}.quote: empty")
+        if "alloc_conf" in row and not isinstance(row["alloc_conf"], str):
+            raise DataError(f"{rw}.alloc_conf: expected a string (PYTORCH_CUDA_ALLOC_CONF as the job set it), "
+                            f"got {row['alloc_conf']!r}")
         if "reduce_dtype" in row and row["reduce_dtype"] not in REDUCE_DTYPES:
             raise DataError(f"{rw}.reduce_dtype: must be one of {', '.join(REDUCE_DTYPES)}; "
                             f"got {row['reduce_dtype']!r}")
@@ -261,10 +270,13 @@ def build_case(source: Source, index: int) -> Case:
     optimizer, gap = plan_optimizer(row)
     if gap:
         gaps.append(gap)
+    alloc_conf = row_alloc_conf(row, where)
     knobs = dict(nodes=1, gpus_per_node=row["gpus"], global_batch=row["micro_batch"] * row["grad_accum"] * row["gpus"],
                  micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], seq_len=row["seq_len"],
                  precision=row["precision"], optimizer=optimizer, checkpointing=row["checkpointing"],
                  attention=row["attention"])
+    if alloc_conf:
+        knobs["alloc_conf"] = alloc_conf
     plan = None
     if row["launcher"] == "fsdp" and "fsdp" in PLAN_LAUNCHERS:
         plan, gap = fsdp_plan(row, knobs, where)
@@ -290,6 +302,27 @@ def build_case(source: Source, index: int) -> Case:
     except HpcmemError as exc:
         raise DataError(f"{where}: the row's plan cannot run on {doc['gpu']}: {exc}") from None
     return Case(source, index, row, plan, shape, partition, gaps, runtime_of(source.path, doc, row, where))
+
+
+def row_alloc_conf(row: dict, where: str) -> str:
+    """The row's ``alloc_conf`` (PYTORCH_CUDA_ALLOC_CONF as the job set it; "" when the row has none), checked
+    the way the Plan checks it (``toolkit.plan.check_alloc_conf``, which ``Plan.__post_init__`` calls) and the
+    way the estimator's allocator model reads it (``parse_alloc_conf``), so that a bad value is a DataError
+    naming the row's field rather than a Plan refusal or a failed estimate."""
+    value = row.get("alloc_conf", "")
+    if not isinstance(value, str):
+        raise DataError(f"{where}.alloc_conf: expected a string, got {value!r}")
+    if not value:
+        return ""
+    from toolkit.estimate.allocator import parse_alloc_conf
+    from toolkit.plan import check_alloc_conf
+
+    try:
+        check_alloc_conf(value)
+        parse_alloc_conf(value)
+    except HpcmemError as exc:
+        raise DataError(f"{where}.alloc_conf: {exc}") from None
+    return value
 
 
 def plan_optimizer(row: dict) -> tuple[str, str | None]:

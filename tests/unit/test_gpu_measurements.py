@@ -59,6 +59,7 @@ def test_every_row_builds_a_plan_and_a_model_shape(cases):
         assert case.plan.micro_batch == row["micro_batch"] and case.plan.grad_accum == row["grad_accum"]
         assert case.plan.world_size == row["gpus"] and case.plan.precision == row["precision"]
         assert case.plan.checkpointing == row["checkpointing"] and case.plan.attention == row["attention"]
+        assert case.plan.alloc_conf == row.get("alloc_conf", "")
         if case.plan.launcher == "fsdp":  # FULL_SHARD reshards after forward, SHARD_GRAD_OP keeps the weights
             assert row["launcher"] == "fsdp" and case.plan.reshard_after_forward == (row["zero_stage"] == 3)
         else:
@@ -228,3 +229,48 @@ def test_a_rows_fsdp_reduce_dtype_and_the_jobs_limit_all_gathers_reach_the_estim
         assert gpu.main(["--data", str(_write(tmp_path, bad))]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and field in err[0]
+
+
+def test_a_rows_alloc_conf_reaches_the_plan_and_a_bad_one_is_named(gpu, tmp_path, capsys):
+    """A row's ``alloc_conf`` (PYTORCH_CUDA_ALLOC_CONF as the job set it) is the Plan's ``alloc_conf``, shows in the
+    row's setup label, and the estimate replays under it; a value the Plan or the allocator model refuses is a
+    DataError (exit 2, one line) naming the row's field."""
+    doc = json.loads((DATA / "hf-guide-bert-large-v100.json").read_text())
+    doc["rows"] = doc["rows"][:2]
+    doc["rows"][1]["alloc_conf"] = "expandable_segments:True"
+    cases = gpu.load_cases(_write(tmp_path, doc, "ok.json"))
+    assert cases[0].plan.alloc_conf == "" and "alloc_conf" not in cases[0].label
+    assert cases[1].plan.alloc_conf == "expandable_segments:True"
+    assert "alloc_conf=expandable_segments:True" in cases[1].label
+    assert gpu.main(["--json", "--data", str(tmp_path), "--only", "expandable_segments"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 1 and rows[0]["row"] == 1 and rows[0]["error_pct"] is not None
+    (tmp_path / "ok.json").unlink()
+    for value in ("expandable_segments", "no_such_option:1", "expandable_segments:maybe", 5):
+        bad = copy.deepcopy(doc)
+        bad["rows"][1]["alloc_conf"] = value
+        with pytest.raises(gpu.DataError) as info:
+            gpu.load_cases(_write(tmp_path, bad))
+        assert "bad.json" in str(info.value) and "rows[1].alloc_conf" in str(info.value), value
+        assert gpu.main(["--data", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "rows[1].alloc_conf" in err[0], value
+
+
+def test_the_gpjt_expandable_segments_rows_pair_with_rows_without_it(cases):
+    """Every gpjt row measured with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True has a row of the same setup
+    without it (the 8B no-checkpointing sweeps were run at lengths 40 tokens apart: 1001/2001 vs 1041/2041)."""
+    for name in ("gpjt-fine-tune-qwen1.5-0.5b-deepspeed-zero3", "gpjt-fine-tune-llama3-8b-deepspeed-8gpu"):
+        rows = [c for c in cases if c.source.name == name]
+        assert rows and rows[0].source.doc["held_out"] is True
+        with_es = [c for c in rows if c.row.get("alloc_conf")]
+        without = [c for c in rows if not c.row.get("alloc_conf")]
+        assert len(with_es) == len(without) > 0
+        for case in with_es:
+            assert case.plan.alloc_conf == "expandable_segments:True"
+            assert "expandable" in case.row["quote"] or "env-var" in case.row["quote"]
+            same = [c for c in without if (c.row["micro_batch"], c.row["checkpointing"], c.row["zero_stage"],
+                                           c.row["offload_optimizer"]) == (case.row["micro_batch"],
+                                           case.row["checkpointing"], case.row["zero_stage"], case.row["offload_optimizer"])
+                    and abs(c.row["seq_len"] - case.row["seq_len"]) <= 40]
+            assert len(same) == 1, case.label
