@@ -1,0 +1,158 @@
+"""Issue 11, item 6: real training steps on a GPU, the allocator's own record of them replayed through hpcmem's
+allocator model, and the analytic estimate of the same plan beside both.
+
+    python3 benchmarks/gpu_replay.py [--cap-gib 16] [--out benchmarks/results/gpu-replay.json] [--only TEXT]
+
+Each case runs in a fresh process (PYTORCH_CUDA_ALLOC_CONF is read when CUDA starts): the memory fraction is
+capped to emulate a smaller card (``torch.cuda.set_per_process_memory_fraction``), the allocator records its
+history (``torch.cuda.memory._record_memory_history``) from before the model is built, the model trains
+``--steps`` steps as hpcmem's torch loop does (toolkit/estimate/measure.py's step, on CUDA), and the child
+reports ``max_memory_allocated`` / ``max_memory_reserved``, nvidia-smi's used memory (pynvml) and the
+allocator's event trace. The parent then prints, per case:
+
+- real: the GPU's peaks;
+- replay: ``estimate.cuda_trace.compare`` (the recorded stream through the allocator model under the same
+  settings and cap: checks the allocator policy alone, segment count included);
+- analytic: ``hpcmem estimate``'s peak allocated and reserved for the same Plan (checks the stream model too).
+
+Results go to ``--out`` as JSON (the traces themselves are not kept: they are large). Without a CUDA device the
+script says so in one line and exits 2; CI has none, so this runs only on a lent GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+# (name, model, task, plan knobs, PYTORCH_CUDA_ALLOC_CONF)
+CASES = (
+    ("gpt2 fp32 mb4 s512", "gpt2", "causal-lm", dict(micro_batch=4, seq_len=512, precision="fp32"), ""),
+    ("gpt2 fp32 mb4 s512 expandable", "gpt2", "causal-lm", dict(micro_batch=4, seq_len=512, precision="fp32"),
+     "expandable_segments:True"),
+    ("gpt2 bf16-mixed mb8 s1024 ckpt", "gpt2", "causal-lm",
+     dict(micro_batch=8, seq_len=1024, precision="bf16-mixed", checkpointing=True), ""),
+    ("bert-large fp16-mixed mb8 s512", "bert-large", "seq-cls",
+     dict(micro_batch=8, seq_len=512, precision="fp16-mixed"), ""),
+    ("bert-large fp32 mb4 s512 adafactor", "bert-large", "seq-cls",
+     dict(micro_batch=4, seq_len=512, precision="fp32", optimizer="adafactor"), ""),
+)
+
+CHILD = r"""
+import json, sys, contextlib
+import torch
+from toolkit.models import build_model, build_optimizer, load_model_config, transformers_config
+from toolkit.plan import Plan
+case = json.loads(sys.argv[1])
+dev = torch.device("cuda")
+total = torch.cuda.get_device_properties(dev).total_memory
+torch.cuda.set_per_process_memory_fraction(min(1.0, case["cap_bytes"] / total), dev)
+torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+p = Plan.from_dict(case["plan"])
+config = transformers_config(load_model_config(case["model"]), case["task"])
+model = build_model(config, case["task"], "eager" if p.attention == "eager" else "sdpa",
+                    dtype=torch.bfloat16 if p.precision == "bf16-true" else None).to(dev)
+if p.checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.train()
+opt = build_optimizer(p.optimizer, model.parameters(), lr=1e-4)
+dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(p.precision)
+scaler = torch.amp.GradScaler("cuda") if p.precision == "fp16-mixed" else None
+gen = torch.Generator(device=dev).manual_seed(1)
+for _ in range(case["steps"]):
+    for _ in range(p.grad_accum):
+        ids = torch.randint(0, config.vocab_size, (p.micro_batch, p.seq_len), generator=gen, device=dev)
+        labels = ids if case["task"] == "causal-lm" else torch.randint(0, 2, (p.micro_batch,), generator=gen, device=dev)
+        with torch.autocast("cuda", dtype=dtype) if dtype else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=labels).loss / p.grad_accum
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.step(opt); scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+snap = torch.cuda.memory._snapshot()
+trace = [{"action": e["action"], "addr": int(e.get("addr", 0)), "size": int(e.get("size", 0))}
+         for e in snap["device_traces"][dev.index or 0]]
+used = None
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)).used
+except Exception:
+    pass
+print(json.dumps({"max_allocated": torch.cuda.max_memory_allocated(dev), "max_reserved": torch.cuda.max_memory_reserved(dev),
+                  "nvidia_smi_used": used, "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                  "trace": trace}))
+"""
+
+
+def run_case(name: str, model: str, task: str, knobs: dict, alloc_conf: str, cap_gib: float, steps: int) -> dict:
+    from toolkit.estimate import estimate, model_ref
+    from toolkit.estimate.cuda_trace import compare
+    from toolkit.plan import Plan
+    from toolkit.sites import load_site
+
+    plan = Plan(global_batch=knobs["micro_batch"] * knobs.get("grad_accum", 1), alloc_conf=alloc_conf, **knobs)
+    payload = json.dumps({"model": model, "task": task, "plan": plan.to_dict(), "steps": steps,
+                          "cap_bytes": int(cap_gib * 2**30)})
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    done = subprocess.run([sys.executable, "-c", CHILD, payload], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode != 0:
+        return {"case": name, "error": (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+    real = json.loads(done.stdout.strip().splitlines()[-1])
+    trace = real.pop("trace")
+    replayed = compare(trace, alloc_conf, capacity=int(cap_gib * 2**30))
+    partition = load_site("example-hpc").partition("a100-80gb")
+    est = estimate(model_ref(model, task), plan, partition, "analytic")
+    return {"case": name, "alloc_conf": alloc_conf, "cap_gib": cap_gib, "real": real, "replay": replayed,
+            "analytic": {"peak_allocated_mib": est.peak_allocated_mib, "peak_reserved_mib": est.peak_reserved_mib}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cap-gib", type=float, default=16.0, help="memory fraction cap, as a card of this size")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu-replay.json")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        print("gpu_replay: no CUDA device here: nothing measured (run it on a GPU machine)", file=sys.stderr)
+        return 2
+    rows = [run_case(*case, args.cap_gib, args.steps) for case in CASES if args.only in case[0]]
+    print(f"{'case':<36} {'real alloc':>10} {'real resv':>10} {'replay resv':>11} {'replay err':>10} "
+          f"{'segs real/model':>15} {'analytic alloc':>14} {'analytic resv':>13}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<36} failed: {r['error']}")
+            continue
+        real, rep, an = r["real"], r["replay"], r["analytic"]
+        err = "" if rep["error"] is None else f"{100 * rep['error']:+.1f} %"
+        print(f"{r['case']:<36} {real['max_allocated'] / MIB:>10,.0f} {real['max_reserved'] / MIB:>10,.0f} "
+              f"{rep['model']['peak_reserved'] / MIB:>11,.0f} {err:>10} "
+              f"{rep['real']['segments_at_peak']:>7}/{rep['model']['segments_at_peak']:<7} "
+              f"{an['peak_allocated_mib']:>14,.0f} {an['peak_reserved_mib']:>13,.0f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

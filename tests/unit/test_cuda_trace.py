@@ -1,0 +1,67 @@
+"""estimate.cuda_trace: a CUDA allocator record (torch.cuda.memory._snapshot()'s device_traces), written here as
+literal dicts in torch's format, turned into the allocator model's stream and set against the real segments."""
+
+import pytest
+
+from toolkit.errors import ConfigError
+from toolkit.estimate.cuda_trace import compare, events_from_trace, reserved_from_trace
+
+MIB = 2 ** 20
+
+# torch logs a segment_alloc before the alloc that needed it; a free is requested when the tensor dies and
+# completed when the block is back in its pool.
+TRACE = [
+    {"action": "segment_alloc", "addr": 0x7F0000000000, "size": 2 * MIB},
+    {"action": "alloc", "addr": 0x7F0000000000, "size": 1000},           # small pool: a 2 MiB segment
+    {"action": "segment_alloc", "addr": 0x7F0000200000, "size": 20 * MIB},
+    {"action": "alloc", "addr": 0x7F0000200000, "size": 5 * MIB},         # 1-10 MiB: a 20 MiB segment
+    {"action": "free_requested", "addr": 0x7F0000200000, "size": 5 * MIB},
+    {"action": "free_completed", "addr": 0x7F0000200000, "size": 5 * MIB},
+    {"action": "alloc", "addr": 0x7F0000200000, "size": 3 * MIB},         # reuses the cached 20 MiB block
+    {"action": "free_completed", "addr": 0x7E0000000000, "size": 64},    # allocated before the record began
+    {"action": "snapshot", "addr": 0, "size": 0},
+]
+
+
+def test_the_record_becomes_the_models_stream_in_the_pools_order():
+    assert events_from_trace(TRACE) == [("alloc", 0, 1000), ("alloc", 1, 5 * MIB), ("free", 1), ("alloc", 2, 3 * MIB)]
+    assert reserved_from_trace(TRACE) == {"peak_reserved": 22 * MIB, "segments_at_peak": 2,
+                                          "reserved_end": 22 * MIB, "segments_end": 2}
+
+
+def test_the_model_replays_it_and_is_set_beside_the_real_segments():
+    out = compare(TRACE)
+    assert out["real"]["peak_reserved"] == out["model"]["peak_reserved"] == 22 * MIB and out["error"] == 0.0
+    assert out["model"]["segments_at_peak"] == 2
+    # had the real allocator reserved a third segment (say for the 3 MiB block), the model would be 22/42 short
+    extra = TRACE[:6] + [{"action": "segment_alloc", "addr": 0x7F0001600000, "size": 20 * MIB}] + TRACE[6:]
+    assert compare(extra)["error"] == pytest.approx(22 / 42 - 1)
+    # expandable segments: the model maps pages instead of cudaMalloc'ing segments
+    assert compare(TRACE, "expandable_segments:True")["model"]["peak_reserved"] == 2 * MIB + 20 * MIB
+
+
+@pytest.mark.parametrize("trace, words", [
+    ("not a list", "expected a list of events"),
+    ([{"addr": 1}], "expected a dict with an 'action'"),
+    ([{"action": "alloc", "addr": -1, "size": 4}], "addr must be a non-negative integer"),
+    ([{"action": "segment_alloc", "addr": 0, "size": "big"}], "size must be a non-negative integer"),
+])
+def test_a_malformed_record_is_named_in_one_line(trace, words):
+    with pytest.raises(ConfigError, match=words):
+        compare(trace)
+
+
+def test_the_gpu_replay_benchmark_says_in_one_line_that_there_is_no_gpu_here():
+    """benchmarks/gpu_replay.py makes the record on a GPU; on a machine without CUDA (CI) it measures nothing and
+    says so, exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the benchmark would run for real")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_replay.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no CUDA device" in done.stderr
