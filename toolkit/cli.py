@@ -497,6 +497,8 @@ def _with_ds_config(plan, path: str):
         cfg = json.loads(read_small_text(Path(path), "DeepSpeed config"))
     except ValueError as exc:
         raise ConfigError(f"DeepSpeed config {path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"DeepSpeed config {path}: not valid JSON: nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"DeepSpeed config {path}: must hold a JSON object")
     try:

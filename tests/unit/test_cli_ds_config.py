@@ -32,6 +32,7 @@ def test_the_ds_config_sets_the_plan_and_its_bucket_size_the_buffers(tmp_path):
 @pytest.mark.parametrize("cfg, words", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must hold a JSON object"),
+    pytest.param("[" * 200_000, "nested too deeply", id="deeply-nested"),
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage: expected 0, 1, 2 or 3, got 5"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, "zero_optimization.offload_optimizer: expected an object"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, "zero_optimization.reduce_bucket_size: expected a positive"),

@@ -81,13 +81,13 @@ class ZeroSettings:
     (prefetch, live, reuse distance, persistence; elements) drive ``zero3_gathered``.
     """
 
-    reduce_bucket_size: int = DS_REDUCE_BUCKET_DEFAULT
+    reduce_bucket_size: int = _ZERO_NUMBERS["reduce_bucket_size"][1]
     contiguous_gradients: bool = True
     overlap_comm: bool = False
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    param_persistence_threshold: int = 100_000
+    prefetch_bucket_size: int = _ZERO_NUMBERS["stage3_prefetch_bucket_size"][1]
+    max_live_parameters: int = _ZERO_NUMBERS["stage3_max_live_parameters"][1]
+    max_reuse_distance: int = _ZERO_NUMBERS["stage3_max_reuse_distance"][1]
+    param_persistence_threshold: int = _ZERO_NUMBERS["stage3_param_persistence_threshold"][1]
 
     @classmethod
     def from_config(cls, zero: Mapping[str, Any], *, stage: int, hidden: int | None = None,
