@@ -6,7 +6,7 @@ allocator model, and the analytic estimate of the same plan beside both.
 Each case runs in a fresh process (PYTORCH_CUDA_ALLOC_CONF is read when CUDA starts): the memory fraction is
 capped to emulate a smaller card (``torch.cuda.set_per_process_memory_fraction``), the allocator records its
 history (``torch.cuda.memory._record_memory_history``) from before the model is built, the model trains
-``--steps`` steps as hpcmem's torch loop does (toolkit/estimate/measure.py's step, on CUDA), and the child
+``--steps`` steps as hpcmem's torch loop does (``estimate.measure.train_setup`` on CUDA), and the child
 reports ``max_memory_allocated`` / ``max_memory_reserved``, nvidia-smi's used memory (pynvml) and the
 allocator's event trace. The parent then prints, per case:
 
@@ -45,38 +45,20 @@ CASES = (
 )
 
 CHILD = r"""
-import json, sys, contextlib
+import json, sys
 import torch
-from toolkit.models import build_model, build_optimizer, load_model_config, transformers_config
+from toolkit.estimate.measure import train_setup
+from toolkit.models import load_model_config
 from toolkit.plan import Plan
 case = json.loads(sys.argv[1])
 dev = torch.device("cuda")
 total = torch.cuda.get_device_properties(dev).total_memory
 torch.cuda.set_per_process_memory_fraction(min(1.0, case["cap_bytes"] / total), dev)
-torch.cuda.memory._record_memory_history(max_entries=2_000_000)
-p = Plan.from_dict(case["plan"])
-config = transformers_config(load_model_config(case["model"]), case["task"])
-model = build_model(config, case["task"], "eager" if p.attention == "eager" else "sdpa",
-                    dtype=torch.bfloat16 if p.precision == "bf16-true" else None).to(dev)
-if p.checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-model.train()
-opt = build_optimizer(p.optimizer, model.parameters(), lr=1e-4)
-dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(p.precision)
-scaler = torch.amp.GradScaler("cuda") if p.precision == "fp16-mixed" else None
-gen = torch.Generator(device=dev).manual_seed(1)
+torch.cuda.memory._record_memory_history(max_entries=2_000_000)  # before the model is built
+model, opt, scaler, step = train_setup(load_model_config(case["model"]), case["task"], Plan.from_dict(case["plan"]),
+                                       device="cuda")
 for _ in range(case["steps"]):
-    for _ in range(p.grad_accum):
-        ids = torch.randint(0, config.vocab_size, (p.micro_batch, p.seq_len), generator=gen, device=dev)
-        labels = ids if case["task"] == "causal-lm" else torch.randint(0, 2, (p.micro_batch,), generator=gen, device=dev)
-        with torch.autocast("cuda", dtype=dtype) if dtype else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=labels).loss / p.grad_accum
-        (scaler.scale(loss) if scaler else loss).backward()
-    if scaler:
-        scaler.step(opt); scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
+    step()
 torch.cuda.synchronize()
 snap = torch.cuda.memory._snapshot()
 trace = [{"action": e["action"], "addr": int(e.get("addr", 0)), "size": int(e.get("size", 0))}

@@ -57,30 +57,34 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def train_setup(cfg, task, p: Plan):
-    """Model, optimizer and one-step function, as toolkit/runtime/train.py's torch loop builds them."""
+def train_setup(cfg, task, p: Plan, device: str = "cpu"):
+    """Model, optimizer and one-step function, as toolkit/runtime/train.py's torch loop builds them, on
+    ``device`` ("cpu", or "cuda" for benchmarks/gpu_replay.py); the batches are drawn on the CPU either way."""
     torch.manual_seed(0)
+    kind = torch.device(device).type
     config = transformers_config(cfg, task)
     model = build_model(config, task, "eager" if p.attention == "eager" else "sdpa",
-                        dtype=torch.bfloat16 if p.precision == "bf16-true" else None)
+                        dtype=torch.bfloat16 if p.precision == "bf16-true" else None).to(device)
     if p.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = build_optimizer(p.optimizer, model.parameters(), lr=1e-4)
     dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(p.precision)
-    scaler = torch.amp.GradScaler("cpu") if p.precision == "fp16-mixed" else None
+    scaler = torch.amp.GradScaler(kind) if p.precision == "fp16-mixed" else None
     gen = torch.Generator().manual_seed(1)
 
     def batch():
         if task == "image-cls":
-            return random_image_batch(config, p.micro_batch, gen)
-        ids = torch.randint(0, config.vocab_size, (p.micro_batch, p.seq_len), generator=gen)
-        labels = ids if task == "causal-lm" else torch.randint(0, 2, (p.micro_batch,), generator=gen)
-        return {"input_ids": ids, "labels": labels}
+            drawn = random_image_batch(config, p.micro_batch, gen)
+        else:
+            ids = torch.randint(0, config.vocab_size, (p.micro_batch, p.seq_len), generator=gen)
+            labels = ids if task == "causal-lm" else torch.randint(0, 2, (p.micro_batch,), generator=gen)
+            drawn = {"input_ids": ids, "labels": labels}
+        return {k: v.to(device) for k, v in drawn.items()}
 
     def step():
         for _ in range(p.grad_accum):
-            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+            with torch.autocast(kind, dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = model(**batch()).loss / p.grad_accum
             (scaler.scale(loss) if scaler else loss).backward()
         if scaler:

@@ -333,13 +333,13 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
     place = plan.strategy.placement(plan)
     scale = {"params": place.params, "grads": place.grads, "optimizer": place.optimizer}
     extra = int(trace.largest_layer_bytes * place.gathered_layers)
-    engine_note = ""
+    extras = (f", plus {place.gathered_layers:g} gathered layer(s)", "); communication buckets are not counted")
     if engine is not None and plan.launcher == "deepspeed":
         extra = int(engine.gathered_bytes + engine.buffer_bytes + engine.grad_bucket_bytes + engine.reduce_temp_bytes)
-        engine_note = (f"; DeepSpeed's own device memory added at the peak, each part at its largest: "
-                       f"{engine.gathered_bytes / MIB:.0f} MiB of gathered weights (its parameter coordinator), "
-                       f"{(engine.buffer_bytes + engine.grad_bucket_bytes) / MIB:.0f} MiB of gradient buckets, "
-                       f"{engine.reduce_temp_bytes / MIB:.0f} MiB handing a gradient to the host")
+        extras = ("", f"); DeepSpeed's own device memory added at the peak, each part at its largest: "
+                      f"{engine.gathered_bytes / MIB:.0f} MiB of gathered weights (its parameter coordinator), "
+                      f"{(engine.buffer_bytes + engine.grad_bucket_bytes) / MIB:.0f} MiB of gradient buckets, "
+                      f"{engine.reduce_temp_bytes / MIB:.0f} MiB handing a gradient to the host")
     # the traced weights are in the engine's layout dtype (FSDP mixed precision: the 16-bit compute copy, the
     # fp32 shards being the master), which is the dtype the gathered weights are kept in
     gathered = place.gathered_params
@@ -349,11 +349,7 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
                 if gathered else "")
         notes.append(f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
                      f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
-                     f"x{place.optimizer:.3g}, plus {place.gathered_layers:g} gathered layer(s){kept}); communication "
-                     "buckets are not counted" if not engine_note else
-                     f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
-                     f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
-                     f"x{place.optimizer:.3g}){engine_note}")
+                     f"x{place.optimizer:.3g}{extras[0]}{kept}{extras[1]}")
     at, gpu = trace.peak(scale, extra, gathered)
     step, phase = trace.samples[at][:2]
     notes.append(f"peak first reached in the {PHASES[phase]} pass of step {step + 1} of {len(trace.step_ends)} "
