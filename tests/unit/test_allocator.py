@@ -185,6 +185,33 @@ def test_alloc_conf_parsing_names_what_it_refuses():
     assert parse_alloc_conf("max_split_size_mb:128").with_option("expandable_segments:True").expandable_segments
 
 
+def S(i, n, stream):
+    return ("alloc", i, n, stream)
+
+
+def test_each_cuda_stream_is_served_from_its_own_blocks():
+    """CUDACachingAllocator orders a pool's free blocks by (stream, size, address) and only takes one of the
+    request's stream: a 4 MiB block freed on the default stream is cached, but a side stream's 4 MiB request
+    cannot have it and makes its own 20 MiB segment."""
+    assert replay([A(1, 4 * MIB), F(1), A(2, 4 * MIB)]).peak_reserved == 20 * MIB
+    r = replay([A(1, 4 * MIB), F(1), S(2, 4 * MIB, "side")])
+    assert r.peak_reserved == 40 * MIB and r.segments_end == 2
+    # each stream reuses its own: the side stream's freed block serves its next request, the default stream's its own
+    evs = [S(1, 4 * MIB, "side"), F(1), A(2, 4 * MIB), S(3, 4 * MIB, "side"), A(4, 4 * MIB)]
+    assert replay(evs).peak_reserved == 40 * MIB
+    # stream 0 is the default stream, written or not
+    assert replay([A(1, 4 * MIB), F(1), S(2, 4 * MIB, 0)]).peak_reserved == 20 * MIB
+    # expandable segments: one per pool and stream, each mapped in its own 20 MiB pages
+    r = replay([A(1, 12 * MIB), S(2, 12 * MIB, "side")], config="expandable_segments:True")
+    assert r.peak_reserved == 40 * MIB and r.segments_end == 2
+    # before an OOM, release_cached_blocks frees every stream's cached segments: the side stream's free 30 MiB
+    # segment goes back to the driver so that the default stream's 30 MiB fits under 40 MiB
+    r = replay([S(1, 30 * MIB, "side"), F(1), A(2, 30 * MIB)], capacity=40 * MIB)
+    assert r.oom is None and r.reserved_end == 30 * MIB and r.segments_end == 1
+    with pytest.raises(ValueError, match="is not a name"):
+        replay([S(1, 10, ["side"])])
+
+
 def test_broken_streams_are_errors():
     with pytest.raises(ValueError, match="not live"):
         replay([F(1)])

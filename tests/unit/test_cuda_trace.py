@@ -29,6 +29,16 @@ def test_the_record_becomes_the_models_stream_in_the_pools_order():
                                           "reserved_end": 22 * MIB, "segments_end": 2}
 
 
+def test_a_side_streams_blocks_keep_their_stream():
+    """A block allocated on another CUDA stream (the trace's ``stream``: the cudaStream_t, 0 the default) enters the
+    model's stream with it, so the model serves it from that stream's blocks as the real allocator did."""
+    side = [{"action": "alloc", "addr": 0x7F0000000000, "size": 5 * MIB, "stream": 0x55AA},
+            {"action": "free_completed", "addr": 0x7F0000000000, "size": 5 * MIB, "stream": 0x55AA},
+            {"action": "alloc", "addr": 0x7F0001600000, "size": 5 * MIB, "stream": 0}]
+    assert events_from_trace(side) == [("alloc", 0, 5 * MIB, 0x55AA), ("free", 0), ("alloc", 1, 5 * MIB)]
+    assert compare(side)["model"]["peak_reserved"] == 40 * MIB  # two 20 MiB segments, one per stream
+
+
 def test_the_model_replays_it_and_is_set_beside_the_real_segments():
     out = compare(TRACE)
     assert out["real"]["peak_reserved"] == out["model"]["peak_reserved"] == 22 * MIB and out["error"] == 0.0

@@ -12,8 +12,13 @@ in Python from reading the source (no code copied). What it models, with the sou
   (``kLargeBuffer``, ``large_segment_size_mb`` in the newest releases) for requests < 10 MiB
   (``kMinLargeAlloc``) and otherwise the request rounded up to 2 MiB (``kRoundLarge``)
   (``get_allocation_size``).
-- ``get_free_block``: best fit, the smallest cached free block of the same pool (and stream: one
-  stream here) at least as large as the request, lowest address first among equals; never an
+- streams: every block belongs to the stream that allocated it (``Block::stream``), and the pools
+  order their free blocks by (stream, size, address), so a request is served only from its own
+  stream's free blocks; a segment, split or merged, never changes stream. Expandable segments are
+  one per pool and stream. ``release_available_cached_blocks`` frees only the request's stream's
+  oversize segments; ``release_cached_blocks`` and the garbage collector free every stream's.
+- ``get_free_block``: best fit, the smallest cached free block of the same pool and stream at least
+  as large as the request, lowest address first among equals; never an
   oversize block (>= ``max_split_size``) for a request under it, nor, for a request above it, a
   block larger than the request + ``max_non_split_rounding_mb`` (default 20 MiB).
 - ``should_split``: the block is split (the allocation at its front) when the remainder is
@@ -34,11 +39,14 @@ in Python from reading the source (no code copied). What it models, with the sou
   whenever the remainder is >= 512 B; on a failed map, free pages inside free blocks are unmapped
   and the map is retried. Reserved = mapped bytes.
 
-Not modelled: several streams (``record_stream``), CUDA graphs' private pools, the
+Not modelled: ``record_stream``'s deferred frees (a block used on another stream returns to its pool
+when that stream's event completes: a matter of timing; a stream states the free where it returns),
+CUDA graphs' private pools, the
 ``cudaMallocAsync`` backend (its options are accepted and named in ``AllocatorConfig.unmodelled``),
 pinned host memory options (irrelevant to device memory).
 
-Input: an ordered stream of events, ``("alloc", id, nbytes)`` / ``("free", id)`` (also ``"a"``/``"f"``),
+Input: an ordered stream of events, ``("alloc", id, nbytes)`` or ``("alloc", id, nbytes, stream)``
+(stream: any hashable name; absent: 0, the default stream) / ``("free", id)`` (also ``"a"``/``"f"``),
 a capacity (bytes the allocator may reserve: the card minus context and non-PyTorch memory) or
 None, and an ``AllocatorConfig`` (``parse_alloc_conf(PYTORCH_CUDA_ALLOC_CONF)``). Output: a frozen
 ``Replay``. Pure Python, no torch: a 100k-event stream replays in a fraction of a second.
@@ -325,30 +333,34 @@ class Replay:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "small", "seg", "born")
+    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "small", "seg", "born", "pool")
 
-    def __init__(self, addr: int, size: int, small: bool, seg: int):
-        self.addr, self.size, self.small, self.seg = addr, size, small, seg
+    def __init__(self, addr: int, size: int, small: bool, seg: int, pool: "_Pool"):
+        self.addr, self.size, self.small, self.seg, self.pool = addr, size, small, seg, pool
         self.allocated, self.mapped = False, True
         self.prev = self.next = None
         self.born = 0
 
 
 class _Pool:
-    """Free mapped blocks of one pool, ordered by (size, address)."""
+    """Free mapped blocks of one pool and one stream, ordered by (size, address): PyTorch's BlockPool
+    orders by (stream, size, address) and never serves a request from another stream's blocks, which
+    is a pool per stream."""
 
-    __slots__ = ("keys", "blocks", "small", "calls", "unmapped", "page")
+    __slots__ = ("keys", "blocks", "small", "calls", "unmapped", "page", "stream", "base")
 
-    def __init__(self, small: bool, page: int):
+    def __init__(self, small: bool, page: int, stream=0, calls: list[int] | None = None):
         self.keys: list[tuple[int, int]] = []
         self.blocks: dict[int, _Block] = {}
-        self.small, self.calls, self.page = small, 0, page
+        self.small, self.page, self.stream = small, page, stream
+        self.calls = calls if calls is not None else [0]  # get_free_block calls, shared by the streams' pools
         self.unmapped: dict[int, _Block] = {}  # addr -> unmapped block (expandable)
+        self.base: int | None = None  # start address of this pool's expandable segment
 
     def insert(self, b: _Block) -> None:
         bisect.insort(self.keys, (b.size, b.addr))
         self.blocks[b.addr] = b
-        b.born = self.calls
+        b.born = self.calls[0]
 
     def remove(self, b: _Block) -> None:
         keys = self.keys
@@ -365,6 +377,7 @@ class CachingAllocator:
         self.capacity = capacity
         self.small = _Pool(True, K_SMALL_BUFFER)
         self.large = _Pool(False, self.cfg.large_segment_size)
+        self._pools: dict[tuple, _Pool] = {(0, True): self.small, (0, False): self.large}
         self.allocated = self.requested = self.reserved = 0
         self.peak_allocated = self.peak_requested = self.peak_reserved = 0
         self.segments = 0
@@ -372,13 +385,19 @@ class CachingAllocator:
         self.segments_at_peak = 0
         self._next_addr = 1 << 20
         self._next_seg = 0
-        self._base: dict[bool, int] = {}  # pool (small?) -> start address of its expandable segment
         self._plain_rounding = not any(self.cfg.roundup_power2_divisions)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _new_segment(self, size: int, small: bool) -> _Block:
-        b = _Block(self._next_addr, size, small, self._next_seg)
+    def _pool(self, stream, small: bool) -> _Pool:
+        pool = self._pools.get((stream, small))
+        if pool is None:
+            page = K_SMALL_BUFFER if small else self.cfg.large_segment_size
+            pool = self._pools[(stream, small)] = _Pool(small, page, stream, self._pools[(0, small)].calls)
+        return pool
+
+    def _new_segment(self, size: int, pool: _Pool) -> _Block:
+        b = _Block(self._next_addr, size, pool.small, self._next_seg, pool)
         self._next_addr += size + K_SMALL_BUFFER
         self._next_seg += 1
         return b
@@ -394,7 +413,7 @@ class CachingAllocator:
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         if self._gc_on():
-            pool.calls += 1
+            pool.calls[0] += 1
         keys = pool.keys
         i = bisect.bisect_left(keys, (size, -1))
         if i == len(keys):
@@ -422,7 +441,7 @@ class CachingAllocator:
 
     def _release_cached(self) -> bool:
         """release_cached_blocks: every cached unsplit segment (and free expandable pages)."""
-        for pool in (self.large, self.small):
+        for pool in sorted(self._pools.values(), key=lambda x: x.small):  # large pools first
             for addr in list(pool.blocks):
                 b = pool.blocks.get(addr)
                 if b is None:
@@ -460,23 +479,23 @@ class CachingAllocator:
         if self.reserved <= limit:
             return
         target, reclaimed = self.reserved - limit, 0
-        pool = self.large
-        freeable = [b for b in pool.blocks.values() if b.prev is None and b.next is None]
+        freeable = [b for pool in self._pools.values() if not pool.small
+                    for b in pool.blocks.values() if b.prev is None and b.next is None]
         if not freeable:
             return
-        ages = {b.addr: pool.calls - b.born for b in freeable}
+        ages = {b.addr: b.pool.calls[0] - b.born for b in freeable}
         total, count = sum(ages.values()), len(freeable)
         freed = True
         while reclaimed < target and freed and count > 0:
             threshold = total / count
             freed = False
-            for b in sorted((x for x in freeable if x.addr in pool.blocks), key=lambda x: (x.size, x.addr)):
+            for b in sorted((x for x in freeable if x.addr in x.pool.blocks), key=lambda x: (x.size, x.addr)):
                 if ages[b.addr] >= threshold:
                     freed = True
                     reclaimed += b.size
                     total -= ages[b.addr]
                     count -= 1
-                    self._release_segment(b, pool)
+                    self._release_segment(b, b.pool)
 
     def _room(self, nbytes: int) -> bool:
         return self.capacity is None or self.reserved + nbytes <= self.capacity
@@ -490,16 +509,16 @@ class CachingAllocator:
             return None
         self.reserved += nbytes
         self.segments += 1
-        return self._new_segment(nbytes, pool.small)
+        return self._new_segment(nbytes, pool)
 
     # -- expandable segments ---------------------------------------------------------------------
 
     def _expand(self, pool: _Pool, size: int) -> _Block | None:
-        if pool.small not in self._base:
-            head = self._new_segment(_ADDRESS_SPACE, pool.small)
+        if pool.base is None:
+            head = self._new_segment(_ADDRESS_SPACE, pool)
             head.mapped = False
             pool.unmapped[head.addr] = head
-            self._base[pool.small] = head.addr
+            pool.base = head.addr
             self.segments += 1
         # find_expandable_block: the lowest unmapped range (with the free block before it) with room
         for addr in sorted(pool.unmapped):
@@ -542,7 +561,7 @@ class CachingAllocator:
             return False
         del pool.unmapped[b.addr]
         if pages < b.size:
-            rest = _Block(b.addr + pages, b.size - pages, b.small, b.seg)
+            rest = _Block(b.addr + pages, b.size - pages, b.small, b.seg, pool)
             rest.mapped = False
             rest.prev, rest.next = b, b.next
             if b.next is not None:
@@ -571,7 +590,7 @@ class CachingAllocator:
         prev, nxt = b.prev, b.next
         made = []
         for addr, size, mapped in pieces:
-            x = _Block(addr, size, b.small, b.seg)
+            x = _Block(addr, size, b.small, b.seg, pool)
             x.mapped = mapped
             made.append(x)
         for a, c in zip(made, made[1:]):
@@ -599,17 +618,19 @@ class CachingAllocator:
         pool.unmapped[hole.addr] = hole
 
     def _seg_base(self, b: _Block) -> int:
-        return self._base.get(b.small, b.addr)
+        base = b.pool.base
+        return b.addr if base is None else base
 
     # -- the API ---------------------------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> _Block | None:
-        """A block for ``nbytes`` (None: out of memory, the cache already emptied)."""
+    def malloc(self, nbytes: int, stream=0) -> _Block | None:
+        """A block for ``nbytes`` on ``stream`` (None: out of memory, the cache already emptied)."""
         if self._plain_rounding:
             size = K_MIN_BLOCK if nbytes < K_MIN_BLOCK else -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK
         else:
             size = round_size(nbytes, self.cfg)
-        pool = self.small if size <= K_SMALL_SIZE else self.large
+        small = size <= K_SMALL_SIZE
+        pool = (self.small if small else self.large) if stream == 0 else self._pool(stream, small)
         b = self._get_free_block(pool, size)
         if b is None:
             if self._gc_on():
@@ -623,7 +644,7 @@ class CachingAllocator:
             if b is None:
                 return None
         if self._should_split(b, size):
-            rest = _Block(b.addr + size, b.size - size, b.small, b.seg)
+            rest = _Block(b.addr + size, b.size - size, b.small, b.seg, pool)
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
@@ -647,7 +668,7 @@ class CachingAllocator:
 
     def free(self, b: _Block, nbytes: int) -> None:
         """free_block: back to its pool, merged with free neighbours."""
-        pool = self.small if b.small else self.large
+        pool = b.pool
         b.allocated = False
         self.allocated -= b.size
         self.requested -= nbytes
@@ -688,7 +709,14 @@ def replay(events: Iterable[Sequence], capacity: int | None = None,
             nbytes = int(ev[2])
             if ev[1] in live:
                 raise ValueError(f"allocator stream: id {ev[1]!r} allocated twice without a free (event {n - 1})")
-            b = malloc(nbytes)
+            stream = ev[3] if len(ev) > 3 else 0
+            if len(ev) > 3:
+                try:
+                    hash(stream)
+                except TypeError:
+                    raise ValueError(f"allocator stream: stream {stream!r} of id {ev[1]!r} is not a name "
+                                     f"(event {n - 1})") from None
+            b = malloc(nbytes, stream)
             if b is None:
                 reserved = a.reserved
                 oom = OutOfMemory(event=n - 1, request=nbytes, allocated=a.allocated, reserved=reserved,

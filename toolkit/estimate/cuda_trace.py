@@ -11,7 +11,7 @@ On a GPU, ``torch.cuda.memory._record_memory_history()`` makes the allocator log
   ``segment_unmap`` with expandable segments): what the card really reserved;
 - ``oom``, ``snapshot``: markers.
 
-``events_from_trace`` turns the block events into the ``("alloc", id, nbytes)`` / ``("free", id)`` stream that
+``events_from_trace`` turns the block events into the ``("alloc", id, nbytes[, stream])`` / ``("free", id)`` stream that
 ``allocator.replay`` takes (a block freed whose alloc the trace does not hold, because recording started after it,
 is left out); ``reserved_from_trace`` follows the segment events to the real reserved bytes and segment count at
 their peak; ``compare`` replays the stream through the model under the same allocator settings and puts the two
@@ -53,7 +53,11 @@ def events_from_trace(trace: Sequence[Mapping[str, Any]]) -> list[tuple]:
         action = entry["action"]
         if action == "alloc":
             live[entry["addr"]] = next_id
-            out.append(("alloc", next_id, max(1, entry["size"])))
+            # the CUDA stream's handle (0: the default stream): the allocator serves each stream from its own blocks
+            stream = entry.get("stream", 0)
+            size = max(1, entry["size"])
+            out.append(("alloc", next_id, size, stream) if isinstance(stream, int) and stream
+                       else ("alloc", next_id, size))
             next_id += 1
         elif action == "free_completed":
             i = live.pop(entry["addr"], None)
