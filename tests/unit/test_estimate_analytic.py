@@ -682,6 +682,84 @@ def test_zero_gradient_buckets_come_from_the_ds_config_with_deepspeeds_lifetimes
         assert ph.total - without[name].total == pytest.approx(expect), name
 
 
+def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks():
+    """DeepSpeed ZeRO-3 with reduce_scatter (its default): reduce_scatter_coalesced copies the bucket's gradients
+    into one new tensor (torch.cat) whenever the next gradient would overflow the bucket, and in the backward's
+    epilogue; with overlap_comm on the reduce stream. On one rank without parameter offload it gathers nothing
+    (_no_gather_coalesced: a parameter's data is its own partition)."""
+    from toolkit.estimate.stream import REDUCE_STREAM, GATHER_STREAM, step_events, zero3_reductions
+    from toolkit.strategies.deepspeed import ZeroSettings, zero3_gathers
+
+    # hand-worked on the 2-layer Llama of the coordinator's test: backward order head 10M, layer 1 (MLP 3 x 2M,
+    # attention 4 x 1M, norms), layer 0 (same), embedding 10M; a 12M bucket
+    shape = ModelShape.from_config({"model_type": "llama", "hidden_size": 1000, "intermediate_size": 2000,
+                                    "num_hidden_layers": 2, "num_attention_heads": 10, "num_key_value_heads": 10,
+                                    "vocab_size": 10_000, "tie_word_embeddings": False})
+    layer = 3 * 2_000_000 + 4 * 1_000_000 + 2 * 1000
+    final_norm = 1000
+    # head + final norm (10.001M) + layer 1's q (11.001M): its k would overflow, so 11.001M is reduced; layer 1's
+    # other weights and layer 0's q, k (11.002M): its v overflows, reduced; layer 0's rest (8.002M): the embedding
+    # overflows, reduced; the epilogue reduces the embedding's 10M
+    assert zero3_reductions(shape, 12_000_000) == (11_002_000, 10_000_000)
+    total = 2 * 10_000_000 + 2 * layer + final_norm
+    assert zero3_reductions(shape, 10 ** 9) == (0, total)  # one bucket holds everything: the epilogue's copy only
+    assert ZeroSettings.from_config({"reduce_scatter": False}, stage=3).flush_elements(3) == 0
+    assert ZeroSettings.from_config({}, stage=2).flush_elements(2) == 0
+    one = plan(gpus_per_node=1, zero_stage=3, precision="bf16-mixed")
+    eight = plan(gpus_per_node=8, zero_stage=3, precision="bf16-mixed")
+    assert not zero3_gathers(one) and zero3_gathers(eight)
+    assert zero3_gathers(plan(gpus_per_node=1, zero_stage=3, precision="bf16-mixed", offload_params="cpu"))
+    dt = an.dtypes_for(one, True)
+    st = an.model_states(shape, one, dt)
+    assert st.gathered_bytes == 0.0 and st.gathered_moments is None and st.side_streams
+    assert st.flush_bucket_elements == 50_000_000  # hpcmem's own ds_config
+    # the stream: the copy on the reduce stream, once per backward here, each alloc freed at once
+    events = step_events(shape, one, dt, st, an.activations(shape, one, dt), steps=1, sharded=True)
+    copies = [e for e in events if len(e) == 4 and e[0] == "alloc"]
+    assert [(e[2], e[3]) for e in copies] == [(2 * total, REDUCE_STREAM)]
+    st8 = an.model_states(shape, eight, dt)
+    events = step_events(shape, eight, dt, st8, an.activations(shape, eight, dt), steps=1, sharded=True)
+    assert any(len(e) == 4 and e[3] == GATHER_STREAM for e in events)
+    # the phases: the epilogue's copy at the backward's end
+    acts = an.activations(shape, one, dt)
+    with_, without = ({ph.name: ph for ph in an.phases(shape, one, dt, s, acts)}
+                      for s in (st, dataclasses.replace(st, flush_bucket_elements=0.0)))
+    others = without["backward end"].temporaries - st.buffer_bytes  # the embedding's transients, freed before it
+    assert with_["backward end"].temporaries == pytest.approx(st.buffer_bytes + max(others, 2 * total))
+    assert with_["backward end"].total > without["backward end"].total
+    assert with_["forward end"].total == without["forward end"].total
+
+
+def test_zero_steps_each_group_through_an_fp32_copy_of_its_gradients():
+    """The step's fp32 gradient copy: ZeRO-1/2 cast the pre-flattened 16-bit partition (nothing with fp32 grads);
+    ZeRO-3 flattens one sub-group's gradient partitions into a new tensor and casts it (stage3.py
+    _prepare_fp32_grad_for_sub_group), one sub-group of sub_group_size elements at a time."""
+    from toolkit.estimate.analytic import dtypes_for, model_states
+    from toolkit.estimate.gpu import Runtime
+
+    def states(stage, zero=None, precision="bf16-mixed", optimizer="adamw-fused"):
+        p = plan(launcher="deepspeed", gpus_per_node=4, precision=precision, zero_stage=stage, optimizer=optimizer)
+        return model_states(LLAMA7B, p, dtypes_for(p, True), Runtime(engine_config=zero))
+
+    shard = LLAMA7B.n_params / 4
+    z2 = states(2)
+    assert (z2.step_temp_bytes, z2.step_flatten_bytes) == (pytest.approx(4 * shard), 0.0)
+    assert states(2, precision="fp32").step_temp_bytes == 0.0
+    z3 = states(3, {"stage": 3})  # a shard of 1.7e9 elements, DeepSpeed's sub_group_size 1e9
+    assert shard > 1e9 and z3.step_temp_bytes == 4 * 1e9 and z3.step_flatten_bytes == 2 * 1e9
+    small = states(3, {"stage": 3, "sub_group_size": 1e8})
+    assert (small.step_temp_bytes, small.step_flatten_bytes) == (4 * 1e8, 2 * 1e8)
+    assert states(3, {"stage": 3}, precision="fp32").step_flatten_bytes == 0.0  # the flattened copy is the fp32 one
+    assert states(3, {"stage": 3}, precision="fp32").step_temp_bytes == 4 * 1e9
+    # the step phase holds both while the cast is made
+    p = plan(launcher="deepspeed", gpus_per_node=4, precision="bf16-mixed", zero_stage=3, optimizer="adamw-fused")
+    dt = dtypes_for(p, True)
+    acts = an.activations(LLAMA7B, p, dt)
+    with_, without = ({ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, acts)}
+                      for st in (z3, dataclasses.replace(z3, step_flatten_bytes=0.0)))
+    assert with_["optimizer step"].total - without["optimizer step"].total == 2 * 1e9
+
+
 @pytest.mark.parametrize("zero, words", [
     ({"reduce_bucket_size": -1}, "reduce_bucket_size: expected a positive whole number"),
     ({"reduce_bucket_size": "5e8"}, "reduce_bucket_size: expected a positive whole number"),
@@ -689,6 +767,8 @@ def test_zero_gradient_buckets_come_from_the_ds_config_with_deepspeeds_lifetimes
     ({"reduce_bucket_size": True}, "reduce_bucket_size: expected a positive whole number"),
     ({"reduce_bucket_size": "auto"}, "'auto' needs the model's hidden size"),
     ({"overlap_comm": "yes"}, "overlap_comm: expected true or false"),
+    ({"reduce_scatter": 1}, "reduce_scatter: expected true or false"),
+    ({"sub_group_size": 0}, "sub_group_size: expected a positive whole number"),
     ([1, 2], "zero_optimization: expected an object"),
 ])
 def test_a_bad_zero_section_is_named_in_one_line(zero, words):

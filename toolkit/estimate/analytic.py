@@ -69,7 +69,7 @@ from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
 from .activations import Activations, activations
 from .device import plan_device_memory
-from .stream import foreach_step_copies
+from .stream import foreach_step_copies, zero3_reductions
 from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading
 
 MIB = 1024 * 1024
@@ -144,6 +144,10 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     reduce_temp = states.reduce_temp_bytes
     head_reduce = reduce_temp if causal and not shape.tied else 0.0
     bwd_buf = buf + states.grad_bucket_bytes  # ZeRO-1/2's buckets: from the first gradient to the backward's end
+    # ZeRO-3's bucket copies: the largest while the layers' gradients come, the epilogue's at the backward's end
+    # (after the embedding's transients are freed; a partition handed to the host is handed inside a reduction)
+    flush_mid, flush_end = ((dt.grad * x for x in zero3_reductions(shape, int(states.flush_bucket_elements)))
+                            if states.flush_bucket_elements > 0 else (0.0, 0.0))
     return (
         # autocast's cache holds every 16-bit weight copy until the forward returns
         Phase("forward end", moment("forward_end"), fwd_live, opt, kept + acts.outside_bytes,
@@ -156,10 +160,11 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               bwd_buf + layer_casts + acts.layer_backward_temp_bytes),
         Phase("backward, first layer", moment("first_layer"), live + head_g + (L - 1) * layer_g, opt,
               acts.kept_layer_bytes + pixels,
-              bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes),
-        Phase("backward end", moment("backward_end"), grads, opt, 0.0, bwd_buf + emb_temp + reduce_temp),
+              bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes + flush_mid),
+        Phase("backward end", moment("backward_end"), grads, opt, 0.0,
+              bwd_buf + max(emb_temp, flush_end) + reduce_temp),
         Phase("optimizer step", params, grads, opt, 0.0,
-              buf + states.step_temp_bytes * foreach_step_copies(plan, dt, runtime)),
+              buf + states.step_temp_bytes * foreach_step_copies(plan, dt, runtime) + states.step_flatten_bytes),
     )
 
 

@@ -29,6 +29,7 @@ thousand events.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from math import floor, prod
 from typing import Iterator
 
@@ -224,9 +225,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     scale_p = states.params_bytes / (dt.param * n_params) if dt.param else 0.0
     per_tensor = not sharded and abs(scale_p - 1.0) < 1e-6
 
-    def alloc(size) -> int:
+    def alloc(size, stream=DEFAULT_STREAM) -> int:
         i = ids()
-        A(("alloc", i, max(1, int(size))))
+        A(("alloc", i, max(1, int(size))) if stream == DEFAULT_STREAM else ("alloc", i, max(1, int(size)), stream))
         return i
 
     def free(i: int) -> None:
@@ -256,6 +257,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     # gathered weights: blocks of gathered_bytes, two in flight; where the engine schedules them module by module
     # (ZeRO-3's coordinator: ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak
     g_block, g_depth = states.gathered_bytes, 1
+    g_stream = GATHER_STREAM if states.side_streams else DEFAULT_STREAM
     if states.gathered_moments is not None and unit > 0:
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
     if states.buffer_bytes > 0 and not unlimited:
@@ -294,6 +296,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     def grad_bytes(numel: int) -> int:
         return int(dt.grad * numel * (states.grads_bytes / (dt.grad * n_params) if dt.grad else 0))
 
+    flush = _Flush(states.flush_bucket_elements, dt.grad, alloc, free,
+                   REDUCE_STREAM if states.side_streams else DEFAULT_STREAM)
+
     for step in range(1, steps + 1):
         A(("mark", f"step {step}"))
         for mb in range(micro):
@@ -307,7 +312,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 if unlimited:
                     pending.append(alloc(unit))
                 elif states.gathered_bytes > 0 and sharded:
-                    gathered.append(alloc(g_block))
+                    gathered.append(alloc(g_block, g_stream))
                 cast_ids += [alloc(x) for x in layer.casts]
                 if plan.checkpointing:
                     tmp = [alloc(x) for x in layer.saved]
@@ -339,7 +344,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             # ZeRO-1/2's gradient buckets, made at the first gradient hook, released in the backward's epilogue
             grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK)]
             head_params = head_idx
-            _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+            _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
             if head_reduce:  # an untied LM head's gradient handed to the host (ZeRO-3 offload)
                 for i in [alloc(x) for x in head_reduce]:
                     free(i)
@@ -351,13 +356,13 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 elif gathered:
                     free(gathered.pop())
                 if sharded and states.gathered_bytes > 0 and not unlimited:
-                    gathered.append(alloc(g_block))
+                    gathered.append(alloc(g_block, g_stream))
                 recast = [alloc(x) for x in layer.casts] if plan.checkpointing else []
                 tmp = [alloc(x) for x in layer.backward]
                 idx = layer_idx.get(li, [])
                 if unlimited:  # the unit's unsharded gradient, reduce-scattered into its shard
                     pending.append(alloc(unit))
-                _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
+                _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
                 for i in tmp:
                     free(i)
                 for i in recast:
@@ -371,19 +376,21 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             vocab_grad = dt.grad * shape.vocab * shape.hidden
             add = (grads or (shape.task == "causal-lm" and shape.tied)) and vocab_grad > 0
             t = [alloc(vocab_grad), alloc(vocab_grad)] if add else []
-            _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads)
-            for i in [alloc(x) for x in reduce_temp]:  # the embedding's gradient handed to the host (ZeRO-3 offload)
-                free(i)
+            _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
             for i in t + grad_buckets:
                 free(i)
+            # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient
+            # to the host inside that reduction (ZeRO-3 offload)
+            flush.epilogue(reduce_temp)
             for i in out_ids:
                 free(i)
         # optimizer step
         A(("mark", f"step {step} optimizer"))
         copies = foreach_step_copies(plan, dt, runtime)
         if sharded:
+            flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK)]
             tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK)]
-            for i in tmp:
+            for i in flat + tmp:
                 free(i)
         else:
             numels = [prod(e[1]) for e in params]
@@ -437,13 +444,74 @@ def _first_layer_index(params) -> int:
     return len(params)
 
 
-def _grads_for(idx, params, grads, alloc, free, grad_bytes, keep, persistent) -> None:
+DEFAULT_STREAM = 0
+GATHER_STREAM = "all-gather"
+"""the stream DeepSpeed's parameter coordinator gathers on with ``overlap_comm``"""
+REDUCE_STREAM = "reduce"
+"""DeepSpeed ZeRO-3's ``reduce_and_partition_stream`` with ``overlap_comm``"""
+
+
+class _Flush:
+    """DeepSpeed ZeRO-3's gradient bucket, by elements: a gradient that would overflow it reduces it first, the
+    backward's epilogue reduces the rest; each reduction copies the bucket's gradients into one new tensor
+    (``ModelStates.flush_bucket_elements``), on the reduce stream with ``overlap_comm``."""
+
+    def __init__(self, cap: float, elem: int, alloc, free, stream=DEFAULT_STREAM):
+        self.cap, self.fill, self.elem, self.stream = cap, 0, elem, stream
+        self.alloc, self.free = alloc, free
+
+    def add(self, numel: int) -> None:
+        if self.cap <= 0:
+            return
+        if self.fill and self.fill + numel > self.cap:
+            self.epilogue()
+        self.fill += numel
+
+    def epilogue(self, inside: list[int] = ()) -> None:
+        """Reduce what the bucket holds; ``inside``: sizes of transients made and freed during the reduction."""
+        copy = self.alloc(self.elem * self.fill, self.stream) if self.fill else None
+        for i in [self.alloc(x, self.stream) for x in inside]:
+            self.free(i)
+        if copy is not None:
+            self.free(copy)
+        self.fill = 0
+
+
+@lru_cache(maxsize=256)
+def zero3_reductions(shape: ModelShape, bucket_elements: int) -> tuple[int, int]:
+    """(the largest reduction during the layers' backward, the epilogue's), in elements: the bucket copies
+    ``_Flush`` makes over one backward, gradients in the order ``step_events`` produces them (the head's,
+    the layers' from the last, the embeddings')."""
+    sizes: list[int] = []
+    ids = iter(range(1 << 62))
+    flush = _Flush(bucket_elements, 1, lambda size, stream=DEFAULT_STREAM: sizes.append(int(size)) or next(ids),
+                   lambda i: None)
+    params = param_order(shape)
+    first = _first_layer_index(params)
+    by_layer: dict[int, list[int]] = {}
+    for k, e in enumerate(params):
+        if e[3] is not None:
+            by_layer.setdefault(e[3], []).append(k)
+    order = [k for k, e in enumerate(params) if e[3] is None and k >= first]
+    for li in reversed(range(shape.layers)):
+        order += by_layer.get(li, [])
+    order += [k for k, e in enumerate(params) if e[3] is None and k < first]
+    for k in order:
+        flush.add(prod(params[k][1]))
+    during = len(sizes)
+    flush.epilogue()
+    return max(sizes[:during], default=0), (sizes[during] if len(sizes) > during else 0)
+
+
+def _grads_for(idx, params, grads, alloc, free, grad_bytes, keep, persistent, flush: _Flush | None = None) -> None:
     """The gradients of ``idx``: made the first time (unless the engine keeps flat grads); later
     micro-batches make a transient gradient that AccumulateGrad adds in place."""
     for k in idx:
         size = grad_bytes(prod(params[k][1]))
         if size <= 0:
             continue
+        if flush is not None:
+            flush.add(prod(params[k][1]))
         if persistent:
             i = alloc(size)  # DeepSpeed: the param's full grad, reduced into the flat buffer, then freed
             free(i)

@@ -93,6 +93,17 @@ class ModelStates:
     grad_bucket_bytes: float = 0.0
     """communication buffers alive from the first gradient to the backward's end only (DeepSpeed ZeRO-1/2's
     contiguous-gradient buckets, made at the first gradient hook and released in the backward's epilogue)"""
+    flush_bucket_elements: float = 0.0
+    """DeepSpeed ZeRO-3's reduce-scatter (``reduce_scatter_coalesced``) copies the bucket's gradients into one
+    new flat tensor (the 16-bit dtype) each time the bucket is reduced: when the next gradient would overflow
+    it, and in the backward's epilogue. The bucket's capacity in elements; 0: no copy"""
+    step_flatten_bytes: float = 0.0
+    """made at the step's start beside ``step_temp_bytes`` and freed before the optimizer runs (DeepSpeed: the
+    group's 16-bit gradients flattened into one tensor, then cast to the fp32 copy that ``step_temp_bytes``
+    holds); counted with the optimizer's own transients, which come after it, as a bound"""
+    side_streams: bool = False
+    """the engine gathers weights and reduces gradients on streams of its own (DeepSpeed ``overlap_comm``):
+    the caching allocator serves each stream from its own blocks"""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ _ZERO_NUMBERS = {  # field: (attribute, default, auto)
     "stage3_max_live_parameters": ("max_live_parameters", 1_000_000_000, None),
     "stage3_max_reuse_distance": ("max_reuse_distance", 1_000_000_000, None),
     "stage3_param_persistence_threshold": ("param_persistence_threshold", 100_000, lambda h: 10 * h),
+    "sub_group_size": ("sub_group_size", SUB_GROUP_ELEMENTS, None),
 }
 
 
@@ -79,15 +80,23 @@ class ZeroSettings:
     ``overlap_comm`` defaults to stage == 3 (``overlap_comm_valid``) and ``contiguous_gradients`` to True;
     CPU optimizer offload forces it on at stages 1-2. The stage-3 parameter coordinator's settings
     (prefetch, live, reuse distance, persistence; elements) drive ``zero3_gathered``.
+
+    Stage 3 with ``reduce_scatter`` (the default) reduces each full bucket through
+    ``reduce_scatter_coalesced``, which first copies the bucket's gradients into one new flat tensor
+    (``torch.cat``, comm/coalesced_collectives.py): ``flush_elements``. With ``overlap_comm`` the gathers run
+    on the coordinator's all-gather stream and the reductions on ``reduce_and_partition_stream``, so their
+    blocks belong to those streams (``ModelStates.side_streams``).
     """
 
     reduce_bucket_size: int = _ZERO_NUMBERS["reduce_bucket_size"][1]
     contiguous_gradients: bool = True
     overlap_comm: bool = False
+    reduce_scatter: bool = True
     prefetch_bucket_size: int = _ZERO_NUMBERS["stage3_prefetch_bucket_size"][1]
     max_live_parameters: int = _ZERO_NUMBERS["stage3_max_live_parameters"][1]
     max_reuse_distance: int = _ZERO_NUMBERS["stage3_max_reuse_distance"][1]
     param_persistence_threshold: int = _ZERO_NUMBERS["stage3_param_persistence_threshold"][1]
+    sub_group_size: int = SUB_GROUP_ELEMENTS
 
     @classmethod
     def from_config(cls, zero: Mapping[str, Any], *, stage: int, hidden: int | None = None,
@@ -103,14 +112,14 @@ class ZeroSettings:
                 if not hidden:
                     raise ConfigError(f"zero_optimization.{key}: 'auto' needs the model's hidden size")
                 value = auto(hidden)
-            positive = key == "reduce_bucket_size"
+            positive = key in ("reduce_bucket_size", "sub_group_size")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
                     or value in (float("inf"), float("-inf")) or value != int(value) or value < (1 if positive else 0):
                 what = "a positive" if positive else "a non-negative"
                 raise ConfigError(f"zero_optimization.{key}: expected {what} whole number, got {value!r}"[:200])
             numbers[attr] = int(value)
         flags = {}
-        for name, default in (("contiguous_gradients", True), ("overlap_comm", stage == 3)):
+        for name, default in (("contiguous_gradients", True), ("overlap_comm", stage == 3), ("reduce_scatter", True)):
             value = zero.get(name, default)
             if value is None:
                 value = default
@@ -118,7 +127,12 @@ class ZeroSettings:
                 raise ConfigError(f"zero_optimization.{name}: expected true or false, got {value!r}"[:200])
             flags[name] = value
         contiguous = flags["contiguous_gradients"] or (offload and stage in (1, 2))
-        return cls(contiguous_gradients=contiguous, overlap_comm=flags["overlap_comm"], **numbers)
+        return cls(contiguous_gradients=contiguous, overlap_comm=flags["overlap_comm"],
+                   reduce_scatter=flags["reduce_scatter"], **numbers)
+
+    def flush_elements(self, stage: int) -> int:
+        """Elements of the bucket copy each stage-3 reduction makes (0: none)."""
+        return self.reduce_bucket_size if stage == 3 and self.reduce_scatter else 0
 
     def bucket_bytes(self, stage: int, grad_bytes: float, n_params: float, gpu: bool) -> tuple[float, float]:
         """(kept through the step, alive during the backward only), bytes per rank. On a CPU rank only the
@@ -162,6 +176,15 @@ def _zero3_modules(other: tuple, layer: tuple, layers: int, tied: bool,
     if causal and tied and first:
         modules.append([0])  # the tied LM head: the token embedding, the first parameter
     return modules, sizes, layer_first
+
+
+def zero3_gathers(plan) -> bool:
+    """ZeRO-3 gathers weights into new device memory: on more than one rank (``all_gather_coalesced``'s flat
+    buffer), or on one rank with offloaded parameters (the host partition copied in). On one rank with the
+    partitions on the device, ``all_gather_coalesced`` takes ``_no_gather_coalesced``: each parameter's data
+    becomes a view of its own partition, which is the whole parameter, and nothing is allocated
+    (partition_parameters.py, DeepSpeed 0.9-0.19)."""
+    return plan.zero_stage == 3 and (plan.world_size > 1 or plan.offload_params != "none")
 
 
 def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool) -> dict[str, int]:
@@ -389,19 +412,27 @@ class DeepSpeed(Strategy):
         bucket, grad_bucket = zs.bucket_bytes(stage, dt.grad, psi, dt.gpu)
         moments = None
         gathered = 0.0
-        if stage == 3:  # the parameter coordinator's gathered weights, moment by moment (zero3_gathered)
+        if zero3_gathers(plan):  # the parameter coordinator's gathered weights, moment by moment (zero3_gathered)
             held = zero3_gathered(shape, zs, checkpointing=plan.checkpointing, causal=shape.task == "causal-lm")
             moments = Gathered(**{name: dt.param * n for name, n in held.items()})
             gathered = max(dt.param * n for n in held.values())
-        # The step: an fp32 copy of this rank's 16-bit grads for the optimizer, then its own transient.
-        largest = min(shape.largest_param_numel, shard)
-        step = (4.0 * shard if dt.grad != 4 else 0.0) + opt.step_temp_bytes(shard, largest, dt.state, 4, dt.gpu)
+        # The step makes an fp32 copy of the gradient partition for the optimizer, which lives through the
+        # optimizer's step (then its own transients). ZeRO-1/2 (stage_1_and_2.py step) cast the pre-flattened
+        # partition (GradPartitionBufferGroup, DeepSpeed 0.19) to fp32: nothing new with fp32 gradients. ZeRO-3
+        # steps one sub-group (sub_group_size elements) at a time (stage3.py _prepare_fp32_grad_for_sub_group):
+        # its gradient partitions are flattened into one new tensor, which is cast to fp32 (with fp32 gradients
+        # the flattened tensor is the copy) and then freed.
+        group = min(shard, zs.sub_group_size) if stage == 3 else shard
+        largest = min(shape.largest_param_numel, group)
+        cast = 4.0 * group if stage == 3 or dt.grad != 4 else 0.0
+        step = cast + opt.step_temp_bytes(group, largest, dt.state, 4, dt.gpu)
+        flatten = dt.grad * group if stage == 3 and dt.grad != 4 else 0.0
         host = 0.0
         reduce_temp = 0.0
         if plan.offload_optimizer != "none":
             # Master copy, states and fp32 grads live on the host and step there; from ZeRO-2 on the grads
             # are reduced through the bucket straight into the host's partition.
-            optimizer, step = 0.0, 0.0
+            optimizer, step, flatten = 0.0, 0.0, 0.0
             if stage >= 2:
                 grads = 0.0
             if stage == 3 and dt.gpu:
@@ -415,7 +446,7 @@ class DeepSpeed(Strategy):
             if plan.offload_optimizer == "cpu":
                 host += OFFLOAD_BUFFER_FACTOR * (opt_full * shard / psi + 4.0 * shard)
             else:  # NVMe: states and grads swap through pinned fp32 buffers, each one sub-group large
-                host += NVME_OPTIMIZER_BUFFERS * 4.0 * min(shard, SUB_GROUP_ELEMENTS)
+                host += NVME_OPTIMIZER_BUFFERS * 4.0 * min(shard, zs.sub_group_size)
         if plan.offload_params != "none":
             params = 0.0
             if plan.offload_params == "cpu":
@@ -425,7 +456,9 @@ class DeepSpeed(Strategy):
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
                            step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp,
-                           grad_bucket_bytes=grad_bucket, gathered_moments=moments)
+                           grad_bucket_bytes=grad_bucket, gathered_moments=moments,
+                           flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
+                           step_flatten_bytes=flatten)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
@@ -441,7 +474,7 @@ class DeepSpeed(Strategy):
             host_params, params = params, 0.0
         return Placement(params, grads, optimizer, host_params, host_optimizer,
                          nvme="nvme" in (plan.offload_optimizer, plan.offload_params),
-                         gathered_layers=1.0 if stage >= 3 else 0.0)
+                         gathered_layers=1.0 if zero3_gathers(plan) else 0.0)
 
     def startup_host_bytes(self, shape, plan) -> float:
         if plan.zero_stage == 3:  # zero.Init builds each rank's shard only
