@@ -730,6 +730,28 @@ def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks(
     assert with_["forward end"].total == without["forward end"].total
 
 
+def test_sdpa_saves_repeated_kv_where_the_model_code_repeats_them():
+    """Runtime.sdpa_repeats_kv: transformers < 4.48 (and later with a padding mask on CUDA) and torchtitan-style
+    code repeat a grouped-query model's K and V to every query head before SDPA, which saves them: per token and
+    layer 2 x (q_dim - kv_dim) more 16-bit elements. A model without grouped queries and eager attention (which
+    repeats them anyway) are unchanged."""
+    from toolkit.estimate.activations import layer_bytes_per_token
+    from toolkit.estimate.gpu import Runtime
+
+    gqa = ModelShape.from_config({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                                  "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "vocab_size": 128256})
+    repeats = Runtime(sdpa_repeats_kv=True)
+    p = plan(precision="bf16-mixed")
+    dt = an.dtypes_for(p, True)
+    extra = layer_bytes_per_token(gqa, p, dt, repeats) - layer_bytes_per_token(gqa, p, dt)
+    assert extra == 2 * (4096 - 1024) * 2
+    mha = dataclasses.replace(gqa, kv_heads=gqa.heads)
+    assert layer_bytes_per_token(mha, p, dt, repeats) == layer_bytes_per_token(mha, p, dt)
+    eager = plan(precision="bf16-mixed", attention="eager")
+    assert layer_bytes_per_token(gqa, eager, dt, repeats) == layer_bytes_per_token(gqa, eager, dt)
+
+
 def test_zero_steps_each_group_through_an_fp32_copy_of_its_gradients():
     """The step's fp32 gradient copy: ZeRO-1/2 cast the pre-flattened 16-bit partition (nothing with fp32 grads);
     ZeRO-3 flattens one sub-group's gradient partitions into a new tensor and casts it (stage3.py

@@ -60,6 +60,8 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     c, a, s = dt.compute, shape.heads, sequence_length(shape, plan)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not stores_scores(shape, plan, dt):
+        if runtime.sdpa_repeats_kv:
+            kv_dim = q_dim  # K and V repeated to every query head before SDPA (Runtime.sdpa_repeats_kv)
         return (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
     # Eager: K and V repeated to every head (GQA), softmax output, its 16-bit copy or dropout.
     causal = shape.family not in ("bert", "vit")

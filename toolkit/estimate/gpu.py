@@ -142,6 +142,12 @@ class Runtime:
     ``zero_optimization`` section (its bucket sizes; ``strategies.deepspeed.ZeroSettings``). None: the config
     hpcmem writes for the plan."""
 
+    sdpa_repeats_kv: bool = False
+    """a grouped-query model's attention hands SDPA its K and V repeated to every query head (``repeat_kv``), so
+    SDPA saves them at the query's width: transformers before 4.48 always (``LlamaSdpaAttention``), since then
+    whenever it passes SDPA a mask (padded batches) on CUDA (``use_gqa_in_sdpa``), and torchtitan-style code.
+    False: SDPA's own grouped-query path sees the KV heads, as hpcmem's runtime (transformers 5, no padding) runs"""
+
     model_code: str = "transformers"
     """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and
