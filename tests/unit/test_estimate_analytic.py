@@ -622,7 +622,14 @@ def test_zero3_offload_hands_the_largest_gradient_partition_to_the_host_through_
     assert states(LLAMA7B)[1].reduce_temp_bytes == 0  # without offload the partition stays on the device
     two = Plan(launcher="deepspeed", nodes=1, gpus_per_node=4, global_batch=4, micro_batch=1, seq_len=512,
                precision="bf16-mixed", zero_stage=2, offload_optimizer="cpu")
-    assert model_states(LLAMA7B, two, dtypes_for(two, True)).reduce_temp_bytes == 0  # ZeRO-2's own path
+    # ZeRO-1/2 (stage_1_and_2.py copy_grads_in_partition): the rank's slice of a gradient, a range of the flat
+    # model, normed in fp64 on the device, then cast to fp32: the rank owning the largest parameter whole
+    assert model_states(LLAMA7B, two, dtypes_for(two, True)).reduce_temp_bytes == 8 * LLAMA7B.largest_param_numel
+    tiny_share = two.replace(gpus_per_node=8, nodes=64, global_batch=512)  # the flat model's 512th is smaller than the embedding
+    assert model_states(LLAMA7B, tiny_share, dtypes_for(tiny_share, True)).reduce_temp_bytes == \
+        8 * math.ceil(LLAMA7B.n_params / 512)
+    assert model_states(LLAMA7B, two.replace(offload_optimizer="none"),
+                        dtypes_for(two, True)).reduce_temp_bytes == 0
     assert model_states(LLAMA7B, p, dtypes_for(p, False)).reduce_temp_bytes == 0  # no CUDA norm on the CPU
     # a partition above the chunk: the fp64 norm is one chunk, the fp32 cast the whole partition
     big = ModelShape.from_param_count(20_000_000_000, hidden=8192, layers=20, heads=64, vocab=256_000)

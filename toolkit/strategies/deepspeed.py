@@ -13,7 +13,7 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
-from math import prod
+from math import ceil, prod
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -435,6 +435,14 @@ class DeepSpeed(Strategy):
             optimizer, step, flatten = 0.0, 0.0, 0.0
             if stage >= 2:
                 grads = 0.0
+            if stage in (1, 2) and dt.gpu:
+                # stage_1_and_2.py copy_grads_in_partition under offload (16-bit gradients): each slice of a
+                # parameter's gradient this rank owns has its norm taken in fp64 (set_norm_for_param_grad_in_gpu:
+                # .to(get_norm_dtype()), fp64 on CUDA), then is cast to fp32 on the device for the copy to the host
+                # (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one after the other. The partitions are
+                # ranges of the flat model, so the rank that owns the largest parameter whole has the largest.
+                part = min(shape.largest_param_numel, ceil(psi / n))
+                reduce_temp = 8.0 * part
             if stage == 3 and dt.gpu:
                 # stage3.py partition_grads: each gradient partition is copied back to the device
                 # (grad_buffer.to(device)), its norm taken in fp64 chunks (_constant_buffered_norm2,
