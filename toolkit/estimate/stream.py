@@ -276,13 +276,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     outside, logprobs = _outside(shape, plan, dt, acts, runtime)
     head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
     grads: dict[int, int] = {}  # param index -> id
-    first_layer = _first_layer_index(params)
-    layer_idx: dict[int, list[int]] = {}
-    for k, e in enumerate(params):
-        if e[3] is not None:
-            layer_idx.setdefault(e[3], []).append(k)
-    head_idx = [k for k, e in enumerate(params) if e[3] is None and k >= first_layer]
-    emb_idx = [k for k, e in enumerate(params) if e[3] is None and k < first_layer]
+    head_idx, layer_idx, emb_idx = _backward_groups(params)
     states_made = bool(flat_states) or sharded
     # ZeRO-3 with optimizer offload: the largest gradient partition's device copies while it goes to the host,
     # (its 16-bit partition and its fp64 norm chunk or fp32 cast, whichever is larger), as one block
@@ -437,6 +431,19 @@ def _loss_forward(acts, logprobs: int) -> list[int]:
     return _split(total, logprobs) if logprobs else [int(total)]
 
 
+def _backward_groups(params) -> tuple[list[int], dict[int, list[int]], list[int]]:
+    """Indices into ``params`` as the backward meets them: the head's (parameters after the first layer's that
+    belong to no layer), each layer's, the embeddings' (before the first layer)."""
+    first = _first_layer_index(params)
+    by_layer: dict[int, list[int]] = {}
+    for k, e in enumerate(params):
+        if e[3] is not None:
+            by_layer.setdefault(e[3], []).append(k)
+    head = [k for k, e in enumerate(params) if e[3] is None and k >= first]
+    emb = [k for k, e in enumerate(params) if e[3] is None and k < first]
+    return head, by_layer, emb
+
+
 def _first_layer_index(params) -> int:
     for k, p in enumerate(params):
         if p[3] is not None:
@@ -487,15 +494,8 @@ def zero3_reductions(shape: ModelShape, bucket_elements: int) -> tuple[int, int]
     flush = _Flush(bucket_elements, 1, lambda size, stream=DEFAULT_STREAM: sizes.append(int(size)) or next(ids),
                    lambda i: None)
     params = param_order(shape)
-    first = _first_layer_index(params)
-    by_layer: dict[int, list[int]] = {}
-    for k, e in enumerate(params):
-        if e[3] is not None:
-            by_layer.setdefault(e[3], []).append(k)
-    order = [k for k, e in enumerate(params) if e[3] is None and k >= first]
-    for li in reversed(range(shape.layers)):
-        order += by_layer.get(li, [])
-    order += [k for k, e in enumerate(params) if e[3] is None and k < first]
+    head, by_layer, emb = _backward_groups(params)
+    order = head + [k for li in reversed(range(shape.layers)) for k in by_layer.get(li, [])] + emb
     for k in order:
         flush.add(prod(params[k][1]))
     during = len(sizes)
