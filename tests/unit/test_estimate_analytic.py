@@ -724,6 +724,11 @@ def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks(
     events = step_events(shape, one, dt, st, an.activations(shape, one, dt), steps=1, sharded=True)
     copies = [e for e in events if len(e) == 4 and e[0] == "alloc"]
     assert [(e[2], e[3]) for e in copies] == [(2 * total, REDUCE_STREAM)]
+    # with the optimizer offloaded the gradients go to the host, through the same bucket and its copy
+    off = plan(gpus_per_node=1, zero_stage=3, precision="bf16-mixed", offload_optimizer="cpu")
+    st_off = an.model_states(shape, off, dt)
+    events = step_events(shape, off, dt, st_off, an.activations(shape, off, dt), steps=1, sharded=True)
+    assert st_off.grads_bytes == 0 and (2 * total, REDUCE_STREAM) in [(e[2], e[3]) for e in events if len(e) == 4]
     st8 = an.model_states(shape, eight, dt)
     events = step_events(shape, eight, dt, st8, an.activations(shape, eight, dt), steps=1, sharded=True)
     assert any(len(e) == 4 and e[3] == GATHER_STREAM for e in events)

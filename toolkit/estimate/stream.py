@@ -278,8 +278,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     grads: dict[int, int] = {}  # param index -> id
     head_idx, layer_idx, emb_idx = _backward_groups(params)
     states_made = bool(flat_states) or sharded
-    # ZeRO-3 with optimizer offload: the largest gradient partition's device copies while it goes to the host,
-    # (its 16-bit partition and its fp64 norm chunk or fp32 cast, whichever is larger), as one block
+    # DeepSpeed with optimizer offload: the device copies of the largest gradient partition on its way to the host
+    # (ModelStates.reduce_temp_bytes), as one block
     reduce_temp = [int(states.reduce_temp_bytes)] if states.reduce_temp_bytes > 0 else []
     head_reduce = reduce_temp if shape.task == "causal-lm" and not shape.tied else []
     micro = 1 if plan.grad_accum == 1 else 2
@@ -339,8 +339,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK)]
             head_params = head_idx
             _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
-            if head_reduce:  # an untied LM head's gradient handed to the host (ZeRO-3 offload)
-                for i in [alloc(x) for x in head_reduce]:
+            if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
+                for i in [alloc(x, flush.stream) for x in head_reduce]:
                     free(i)
             for i in head_tmp:
                 free(i)
@@ -374,7 +374,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in t + grad_buckets:
                 free(i)
             # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient
-            # to the host inside that reduction (ZeRO-3 offload)
+            # to the host inside that reduction (offload)
             flush.epilogue(reduce_temp)
             for i in out_ids:
                 free(i)
@@ -455,7 +455,8 @@ DEFAULT_STREAM = 0
 GATHER_STREAM = "all-gather"
 """the stream DeepSpeed's parameter coordinator gathers on with ``overlap_comm``"""
 REDUCE_STREAM = "reduce"
-"""DeepSpeed ZeRO-3's ``reduce_and_partition_stream`` with ``overlap_comm``"""
+"""the stream DeepSpeed reduces gradients on with ``overlap_comm`` (ZeRO-3's ``reduce_and_partition_stream``,
+ZeRO-1/2's ``reduction_stream``)"""
 
 
 class _Flush:
@@ -507,11 +508,11 @@ def _grads_for(idx, params, grads, alloc, free, grad_bytes, keep, persistent, fl
     """The gradients of ``idx``: made the first time (unless the engine keeps flat grads); later
     micro-batches make a transient gradient that AccumulateGrad adds in place."""
     for k in idx:
+        if flush is not None:  # the bucket takes every gradient, kept on the device or not
+            flush.add(prod(params[k][1]))
         size = grad_bytes(prod(params[k][1]))
         if size <= 0:
             continue
-        if flush is not None:
-            flush.add(prod(params[k][1]))
         if persistent:
             i = alloc(size)  # DeepSpeed: the param's full grad, reduced into the flat buffer, then freed
             free(i)
