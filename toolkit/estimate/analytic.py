@@ -146,8 +146,10 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     bwd_buf = buf + states.grad_bucket_bytes  # ZeRO-1/2's buckets: from the first gradient to the backward's end
     # ZeRO-3's bucket copies: the largest while the layers' gradients come, the epilogue's at the backward's end
     # (after the embedding's transients are freed; a partition handed to the host is handed inside a reduction)
-    flush_mid, flush_end = ((dt.grad * x for x in zero3_reductions(shape, int(states.flush_bucket_elements)))
-                            if states.flush_bucket_elements > 0 else (0.0, 0.0))
+    flush_mid = flush_end = 0.0
+    if states.flush_bucket_elements > 0:
+        mid, end = zero3_reductions(shape, int(states.flush_bucket_elements))
+        flush_mid, flush_end = dt.grad * mid, dt.grad * end
     return (
         # autocast's cache holds every 16-bit weight copy until the forward returns
         Phase("forward end", moment("forward_end"), fwd_live, opt, kept + acts.outside_bytes,

@@ -144,8 +144,9 @@ class Runtime:
 
     sdpa_repeats_kv: bool = False
     """a grouped-query model's attention hands SDPA its K and V repeated to every query head (``repeat_kv``), so
-    SDPA saves them at the query's width: transformers before 4.48 always (``LlamaSdpaAttention``), since then
-    whenever it passes SDPA a mask (padded batches) on CUDA (``use_gqa_in_sdpa``), and torchtitan-style code.
+    SDPA saves them at the query's width: transformers always until its PR #39412 (merged 2025-07-15; 4.40's
+    ``LlamaSdpaAttention`` read), since then whenever a mask reaches SDPA (padded batches) on CUDA or the head
+    dimension is over 256 (``use_gqa_in_sdpa``, read in 5.23), and torchtitan's Llama before its PR #2259.
     False: SDPA's own grouped-query path sees the KV heads, as hpcmem's runtime (transformers 5, no padding) runs"""
 
     model_code: str = "transformers"
