@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from toolkit import sites
+from toolkit import optimizers, sites
 from toolkit.errors import ConfigError
 from toolkit.estimate import COMPONENTS
 from toolkit.estimate import activations as inv
@@ -740,6 +740,49 @@ def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks(
     assert with_["backward end"].temporaries == pytest.approx(st.buffer_bytes + max(others, 2 * total))
     assert with_["backward end"].total > without["backward end"].total
     assert with_["forward end"].total == without["forward end"].total
+
+
+def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():
+    """DeepSpeed ZeRO-3 with the partitions on the device (stage3.py, 0.14.2 to 0.19.8): the flat 16-bit buffer,
+    per sub-group a converted fp32 copy (alive until the next replaces it) and its clone (the master), a zeroed
+    fp32 gradient buffer of the largest sub-group (freed), the IPG bucket, the flat gradient buffer; Adam's
+    states are made by the first step, beside that step's fp32 gradient copy, and kept."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.stream import step_events
+    from toolkit.strategies.deepspeed import zero3_startup
+
+    dt = an.dtypes_for(plan(zero_stage=3, precision="fp16-mixed"), True)
+    adam = optimizers.get("adamw-fused")
+    steps, lazy = zero3_startup(25.0, dt, adam, 10, 6.0)  # 25 elements in sub-groups of 10: 10, 10, 5
+    assert steps == (("lp_param_buffer", 50.0),
+                     ("converted 0", 40.0), ("fp32 partition 0", 40.0),
+                     ("converted 1", 40.0), ("converted 0", None), ("fp32 partition 1", 40.0),
+                     ("converted 2", 20.0), ("converted 1", None), ("fp32 partition 2", 20.0), ("converted 2", None),
+                     ("gradient_buffer", 40.0), ("gradient_buffer", None),
+                     ("ipg bucket", 6.0), ("grad_partitions_flat_buffer", 50.0))
+    # FusedAdam: a device step counter, exp_avg and exp_avg_sq per flat fp32 partition
+    assert lazy == (4.0, 40.0, 40.0, 4.0, 40.0, 40.0, 4.0, 20.0, 20.0)
+    fp32 = an.dtypes_for(plan(zero_stage=3, precision="fp32"), True)
+    assert [name for name, _ in zero3_startup(25.0, fp32, adam, 10, 0.0)[0]] == [
+        "lp_param_buffer", "gradient_buffer", "gradient_buffer", "grad_partitions_flat_buffer"]  # no master copy
+
+    # the model's states: what start-up leaves alive and what the first step makes are the ModelStates' bytes
+    one = plan(gpus_per_node=1, zero_stage=3, precision="fp16-mixed", optimizer="adamw-fused")
+    st = an.model_states(SHAPE_1B, one, dt)
+    alive: dict = {}
+    for name, size in st.startup:
+        alive.pop(name) if size is None else alive.__setitem__(name, size)
+    kept = st.params_bytes + st.grads_bytes + st.buffer_bytes + st.optimizer_bytes
+    assert sum(alive.values()) + sum(st.lazy_states) == pytest.approx(kept, rel=1e-6)
+    assert max(size or 0 for _, size in st.startup) == 4 * SHAPE_1B.n_params  # the converted copy: the start-up peak
+    # the stream: allocated after step 1's optimizer = start-up's survivors + the states; the states are not
+    # there during step 1's forward and backward
+    events = step_events(SHAPE_1B, one, dt, st, an.activations(SHAPE_1B, one, dt), steps=2, sharded=True)
+    marks = {m[0]: m for m in replay(events).marks}
+    assert marks["step 1"][1] == pytest.approx(sum(alive.values()), rel=0.01)
+    assert marks["step 2"][1] == pytest.approx(sum(alive.values()) + sum(st.lazy_states), rel=0.01)
+    assert an.model_states(SHAPE_1B, plan(gpus_per_node=1, zero_stage=3, precision="fp16-mixed",
+                                          offload_optimizer="cpu"), dt).startup == ()  # offload: not this path
 
 
 def test_sdpa_saves_repeated_kv_where_the_model_code_repeats_them():

@@ -234,18 +234,28 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         A(("free", i))
 
     # -- load -------------------------------------------------------------------------------------
-    if per_tensor:
-        for entry in params:
-            alloc(dt.param * prod(entry[1]))
-    else:
-        for piece in _split(states.params_bytes, _FLAT_CHUNK):
-            alloc(piece)
     flat_states: list[int] = []
-    if sharded and states.optimizer_bytes > 0:  # DeepSpeed/FSDP: master copy and states made at start-up
-        flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK)]
     persistent_grads: list[int] = []
-    if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
-        persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
+    if states.startup:  # the engine's own start-up, tensor by tensor (its buffers included)
+        made: dict[str, int] = {}
+        for name, size in states.startup:
+            if size is None:
+                free(made.pop(name))
+            else:
+                made[name] = alloc(size)
+        flat_states = list(made.values())
+        persistent_grads = flat_states if states.persistent_grads and states.grads_bytes > 0 else []
+    else:
+        if per_tensor:
+            for entry in params:
+                alloc(dt.param * prod(entry[1]))
+        else:
+            for piece in _split(states.params_bytes, _FLAT_CHUNK):
+                alloc(piece)
+        if sharded and states.optimizer_bytes > 0:  # DeepSpeed/FSDP: master copy and states made at start-up
+            flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK)]
+        if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
+            persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
     # FSDP1 without its rate limiter (Runtime.fsdp_unlimited_all_gathers; FULL_SHARD): the blocks FSDP
     # frees after record_stream (each unit's gathered flat parameter, forward and backward, and its
     # unsharded gradient) are not reused before the step's end, so each is a block of its own until then;
@@ -260,7 +270,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     g_stream = GATHER_STREAM if states.side_streams else DEFAULT_STREAM
     if states.gathered_moments is not None and unit > 0:
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
-    if states.buffer_bytes > 0 and not unlimited:
+    if states.buffer_bytes > 0 and not unlimited and not states.startup:
         if per_tensor and plan.world_size > 1:
             for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
                 alloc(bucket)
@@ -384,7 +394,12 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         if sharded:
             flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK)]
             tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK)]
-            for i in flat + tmp:
+            for i in flat:  # the flattened 16-bit gradients, once cast
+                free(i)
+            if step == 1:  # states made lazily by the optimizer's first step, beside the gradient's fp32 copy
+                for x in states.lazy_states:
+                    alloc(x)
+            for i in tmp:
                 free(i)
         else:
             numels = [prod(e[1]) for e in params]

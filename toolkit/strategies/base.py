@@ -104,6 +104,15 @@ class ModelStates:
     side_streams: bool = False
     """the engine gathers weights and reduces gradients on streams of its own (DeepSpeed ``overlap_comm``):
     the caching allocator serves each stream from its own blocks"""
+    startup: tuple[tuple[str, float | None], ...] = ()
+    """the engine's device allocations at start-up, one by one in its order, where its code says them (DeepSpeed
+    ZeRO-3): ``(name, bytes)`` makes a tensor, ``(name, None)`` frees the one made under that name. What is still
+    alive at the end stands for ``params_bytes``, ``grads_bytes``, ``buffer_bytes`` and ``optimizer_bytes`` less
+    ``lazy_states``. Empty: the allocator stream makes those as flat chunks."""
+    lazy_states: tuple[float, ...] = ()
+    """optimizer states (bytes, one tensor each, in creation order) that the optimizer makes at its first step
+    (``zeros_like`` on the first ``step``) rather than at start-up: part of ``optimizer_bytes``, made in step 1
+    while the step's gradient copy is alive, and kept"""
 
 
 @dataclass(frozen=True)

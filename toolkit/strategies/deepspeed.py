@@ -145,6 +145,45 @@ class ZeroSettings:
         return 0.0, one * (2 if self.overlap_comm else 1)
 
 
+def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int,
+                  bucket: float) -> tuple[tuple[tuple[str, float | None], ...], tuple[float, ...]]:
+    """ZeRO-3's device allocations at start-up, in order, and the optimizer states its first step makes
+    (``ModelStates.startup`` and ``lazy_states``), per rank, with the partitions on the device. Read in
+    DeepSpeed 0.19.8's stage3.py, the same in v0.14.2:
+
+    - ``_create_fp16_partitions_with_defragmentation``: ``defragment`` moves the partitions to the host,
+      empties the cache and copies them back as one flat 16-bit buffer (``lp_param_buffer``);
+    - ``_create_fp32_partitions``: per sub-group, ``.to(device, dtype=fp32)`` then ``.clone()``: the master
+      copy, and a converted copy of the same size, alive until the next sub-group's replaces it (none when
+      the weights are fp32 already: the flat buffer is the master);
+    - ``initialize_optimizer_states``: a zeroed fp32 ``gradient_buffer`` as large as the largest sub-group,
+      lent to each sub-group as its ``.grad`` and freed at the function's end; states are not made there
+      (torch's and DeepSpeed's Adam make them lazily, at the first ``step``);
+    - ``_setup_for_real_optimizer``: the IPG bucket buffer (``contiguous_gradients``), then the flat 16-bit
+      gradient partition buffer (``grad_partitions_flat_buffer``).
+
+    Sub-groups close at ``sub_group_size`` elements of partition (``_create_fp16_sub_groups``; here split at
+    exactly that size, not at the parameter boundary that closes them).
+    """
+    groups = [float(sub_group_size)] * int(shard // sub_group_size)
+    if shard - sum(groups) > 0 or not groups:
+        groups.append(shard - sum(groups))
+    steps: list[tuple[str, float | None]] = [("lp_param_buffer", dt.param * shard)]
+    if dt.master:  # each converted copy lives until the next one replaces it (a loop variable)
+        for g, numel in enumerate(groups):
+            steps.append((f"converted {g}", 4.0 * numel))
+            if g:
+                steps.append((f"converted {g - 1}", None))
+            steps.append((f"fp32 partition {g}", 4.0 * numel))
+        steps.append((f"converted {len(groups) - 1}", None))
+    steps += [("gradient_buffer", 4.0 * max(groups)), ("gradient_buffer", None)]
+    if bucket > 0:
+        steps.append(("ipg bucket", bucket))
+    steps.append(("grad_partitions_flat_buffer", dt.grad * shard))
+    lazy = tuple(float(x) for numel in groups for x in opt.state_tensor_bytes((int(numel),), dt.state))
+    return tuple(steps), lazy
+
+
 def _zero3_modules(other: tuple, layer: tuple, layers: int, tied: bool,
                    causal: bool) -> tuple[list[list[int]], list[int], list[int]]:
     """The model's modules as ZeRO-3 hooks them, each the list of the parameters it owns (indices into the
@@ -461,12 +500,15 @@ class DeepSpeed(Strategy):
                 host += OFFLOAD_BUFFER_FACTOR * dt.param * shard
             else:  # pinned buffers DeepSpeed stages NVMe parameters through
                 host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
+        startup, lazy = (), ()
+        if stage == 3 and dt.gpu and plan.offload_optimizer == "none" and plan.offload_params == "none":
+            startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket)
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
                            step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp,
                            grad_bucket_bytes=grad_bucket, gathered_moments=moments,
                            flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
-                           step_flatten_bytes=flatten)
+                           step_flatten_bytes=flatten, startup=startup, lazy_states=lazy)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
