@@ -213,6 +213,35 @@ class Activations:
     """the logits' gradient in the compute dtype and the head weight's 16-bit gradient"""
     layer_backward_temp_bytes: float
     """gradients flowing through one layer's backward (and its recompute under checkpointing)"""
+    loss_forward_order: tuple = ()
+    """a causal LM's ``loss_forward_temp_bytes`` tensor by tensor in the order the loss makes and frees them
+    (``causal_loss_forward``), before the log-probs it saves; () for other tasks"""
+
+
+def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: bool) -> tuple:
+    """A causal LM's loss forward up to the log-probs it saves, tensor by tensor: ``(name, bytes)`` makes one,
+    ``(name, None)`` frees it; what is alive at the end is freed once the loss is computed. The head's logits in
+    the compute dtype ``c``; their fp32 upcast (``logits.float()``: the 16-bit ones are then unreferenced); the
+    shifted contiguous copy in the loss dtype where the loss makes one (``Runtime.shifted_logits_copy``).
+    ``logits``: tokens x vocabulary."""
+    order: list = [("logits", c * logits)]
+    if upcast and c != 4:
+        order += [("fp32 logits", 4.0 * logits), ("logits", None)]
+    if shifted_copy:
+        order.append(("shifted logits", (4 if upcast else c) * logits))
+    return tuple(order)
+
+
+def _running_peak(order) -> float:
+    alive: dict = {}
+    peak = 0.0
+    for name, size in order:
+        if size is None:
+            alive.pop(name)
+        else:
+            alive[name] = size
+            peak = max(peak, sum(alive.values()))
+    return peak
 
 
 def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> Activations:
@@ -229,7 +258,8 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     upcast = runtime.logits_fp32 or c == 4
     # transformers' loss upcasts the logits (an fp32 copy; log_softmax keeps fp32 log-probs and the
     # backward makes two fp32 gradients); a loss on 16-bit logits keeps them all in the compute dtype
-    loss_fwd = logits * (c + (4 if c != 4 else 0)) if upcast else logits * c
+    loss_order = causal_loss_forward(logits, c, upcast, runtime.shifted_logits_copy) if causal else ()
+    loss_fwd = _running_peak(loss_order) if causal else logits * c
     if shape.image is not None and dt.autocast:
         loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
     loss_bwd = 8.0 * logits if upcast else 2.0 * c * logits
@@ -248,5 +278,6 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
                        input_bytes=plan.micro_batch * input_bytes_per_sample(shape, dt),
                        layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
-                       loss_forward_temp_bytes=loss_fwd, loss_backward_temp_bytes=loss_bwd,
+                       loss_forward_temp_bytes=loss_fwd, loss_forward_order=loss_order,
+                       loss_backward_temp_bytes=loss_bwd,
                        head_backward_temp_bytes=head_bwd, layer_backward_temp_bytes=layer_bwd)

@@ -149,6 +149,14 @@ class Runtime:
     dimension is over 256 (``use_gqa_in_sdpa``, read in 5.23), and torchtitan's Llama before its PR #2259.
     False: SDPA's own grouped-query path sees the KV heads, as hpcmem's runtime (transformers 5, no padding) runs"""
 
+    shifted_logits_copy: bool = False
+    """the causal-LM loss shifts the logits with a contiguous copy (``shift_logits = logits[..., :-1, :]
+    .contiguous()``, in the loss dtype: fp32 after the upcast) before the cross-entropy: transformers' causal-LM
+    heads until PR #35646 (merged 2025-01, "removing unnecessary contiguous() call"; 4.40's
+    ``Qwen2ForCausalLM``/``LlamaForCausalLM`` and 4.46's ``ForCausalLMLoss`` read), and hand-written losses that
+    copy the same way. False: the labels are shifted instead (transformers since, hpcmem's runtime) or the data
+    loader shifts the targets"""
+
     model_code: str = "transformers"
     """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and

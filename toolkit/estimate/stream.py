@@ -328,10 +328,20 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 if gathered and len(gathered) > g_depth:
                     free(gathered.pop(0))
             cast_ids += [alloc(x) for x in head_casts]
-            lp = alloc(logprobs) if logprobs else None
-            loss_tmp = [alloc(x) for x in _loss_forward(acts, logprobs)]
-            for i in loss_tmp:
-                free(i)
+            if acts.loss_forward_order:  # a causal LM's loss: the logits' tensors, then the log-probs it saves
+                made: dict[str, int] = {}
+                for name, size in acts.loss_forward_order:
+                    if size is None:
+                        free(made.pop(name))
+                    else:
+                        made[name] = alloc(size)
+                lp = alloc(logprobs) if logprobs else None
+                for i in made.values():
+                    free(i)
+            else:
+                lp = alloc(logprobs) if logprobs else None
+                for i in [alloc(x) for x in _loss_forward(acts, logprobs)]:
+                    free(i)
             for i in cast_ids:  # autocast's cache is cleared when the forward's context exits
                 free(i)
             # backward
@@ -439,7 +449,8 @@ segments they make."""
 
 
 def _loss_forward(acts, logprobs: int) -> list[int]:
-    """The loss's forward transients: the logits (compute dtype) and their fp32 upcast."""
+    """The loss's forward transients where no order is given (``Activations.loss_forward_order``: a model other
+    than a causal LM), as blocks the size of the log-probs when there are any."""
     total = acts.loss_forward_temp_bytes
     if total <= 0:
         return []
