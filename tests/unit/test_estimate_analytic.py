@@ -649,6 +649,11 @@ def test_zero3_offload_hands_the_largest_gradient_partition_to_the_host_through_
     assert model_states(LLAMA7B, two.replace(offload_optimizer="none"),
                         dtypes_for(two, True)).reduce_temp_bytes == 0
     assert model_states(LLAMA7B, p, dtypes_for(p, False)).reduce_temp_bytes == 0  # no CUDA norm on the CPU
+    # ZeRO-1/2 with CPU offload also keep a 16-bit staging buffer of the largest parameter's size on the device
+    # (temp_grad_buffer_for_gpu_offload), beside the gradient bucket
+    kept = {o: model_states(LLAMA7B, two.replace(offload_optimizer=o), dtypes_for(two, True)).buffer_bytes
+            for o in ("cpu", "none")}
+    assert kept["cpu"] - kept["none"] == 2 * LLAMA7B.largest_param_numel
     # a partition above the chunk: the fp64 norm is one chunk, the fp32 cast the whole partition
     big = ModelShape.from_param_count(20_000_000_000, hidden=8192, layers=20, heads=64, vocab=256_000)
     _, s = states(big, offload_optimizer="cpu")

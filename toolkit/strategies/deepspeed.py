@@ -482,6 +482,9 @@ class DeepSpeed(Strategy):
                 # ranges of the flat model, so the rank that owns the largest parameter whole has the largest.
                 part = min(shape.largest_param_numel, ceil(psi / n))
                 reduce_temp = 8.0 * part
+                # and the 16-bit staging buffer as large as the largest parameter, made on the device at start-up
+                # and kept (temp_grad_buffer_for_gpu_offload; read in 0.19.8 and v0.14.2)
+                bucket += dt.grad * shape.largest_param_numel
             if stage == 3 and dt.gpu:
                 # stage3.py partition_grads: each gradient partition is copied back to the device
                 # (grad_buffer.to(device)), its norm taken in fp64 chunks (_constant_buffered_norm2,
