@@ -113,6 +113,51 @@ def test_zero3_gathered_weights_follow_deepspeeds_parameter_coordinator():
     assert st.gathered_bytes == max(vars(st.gathered_moments).values())
 
 
+def test_zero3_without_its_linear_wrapper_keeps_each_gathered_linear_weight_until_its_backward():
+    """A model passed to an older DeepSpeed already built (not inside zero.Init: DeepSpeed PR #8189) runs torch's
+    F.linear, whose autograd saves a view of the gathered weight: releasing the parameter leaves that storage
+    alive until the module's backward. Hand-worked on the 2-layer Llama above, one module gathered at a time:
+    each layer's linears are 4 x 1M + 3 x 2M = 10M elements, the head 10M, the norms 5000 (persistent)."""
+    from toolkit.errors import ConfigError
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.strategies.deepspeed import ZeroSettings, zero3_gathered
+
+    shape = ModelShape.from_config({"model_type": "llama", "hidden_size": 1000, "intermediate_size": 2000,
+                                    "num_hidden_layers": 2, "num_attention_heads": 10, "num_key_value_heads": 10,
+                                    "vocab_size": 10_000, "tie_word_embeddings": False})
+    norms, layer, M = 5 * 1000, 10_000_000, 1_000_000
+    zs = ZeroSettings(prefetch_bucket_size=0, max_live_parameters=0, max_reuse_distance=0)
+
+    def run(ckpt: bool, wrapped: bool, s=shape):
+        return zero3_gathered(s, zs, checkpointing=ckpt, causal=True, linear_wrapped=wrapped)
+
+    # no checkpointing: the forward ends with both layers' linears kept beside the head; each layer's backward
+    # drops its own (layer 1's while layer 0's are still kept)
+    assert run(False, False) == {"forward_end": norms + 10 * M + 2 * layer, "head_backward": norms + 10 * M + 2 * layer,
+                                 "last_layer": norms + 2 * layer, "first_layer": norms + layer,
+                                 "backward_end": norms + 10 * M}
+    assert run(False, True)["forward_end"] == norms + 10 * M
+    # checkpointing: the forward saves nothing; each recompute keeps its layer's linears until that backward
+    assert run(True, False) == {**run(True, True), "last_layer": norms + layer, "first_layer": norms + layer}
+    # HF GPT-2's Conv1D multiplies by the parameter itself: only its (tied) head's nn.Linear keeps a view, and
+    # the head's weight is gathered there anyway
+    gpt2 = ModelShape.from_config(load_model_config("gpt2"))
+    assert run(False, False, gpt2) == run(False, True, gpt2)
+    # the plan's states: the Runtime fact, or the ds_config's memory_efficient_linear; one rank gathers nothing
+    p8 = plan(gpus_per_node=8, zero_stage=3, precision="bf16-mixed")
+    dt = an.dtypes_for(p8, True)
+    ds = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
+    wrapped = an.model_states(shape, p8, dt, Runtime(engine_config=ds)).gathered_moments
+    unwrapped = an.model_states(shape, p8, dt, Runtime(engine_config=ds, zero3_linear_wrapped=False)).gathered_moments
+    off = an.model_states(shape, p8, dt, Runtime(engine_config={**ds, "memory_efficient_linear": False}))
+    assert unwrapped == off.gathered_moments and unwrapped.head_backward == 2 * (norms + 10 * M + 2 * layer)
+    assert wrapped.head_backward == 2 * (norms + 10 * M)
+    p1 = plan(gpus_per_node=1, zero_stage=3, precision="bf16-mixed")
+    assert an.model_states(shape, p1, dt, Runtime(zero3_linear_wrapped=False)).gathered_bytes == 0
+    with pytest.raises(ConfigError, match="memory_efficient_linear"):
+        an.model_states(shape, p8, dt, Runtime(engine_config={"memory_efficient_linear": "yes"}))
+
+
 def test_leaner_optimizers():
     for launcher in ("torchrun", "deepspeed"):
         base = states_in_psi(plan(launcher=launcher, precision="fp32"))[2]

@@ -91,7 +91,7 @@ def dtypes_for(plan: Plan, gpu: bool) -> Dtypes:
 def model_states(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> ModelStates:
     """Params, grads and optimizer per rank, as the plan's engine holds them (toolkit/strategies/), with the
     engine settings the job states (``Runtime.engine_config``)."""
-    return plan.strategy.model_states(shape, plan, dt, runtime.engine_config)
+    return plan.strategy.model_states(shape, plan, dt, runtime.engine_config, runtime)
 
 
 # -- activations: the inventory lives in activations.py (shared with stream.py) --------------------

@@ -157,6 +157,14 @@ class Runtime:
     copy the same way. False: the labels are shifted instead (transformers since, hpcmem's runtime) or the data
     loader shifts the targets"""
 
+    zero3_linear_wrapped: bool = True
+    """DeepSpeed ZeRO-3 installs its memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``, whose
+    autograd saves the weight parameter, not a view of its gathered data): it does for a model built inside
+    ``zero.Init`` (hpcmem's runtime; transformers' ``from_pretrained`` once a ZeRO-3 config exists), and since
+    DeepSpeed PR #8189 (merged 2026-07-28) for a model passed to ``deepspeed.initialize`` already built. False: a
+    model built outside ``zero.Init`` and run by an older DeepSpeed, where torch's linear keeps each gathered
+    weight (a ``weight.t()`` view) from its forward to its backward (``strategies.deepspeed.zero3_gathered``)"""
+
     model_code: str = "transformers"
     """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and

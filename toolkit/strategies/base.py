@@ -229,9 +229,11 @@ class Strategy:
             return Layout("bfloat16")
         return Layout("float32", autocast=half, loss_scaling=plan.precision == "fp16-mixed")
 
-    def model_states(self, shape, plan, dt: Dtypes, engine_config: Mapping[str, Any] | None = None) -> ModelStates:
+    def model_states(self, shape, plan, dt: Dtypes, engine_config: Mapping[str, Any] | None = None,
+                     runtime=None) -> ModelStates:
         """What the engine keeps per rank. ``engine_config``: the engine's own settings as the job states them
-        (DeepSpeed: its ds_config's ``zero_optimization`` section); None: what hpcmem writes for the plan."""
+        (DeepSpeed: its ds_config's ``zero_optimization`` section); None: what hpcmem writes for the plan.
+        ``runtime``: the job's other software facts (``estimate.gpu.Runtime``; None: hpcmem's runtime)."""
         raise NotImplementedError
 
     def placement(self, plan) -> Placement:

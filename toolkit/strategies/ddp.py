@@ -27,7 +27,7 @@ class DDP(Strategy):
     def describe(self, plan) -> str:
         return "DDP" if plan.world_size > 1 else "single process"
 
-    def model_states(self, shape, plan, dt, engine_config=None) -> ModelStates:
+    def model_states(self, shape, plan, dt, engine_config=None, runtime=None) -> ModelStates:
         psi = float(shape.n_params)
         opt = optimizers.get(plan.optimizer)
         ddp_buckets = dt.grad * psi if plan.world_size > 1 else 0.0  # DDP's flat buckets: a second copy of the grads

@@ -97,6 +97,8 @@ class ZeroSettings:
     max_reuse_distance: int = _ZERO_NUMBERS["stage3_max_reuse_distance"][1]
     param_persistence_threshold: int = _ZERO_NUMBERS["stage3_param_persistence_threshold"][1]
     sub_group_size: int = SUB_GROUP_ELEMENTS
+    memory_efficient_linear: bool = True
+    """ZeRO-3 may run ``nn.Linear`` through its own autograd function (``zero3_linear_wrapped``)"""
 
     @classmethod
     def from_config(cls, zero: Mapping[str, Any], *, stage: int, hidden: int | None = None,
@@ -119,7 +121,8 @@ class ZeroSettings:
                 raise ConfigError(f"zero_optimization.{key}: expected {what} whole number, got {value!r}"[:200])
             numbers[attr] = int(value)
         flags = {}
-        for name, default in (("contiguous_gradients", True), ("overlap_comm", stage == 3), ("reduce_scatter", True)):
+        for name, default in (("contiguous_gradients", True), ("overlap_comm", stage == 3), ("reduce_scatter", True),
+                              ("memory_efficient_linear", True)):
             value = zero.get(name, default)
             if value is None:
                 value = default
@@ -128,7 +131,8 @@ class ZeroSettings:
             flags[name] = value
         contiguous = flags["contiguous_gradients"] or (offload and stage in (1, 2))
         return cls(contiguous_gradients=contiguous, overlap_comm=flags["overlap_comm"],
-                   reduce_scatter=flags["reduce_scatter"], **numbers)
+                   reduce_scatter=flags["reduce_scatter"], memory_efficient_linear=flags["memory_efficient_linear"],
+                   **numbers)
 
     def flush_elements(self, stage: int) -> int:
         """Elements of the bucket copy each stage-3 reduction makes (0: none)."""
@@ -190,15 +194,19 @@ def _zero3_modules(other: tuple, layer: tuple, layers: int, tied: bool,
     element counts returned): the input embeddings, each layer's weights (a bias rides with the weight before
     it), the modules after the layers, and a tied LM head as one more module owning the token embedding.
     Returns (modules in forward order, element counts, the index of each layer's first module followed by the
-    index of the first module after the layers)."""
+    index of the first module after the layers, and per module the parameters it multiplies by as a linear
+    layer's weight: its own linear weights; the token embedding for a tied head)."""
     sizes: list[int] = []
     modules: list[list[int]] = []
+    linear: set[int] = set()
     group_start = [0]
 
     def add(tensors) -> None:
         group_start[0] = len(modules)
         for _name, dims, kind in tensors:
             sizes.append(prod(dims))
+            if kind == "linear":
+                linear.add(len(sizes) - 1)
             if kind == "bias" and len(modules) > group_start[0]:
                 modules[-1].append(len(sizes) - 1)
             else:
@@ -212,9 +220,11 @@ def _zero3_modules(other: tuple, layer: tuple, layers: int, tied: bool,
         add(layer)
     layer_first.append(len(modules))
     add([t for t in other if t not in first])
+    viewed = [[p for p in m if p in linear] for m in modules]
     if causal and tied and first:
         modules.append([0])  # the tied LM head: the token embedding, the first parameter
-    return modules, sizes, layer_first
+        viewed.append([0])  # multiplied by in the head's nn.Linear (the embedding's lookup saves only the ids)
+    return modules, sizes, layer_first, viewed
 
 
 def zero3_gathers(plan) -> bool:
@@ -226,7 +236,8 @@ def zero3_gathers(plan) -> bool:
     return plan.zero_stage == 3 and (plan.world_size > 1 or plan.offload_params != "none")
 
 
-def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool) -> dict[str, int]:
+def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool,
+                   linear_wrapped: bool = True) -> dict[str, int]:
     """Elements of gathered (unsharded) weights DeepSpeed ZeRO-3 holds at each moment of a steady-state step,
     from a run of its parameter coordinator's policy (``PartitionedParameterCoordinator`` in
     runtime/zero/partitioned_param_coordinator.py, DeepSpeed 0.19.8) over the step's module trace:
@@ -240,22 +251,43 @@ def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool
       most ``param_persistence_threshold`` elements stay gathered for good; the embeddings stay gathered through
       their backward (its post-backward hook does not fire: the token ids need no gradient);
     - the trace is the forward, then the backward in reverse, each checkpointed layer recomputing its forward
-      just before its backward; the optimizer step releases everything (``_partition_all_parameters``).
+      just before its backward; the optimizer step releases everything (``_partition_all_parameters``);
+    - ``linear_wrapped=False`` (``zero3_linear_wrapped``): ``nn.Linear`` runs torch's own ``F.linear``, whose
+      autograd saves a view of the weight (``weight.t()``); releasing the parameter swaps its ``.data`` but the
+      view keeps the gathered storage, so a linear weight used with grad (a forward outside checkpointing, a
+      recompute) stays gathered until its module's backward. HF GPT-2's ``Conv1D`` (``addmm`` on the parameter
+      itself, which autograd saves as the parameter) keeps nothing; its tied head is an ``nn.Linear``.
 
     Keys: the moments of ``base.Gathered``; each value is the largest count over that moment's modules."""
+    conv1d = shape.family == "gpt2"
     return dict(_zero3_moments(tuple(shape.other_tensors), tuple(shape.layer_tensors), shape.layers,
-                               bool(shape.tied), causal, checkpointing, zs))
+                               bool(shape.tied), causal, checkpointing, zs,
+                               "none" if linear_wrapped else ("head" if conv1d else "all")))
+
+
+def zero3_linear_wrapped(engine_wrapped: bool, zs: ZeroSettings) -> bool:
+    """Whether ZeRO-3 runs ``nn.Linear`` through its memory-efficient wrapper (``LinearFunctionForZeroStage3``,
+    zero/linear.py, which saves the weight parameter itself, not a view of its gathered data): only with
+    ``memory_efficient_linear`` (default true) and where the engine installs it (``Runtime.zero3_linear_wrapped``):
+    a model built inside ``zero.Init`` (whose ``__enter__`` patches ``F.linear``), and since DeepSpeed PR #8189
+    (merged 2026-07-28) a model passed to ``deepspeed.initialize`` already built (``Init(module=...)`` before it
+    converted the parameters without patching: read in v0.14.2 and 0.16.5)."""
+    return engine_wrapped and zs.memory_efficient_linear
 
 
 @lru_cache(maxsize=256)
 def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: bool, checkpointing: bool,
-                   zs: ZeroSettings) -> tuple[tuple[str, int], ...]:
-    modules, sizes, layer_first = _zero3_modules(other, layer, layers, tied, causal)
+                   zs: ZeroSettings, saves: str = "none") -> tuple[tuple[str, int], ...]:
+    """``saves``: which modules' autograd keeps views of their linear weights (``zero3_gathered``): "none",
+    "head" (the modules after the layers only) or "all"."""
+    modules, sizes, layer_first, viewed = _zero3_modules(other, layer, layers, tied, causal)
     persistent = {p for p, n in enumerate(sizes) if n <= zs.param_persistence_threshold}
     resident = sum(sizes[p] for p in persistent)
     n_fwd = len(modules)
     trace = list(range(n_fwd))
+    with_grad = [not (checkpointing and layer_first[0] <= m < layer_first[-1]) for m in trace]
     trace.extend(reversed(range(layer_first[-1], n_fwd)))  # the modules after the layers, the head first
+    with_grad.extend([False] * (n_fwd - layer_first[-1]))
     marks: dict[str, list[int]] = {"forward_end": [n_fwd - 1], "head_backward": [n_fwd], "last_layer": [],
                                    "first_layer": []}
     for li in reversed(range(layers)):
@@ -263,11 +295,14 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
         at = len(trace)
         if checkpointing:
             trace.extend(range(lo, hi))
+            with_grad.extend([True] * (hi - lo))  # the recompute
         trace.extend(reversed(range(lo, hi)))
+        with_grad.extend([False] * (hi - lo))
         if li in (layers - 1, 0):
             marks["last_layer" if li == layers - 1 else "first_layer"] += list(range(at, len(trace)))
     tail = len(trace)
     trace.extend(reversed(range(layer_first[0])))
+    with_grad.extend([False] * layer_first[0])
     marks["backward_end"] = list(range(tail, len(trace)))
     # where each parameter is used, and the elements of parameters the trace passes up to each step
     uses: dict[int, list[int]] = {}
@@ -282,6 +317,17 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
     fetched_for = [-(10 ** 12)] * len(sizes)
     queue = deque((p, step) for step, m in enumerate(trace) for p in sorted(modules[m]) if p not in persistent)
     held: list[int] = []
+    # autograd's views of linear weights (saves != "none"): made where a module runs with grad (a forward outside
+    # checkpointing, a recompute), dropped at that module's next step, its backward
+    saving = [saves == "all" or (saves == "head" and m >= layer_first[-1]) for m in range(len(modules))]
+    next_step: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for step in reversed(range(len(trace))):
+        if trace[step] in last:
+            next_step[step] = last[trace[step]]
+        last[trace[step]] = step
+    kept: dict[int, int] = {}  # parameter -> its elements that autograd keeps gathered
+    release_at: dict[int, list[int]] = {}
     for step, m in enumerate(trace):
         own = [p for p in modules[m] if p not in persistent]
         for p in own:
@@ -301,7 +347,14 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
                 live.add(p)
                 n_live += sizes[p]
                 inflight += sizes[p]
-        held.append(n_live)
+        if with_grad[step] and saving[m] and step in next_step:
+            for p in viewed[m]:
+                if p not in persistent:
+                    kept[p] = sizes[p]
+                    release_at.setdefault(next_step[step], []).append(p)
+        held.append(n_live + sum(n for p, n in kept.items() if p not in live))
+        for p in release_at.get(step, ()):
+            kept.pop(p, None)
         if step >= tail:  # the embeddings: released only in the backward's epilogue
             continue
         for p in own:
@@ -436,7 +489,7 @@ class DeepSpeed(Strategy):
             note += "; bf16-true under ZeRO-0 keeps fp32 master weights, as DeepSpeed's bf16 mode does"
         return Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed", note=note)
 
-    def model_states(self, shape, plan, dt: Dtypes, engine_config=None) -> ModelStates:
+    def model_states(self, shape, plan, dt: Dtypes, engine_config=None, runtime=None) -> ModelStates:
         psi = float(shape.n_params)
         n = plan.world_size
         stage = plan.zero_stage
@@ -452,7 +505,9 @@ class DeepSpeed(Strategy):
         moments = None
         gathered = 0.0
         if zero3_gathers(plan):  # the parameter coordinator's gathered weights, moment by moment (zero3_gathered)
-            held = zero3_gathered(shape, zs, checkpointing=plan.checkpointing, causal=shape.task == "causal-lm")
+            wrapped = zero3_linear_wrapped(getattr(runtime, "zero3_linear_wrapped", True), zs)
+            held = zero3_gathered(shape, zs, checkpointing=plan.checkpointing, causal=shape.task == "causal-lm",
+                                  linear_wrapped=wrapped)
             moments = Gathered(**{name: dt.param * n for name, n in held.items()})
             gathered = max(dt.param * n for n in held.values())
         # The step makes an fp32 copy of the gradient partition for the optimizer, which lives through the
