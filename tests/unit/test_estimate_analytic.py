@@ -131,18 +131,24 @@ def test_zero3_without_its_linear_wrapper_keeps_each_gathered_linear_weight_unti
     def run(ckpt: bool, wrapped: bool, s=shape):
         return zero3_gathered(s, zs, checkpointing=ckpt, causal=True, linear_wrapped=wrapped)
 
-    # no checkpointing: the forward ends with both layers' linears kept beside the head; each layer's backward
-    # drops its own (layer 1's while layer 0's are still kept)
-    assert run(False, False) == {"forward_end": norms + 10 * M + 2 * layer, "head_backward": norms + 10 * M + 2 * layer,
-                                 "last_layer": norms + 2 * layer, "first_layer": norms + layer,
+    # no checkpointing: the forward ends with both layers' linears kept beside the head. Released by the
+    # coordinator and gathered again for its backward, a kept weight is there twice: the head at its backward,
+    # each layer's MLP weight (2M) at its own; each layer's backward drops its linears (layer 1's first)
+    assert run(False, False) == {"forward_end": norms + 10 * M + 2 * layer,
+                                 "head_backward": norms + 2 * 10 * M + 2 * layer,
+                                 "last_layer": norms + 2 * M + 2 * layer, "first_layer": norms + 2 * M + layer,
                                  "backward_end": norms + 10 * M}
     assert run(False, True)["forward_end"] == norms + 10 * M
-    # checkpointing: the forward saves nothing; each recompute keeps its layer's linears until that backward
-    assert run(True, False) == {**run(True, True), "last_layer": norms + layer, "first_layer": norms + layer}
-    # HF GPT-2's Conv1D multiplies by the parameter itself: only its (tied) head's nn.Linear keeps a view, and
-    # the head's weight is gathered there anyway
+    # checkpointing: the layers' forward saves nothing; the head's does, and each recompute keeps its layer's
+    # linears until that backward
+    assert run(True, False) == {**run(True, True), "head_backward": norms + 2 * 10 * M,
+                                "last_layer": norms + 2 * M + layer, "first_layer": norms + 2 * M + layer}
+    # HF GPT-2's Conv1D multiplies by the parameter itself: only its tied head's nn.Linear keeps a view of the
+    # token embedding (here released after the head's forward and gathered again for its backward)
     gpt2 = ModelShape.from_config(load_model_config("gpt2"))
-    assert run(False, False, gpt2) == run(False, True, gpt2)
+    embedding = gpt2.vocab * gpt2.hidden
+    assert run(False, False, gpt2) == {**run(False, True, gpt2),
+                                       "head_backward": run(False, True, gpt2)["head_backward"] + embedding}
     # the plan's states: the Runtime fact, or the ds_config's memory_efficient_linear; one rank gathers nothing
     p8 = plan(gpus_per_node=8, zero_stage=3, precision="bf16-mixed")
     dt = an.dtypes_for(p8, True)
@@ -150,7 +156,7 @@ def test_zero3_without_its_linear_wrapper_keeps_each_gathered_linear_weight_unti
     wrapped = an.model_states(shape, p8, dt, Runtime(engine_config=ds)).gathered_moments
     unwrapped = an.model_states(shape, p8, dt, Runtime(engine_config=ds, zero3_linear_wrapped=False)).gathered_moments
     off = an.model_states(shape, p8, dt, Runtime(engine_config={**ds, "memory_efficient_linear": False}))
-    assert unwrapped == off.gathered_moments and unwrapped.head_backward == 2 * (norms + 10 * M + 2 * layer)
+    assert unwrapped == off.gathered_moments and unwrapped.head_backward == 2 * (norms + 2 * 10 * M + 2 * layer)
     assert wrapped.head_backward == 2 * (norms + 10 * M)
     p1 = plan(gpus_per_node=1, zero_stage=3, precision="bf16-mixed")
     assert an.model_states(shape, p1, dt, Runtime(zero3_linear_wrapped=False)).gathered_bytes == 0
@@ -500,17 +506,18 @@ def test_zero_grad_before_backward_keeps_the_previous_steps_grads_through_the_fo
     # the stream agrees: when step 2's loss saves its log-probs, the previous step's gradients are still alive
     from toolkit.estimate.stream import step_events
 
-    logprobs = 4 * 8 * 1024 * GPT2.vocab
+    logprobs = 4 * 8 * 1024 * GPT2.vocab  # as large as the fp32 logits made just before them
 
     def live_at_step2_logprobs(runtime) -> int:
-        live, sizes, step2 = 0, {}, False
+        live, sizes, step2, seen = 0, {}, False, 0
         for e in step_events(GPT2, p, dt, states, inv.activations(GPT2, p, dt, runtime), runtime=runtime, steps=2):
             if e[0] == "mark":
                 step2 = step2 or e[1] == "step 2"
             elif e[0] == "alloc":
                 sizes[e[1]] = e[2]
                 live += e[2]
-                if step2 and e[2] == logprobs:
+                seen += step2 and e[2] == logprobs
+                if seen == 2:
                     return live
             elif e[0] == "free":
                 live -= sizes.pop(e[1])
@@ -811,11 +818,13 @@ def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks(
 
 
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():
-    """DeepSpeed ZeRO-3 with the partitions on the device (stage3.py, 0.14.2 to 0.19.8): the flat 16-bit buffer,
-    per sub-group a converted fp32 copy (alive until the next replaces it) and its clone (the master), a zeroed
-    fp32 gradient buffer of the largest sub-group (freed), the IPG bucket, the flat gradient buffer; Adam's
-    states are made by the first step, beside that step's fp32 gradient copy, and kept."""
+    """DeepSpeed ZeRO-3 with the partitions on the device (stage3.py): the flat 16-bit buffer; per sub-group the
+    fp32 master, made since v0.18.3 from a converted fp32 copy (alive until the next replaces it), before it
+    (v0.14.2) from a 16-bit clone; a zeroed fp32 gradient buffer of the largest sub-group (freed); the IPG bucket;
+    the flat gradient buffer. The optimizer's states are made by its first step, beside that step's fp32
+    gradient copy, for each sub-group as one flat vector, and kept."""
     from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
     from toolkit.estimate.stream import step_events
     from toolkit.strategies.deepspeed import zero3_startup
 
@@ -830,57 +839,92 @@ def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_fir
                      ("ipg bucket", 6.0), ("grad_partitions_flat_buffer", 50.0))
     # FusedAdam: a device step counter, exp_avg and exp_avg_sq per flat fp32 partition
     assert lazy == (4.0, 40.0, 40.0, 4.0, 40.0, 40.0, 4.0, 20.0, 20.0)
+    old, _ = zero3_startup(25.0, dt, adam, 10, 6.0, master_from_clone=True)
+    assert old[1:7] == (("clone 0", 20.0), ("fp32 partition 0", 40.0), ("clone 0", None),
+                        ("clone 1", 20.0), ("fp32 partition 1", 40.0), ("clone 1", None))
     fp32 = an.dtypes_for(plan(zero_stage=3, precision="fp32"), True)
     assert [name for name, _ in zero3_startup(25.0, fp32, adam, 10, 0.0)[0]] == [
         "lp_param_buffer", "gradient_buffer", "gradient_buffer", "grad_partitions_flat_buffer"]  # no master copy
+    assert [name for name, _ in zero3_startup(25.0, fp32, adam, 10, 0.0, master_from_clone=True)[0]][1:4] == [
+        "fp32 partition 0", "fp32 partition 1", "fp32 partition 2"]  # the fp32 clone is a master of its own
 
-    # the model's states: what start-up leaves alive and what the first step makes are the ModelStates' bytes
     one = plan(gpus_per_node=1, zero_stage=3, precision="fp16-mixed", optimizer="adamw-fused")
+    for name in ("adamw-fused", "adamw", "adafactor", "adamw-8bit", "sgd"):
+        for runtime in (Runtime(), Runtime(deepspeed_version="0.14.2")):
+            p = one.replace(optimizer=name)
+            st = an.model_states(SHAPE_1B, p, dt, runtime)
+            alive: dict = {}
+            for tensor, size in st.startup:
+                alive.pop(tensor) if size is None else alive.__setitem__(tensor, size)
+            # what start-up leaves alive and what the first step makes are the ModelStates' bytes the phases use
+            kept = st.params_bytes + st.grads_bytes + st.buffer_bytes + st.optimizer_bytes
+            assert sum(alive.values()) + sum(st.lazy_states) == pytest.approx(kept, rel=1e-9), (name, runtime)
+    # the optimizer sees flat vectors: a factored optimizer keeps a full second moment under ZeRO-3
+    fact = an.model_states(SHAPE_1B, one.replace(optimizer="adafactor"), dt)
+    assert fact.optimizer_bytes == pytest.approx(4 * SHAPE_1B.n_params * 2, rel=1e-6)  # master + second moment
+    # the stream: start-up's high-water mark is the recipe's; allocated after start-up = its survivors, after
+    # step 1's optimizer + the states
     st = an.model_states(SHAPE_1B, one, dt)
-    alive: dict = {}
-    for name, size in st.startup:
-        alive.pop(name) if size is None else alive.__setitem__(name, size)
-    kept = st.params_bytes + st.grads_bytes + st.buffer_bytes + st.optimizer_bytes
-    assert sum(alive.values()) + sum(st.lazy_states) == pytest.approx(kept, rel=1e-6)
-    assert max(size or 0 for _, size in st.startup) == 4 * SHAPE_1B.n_params  # the converted copy: the start-up peak
-    # the stream: allocated after step 1's optimizer = start-up's survivors + the states; the states are not
-    # there during step 1's forward and backward
     events = step_events(SHAPE_1B, one, dt, st, an.activations(SHAPE_1B, one, dt), steps=2, sharded=True)
+    first = next(k for k, e in enumerate(events) if e[0] == "mark")
+    running, peak, sizes = 0.0, 0.0, {}
+    for tensor, size in st.startup:
+        running += -sizes.pop(tensor) if size is None else sizes.setdefault(tensor, size)
+        peak = max(peak, running)
+    assert replay(events[:first]).peak_allocated == pytest.approx(peak, rel=0.001)
     marks = {m[0]: m for m in replay(events).marks}
-    assert marks["step 1"][1] == pytest.approx(sum(alive.values()), rel=0.01)
-    assert marks["step 2"][1] == pytest.approx(sum(alive.values()) + sum(st.lazy_states), rel=0.01)
+    assert marks["step 1"][1] == pytest.approx(sum(sizes.values()), rel=0.01)
+    assert marks["step 2"][1] == pytest.approx(sum(sizes.values()) + sum(st.lazy_states), rel=0.01)
     assert an.model_states(SHAPE_1B, plan(gpus_per_node=1, zero_stage=3, precision="fp16-mixed",
                                           offload_optimizer="cpu"), dt).startup == ()  # offload: not this path
 
 
 def test_the_causal_loss_makes_its_tensors_in_order_and_older_transformers_copy_the_shifted_logits():
-    """transformers' causal-LM loss: the head's 16-bit logits, their fp32 upcast (the 16-bit ones then
-    unreferenced), until PR #35646 a contiguous copy of the shifted fp32 logits, then the log-probs
-    log_softmax saves. The copy raises the forward's loss transient from 6 to 8 bytes per logit (bf16
-    compute); the backward's peak is the same."""
-    from toolkit.estimate.activations import causal_loss_forward
+    """transformers' causal-LM loss: the head's 16-bit logits, their fp32 upcast, until PR #35646 a contiguous copy
+    of the shifted fp32 logits, then the log-probs log_softmax saves. Where the model's forward itself upcasts
+    (``logits = logits.float()``, before 4.46) the 16-bit logits are gone by then; where the loss function does
+    (hpcmem's transformers 5) the model's output still holds them. Bytes per logit beside the log-probs (bf16):
+    5.x 6, 4.40 (in-model upcast and the copy) 8, 4.46-4.48 (the copy, upcast in the loss) 10."""
+    from toolkit.estimate.activations import causal_loss_forward, loss_forward_temp
     from toolkit.estimate.gpu import Runtime
     from toolkit.estimate.stream import step_events
 
-    assert causal_loss_forward(1000, 2, True, False) == (("logits", 2000), ("fp32 logits", 4000.0), ("logits", None))
-    assert causal_loss_forward(1000, 2, True, True)[-1] == ("shifted logits", 4000)
-    assert causal_loss_forward(1000, 4, True, True) == (("logits", 4000), ("shifted logits", 4000))  # fp32: no upcast
-    assert causal_loss_forward(1000, 2, False, True) == (("logits", 2000), ("shifted logits", 2000))  # a 16-bit loss
+    after, before = "after_upcast", "before_upcast"
+    assert causal_loss_forward(1000, 2, True, None, False) == (("logits", 2000), ("fp32 logits", 4000.0))
+    assert causal_loss_forward(1000, 2, True, None, True) == (("logits", 2000), ("fp32 logits", 4000.0),
+                                                              ("logits", None))
+    assert causal_loss_forward(1000, 2, True, after, True)[-1] == ("shifted logits", 4000)
+    assert causal_loss_forward(1000, 4, True, after, True) == (("logits", 4000), ("shifted logits", 4000))  # fp32
+    assert causal_loss_forward(1000, 2, False, after, False) == (("logits", 2000), ("shifted logits", 2000))
+    # a hand-written loss copies the 16-bit logits, and autocast's cross-entropy casts the copy
+    assert causal_loss_forward(1000, 2, True, before, False) == (("logits", 2000), ("shifted logits", 2000),
+                                                                 ("fp32 logits", 4000.0))
+    # beside the log-probs (4 per logit), or before them where more was alive
+    assert [loss_forward_temp(causal_loss_forward(1, 2, True, copy, in_model), 4)
+            for copy, in_model in ((None, False), (after, True), (after, False), (None, True), (before, False))] \
+        == [6, 8, 10, 4, 8]
     p = plan(precision="bf16-mixed", micro_batch=1, seq_len=128)
     dt = an.dtypes_for(p, True)
-    copy = Runtime(shifted_logits_copy=True)
-    new, old = inv.activations(GPT2, p, dt), inv.activations(GPT2, p, dt, copy)
+    old = Runtime(shifted_logits_copy="after_upcast", logits_upcast_in_model=True)  # transformers 4.40
     n = 128 * GPT2.vocab
-    assert new.loss_forward_temp_bytes == 6 * n and old.loss_forward_temp_bytes == 8 * n
-    assert old.loss_backward_temp_bytes == new.loss_backward_temp_bytes
+    assert inv.activations(GPT2, p, dt).loss_forward_temp_bytes == 6 * n
+    acts = inv.activations(GPT2, p, dt, old)
+    assert acts.loss_forward_temp_bytes == 8 * n
+    assert acts.loss_backward_temp_bytes == inv.activations(GPT2, p, dt).loss_backward_temp_bytes
     # the stream: logits, upcast, the 16-bit logits freed, the copy, then the log-probs; the copy and the fp32
     # logits freed once the loss is computed
-    events = step_events(GPT2, p, dt, an.model_states(GPT2, p, dt), old, runtime=copy, steps=1)
+    events = step_events(GPT2, p, dt, an.model_states(GPT2, p, dt), acts, runtime=old, steps=1)
     size = {e[1]: e[2] for e in events if e[0] == "alloc"}
     start = next(k for k, e in enumerate(events) if e[0] == "alloc" and e[2] == 2 * n)
     loss = [(e[0], size[e[1]]) for e in events[start:start + 7]]
     assert loss == [("alloc", 2 * n), ("alloc", 4 * n), ("free", 2 * n), ("alloc", 4 * n), ("alloc", 4 * n),
                     ("free", 4 * n), ("free", 4 * n)]
+    with pytest.raises(ValueError, match="shifted_logits_copy"):
+        Runtime(shifted_logits_copy="yes")
+    with pytest.raises(ValueError, match="logits_upcast_in_model"):
+        Runtime(logits_upcast_in_model="false")
+    with pytest.raises(ValueError, match="deepspeed_version"):
+        Runtime(deepspeed_version="latest")
 
 
 def test_sdpa_saves_repeated_kv_where_the_model_code_repeats_them():

@@ -218,21 +218,32 @@ class Activations:
     (``causal_loss_forward``), before the log-probs it saves; () for other tasks"""
 
 
-def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: bool) -> tuple:
+def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: str | None,
+                        upcast_in_model: bool) -> tuple:
     """A causal LM's loss forward up to the log-probs it saves, tensor by tensor: ``(name, bytes)`` makes one,
     ``(name, None)`` frees it; what is alive at the end is freed once the loss is computed. The head's logits in
-    the compute dtype ``c``; their fp32 upcast (``logits.float()``: the 16-bit ones are then unreferenced); the
-    shifted contiguous copy in the loss dtype where the loss makes one (``Runtime.shifted_logits_copy``).
-    ``logits``: tokens x vocabulary."""
+    the compute dtype ``c``; their fp32 upcast; where the loss makes one, the shifted contiguous copy
+    (``Runtime.shifted_logits_copy``): of the fp32 logits after the upcast, or of the 16-bit ones before it, when
+    autocast's cross-entropy casts the copy (then the upcast is of the shifted copy, one token fewer: counted as
+    the whole). The 16-bit logits are unreferenced after the upcast only where the model's forward rebinds them
+    (``logits = logits.float()``, ``Runtime.logits_upcast_in_model``); an upcast in the loss leaves them alive in
+    the model's output. ``logits``: tokens x vocabulary."""
     order: list = [("logits", c * logits)]
+    if shifted_copy == "before_upcast":
+        order.append(("shifted logits", c * logits))
     if upcast and c != 4:
-        order += [("fp32 logits", 4.0 * logits), ("logits", None)]
-    if shifted_copy:
+        order.append(("fp32 logits", 4.0 * logits))
+        if upcast_in_model:
+            order.append(("logits", None))
+    if shifted_copy == "after_upcast":
         order.append(("shifted logits", (4 if upcast else c) * logits))
     return tuple(order)
 
 
-def _running_peak(order) -> float:
+def loss_forward_temp(order, logprobs: float) -> float:
+    """The loss's forward transients as one figure beside the log-probs (which the phases count among the
+    saved tensors): the larger of what is alive at once before the log-probs are made, less them, and what is
+    alive beside them."""
     alive: dict = {}
     peak = 0.0
     for name, size in order:
@@ -241,7 +252,7 @@ def _running_peak(order) -> float:
         else:
             alive[name] = size
             peak = max(peak, sum(alive.values()))
-    return peak
+    return max(peak - logprobs, sum(alive.values()))
 
 
 def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> Activations:
@@ -258,8 +269,9 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     upcast = runtime.logits_fp32 or c == 4
     # transformers' loss upcasts the logits (an fp32 copy; log_softmax keeps fp32 log-probs and the
     # backward makes two fp32 gradients); a loss on 16-bit logits keeps them all in the compute dtype
-    loss_order = causal_loss_forward(logits, c, upcast, runtime.shifted_logits_copy) if causal else ()
-    loss_fwd = _running_peak(loss_order) if causal else logits * c
+    loss_order = causal_loss_forward(logits, c, upcast, runtime.shifted_logits_copy,
+                                     runtime.logits_upcast_in_model) if causal else ()
+    loss_fwd = loss_forward_temp(loss_order, (4 if upcast else c) * logits) if causal else logits * c
     if shape.image is not None and dt.autocast:
         loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
     loss_bwd = 8.0 * logits if upcast else 2.0 * c * logits

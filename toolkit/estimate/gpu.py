@@ -102,6 +102,7 @@ ZERO_GRAD_PLACES = ("after_step", "before_backward")
 FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY = "20230708"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104780's single-intermediate foreach Adam."""
 MODEL_CODES = ("transformers", "torchvision")
+SHIFTED_COPIES = (None, "after_upcast", "before_upcast")
 FSDP_LIMIT_ALL_GATHERS_NIGHTLY = "20230712"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104900 (merged 2023-07-11): FSDP1's
 ``limit_all_gathers`` (the rate limiter) defaults to True; before it, False."""
@@ -149,13 +150,24 @@ class Runtime:
     dimension is over 256 (``use_gqa_in_sdpa``, read in 5.23), and torchtitan's Llama before its PR #2259.
     False: SDPA's own grouped-query path sees the KV heads, as hpcmem's runtime (transformers 5, no padding) runs"""
 
-    shifted_logits_copy: bool = False
+    shifted_logits_copy: str | None = None
     """the causal-LM loss shifts the logits with a contiguous copy (``shift_logits = logits[..., :-1, :]
-    .contiguous()``, in the loss dtype: fp32 after the upcast) before the cross-entropy: transformers' causal-LM
-    heads until PR #35646 (merged 2025-01, "removing unnecessary contiguous() call"; 4.40's
-    ``Qwen2ForCausalLM``/``LlamaForCausalLM`` and 4.46's ``ForCausalLMLoss`` read), and hand-written losses that
-    copy the same way. False: the labels are shifted instead (transformers since, hpcmem's runtime) or the data
-    loader shifts the targets"""
+    .contiguous()``) before the cross-entropy: ``"after_upcast"``, of the fp32 logits (transformers' causal-LM
+    heads until PR #35646, merged 2025-01, "removing unnecessary contiguous() call": 4.40's
+    ``Qwen2ForCausalLM``/``LlamaForCausalLM`` and 4.46's ``ForCausalLMLoss`` read); ``"before_upcast"``, of the
+    logits in the compute dtype, which autocast's cross-entropy then casts (a hand-written loss such as
+    ColossalAI's ``GPTLMLoss``). None: the labels are shifted instead (transformers since, hpcmem's runtime) or
+    the data loader shifts the targets"""
+
+    logits_upcast_in_model: bool = False
+    """the causal LM's own forward upcasts its logits (``logits = logits.float()``, transformers before 4.46's
+    ``loss_function``: 4.40's and 4.31's ``LlamaForCausalLM`` read), so the 16-bit logits are unreferenced before
+    the loss; False: the loss function upcasts a copy and the model's output still holds the 16-bit logits
+    (transformers since ``ForCausalLMLoss``, hpcmem's runtime) or there is no upcast"""
+
+    deepspeed_version: str | None = None
+    """the DeepSpeed the job ran, where its code allocates differently (``zero3_master_from_clone``); None:
+    hpcmem's (0.19.8)"""
 
     zero3_linear_wrapped: bool = True
     """DeepSpeed ZeRO-3 installs its memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``, whose
@@ -171,12 +183,32 @@ class Runtime:
     ``nn.MultiheadAttention``, whose tensors differ; see ``activations.layer_bytes_per_token``)"""
 
     def __post_init__(self):
+        for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.shifted_logits_copy not in SHIFTED_COPIES:
+            raise ValueError(f"Runtime.shifted_logits_copy: {self.shifted_logits_copy!r} is not one of "
+                             f"{', '.join(str(x) for x in SHIFTED_COPIES)}")
+        if self.deepspeed_version is not None and not re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", str(self.deepspeed_version)):
+            raise ValueError(f"Runtime.deepspeed_version: expected a version such as 0.14.2, "
+                             f"got {self.deepspeed_version!r}")
         if self.engine_config is not None and not isinstance(self.engine_config, Mapping):
             raise ValueError(f"Runtime.engine_config: expected an object, got {self.engine_config!r}")
         if self.zero_grad not in ZERO_GRAD_PLACES:
             raise ValueError(f"Runtime.zero_grad: {self.zero_grad!r} is not one of {', '.join(ZERO_GRAD_PLACES)}")
         if self.model_code not in MODEL_CODES:
             raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)}")
+
+    @property
+    def zero3_master_from_clone(self) -> bool:
+        """ZeRO-3 made each sub-group's fp32 master as ``.clone().float()`` of its 16-bit partition (a 16-bit clone
+        freed at once; with fp32 weights the clone is the master, a copy of its own) before DeepSpeed PR #7700
+        (v0.18.3, 2025-12; read in v0.14.2 and v0.16.4); since, ``.to(dtype=fp32)`` then ``.clone()``
+        (``strategies.deepspeed.zero3_startup``)."""
+        if not self.deepspeed_version:
+            return False
+        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", self.deepspeed_version)
+        return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < (0, 18, 3)
 
     @property
     def grads_through_forward(self) -> bool:

@@ -149,31 +149,42 @@ class ZeroSettings:
         return 0.0, one * (2 if self.overlap_comm else 1)
 
 
-def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int,
-                  bucket: float) -> tuple[tuple[tuple[str, float | None], ...], tuple[float, ...]]:
+def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int, bucket: float,
+                  master_from_clone: bool = False) -> tuple[tuple[tuple[str, float | None], ...], tuple[float, ...]]:
     """ZeRO-3's device allocations at start-up, in order, and the optimizer states its first step makes
     (``ModelStates.startup`` and ``lazy_states``), per rank, with the partitions on the device. Read in
-    DeepSpeed 0.19.8's stage3.py, the same in v0.14.2:
+    DeepSpeed 0.19.8's stage3.py and, where said, v0.14.2's:
 
     - ``_create_fp16_partitions_with_defragmentation``: ``defragment`` moves the partitions to the host,
       empties the cache and copies them back as one flat 16-bit buffer (``lp_param_buffer``);
-    - ``_create_fp32_partitions``: per sub-group, ``.to(device, dtype=fp32)`` then ``.clone()``: the master
-      copy, and a converted copy of the same size, alive until the next sub-group's replaces it (none when
-      the weights are fp32 already: the flat buffer is the master);
+    - ``_create_fp32_partitions``, per sub-group: since DeepSpeed PR #7700 (v0.18.3) ``.to(device,
+      dtype=fp32)`` then ``.clone()``: the master, and a converted copy of the same size alive until the next
+      sub-group's replaces it (a loop variable); none when the weights are fp32 already (the flat buffer is the
+      master). Before it (``master_from_clone``, v0.14.2): ``.clone().float()``, a 16-bit clone freed once cast;
+      with fp32 weights the clone is a master of its own;
     - ``initialize_optimizer_states``: a zeroed fp32 ``gradient_buffer`` as large as the largest sub-group,
       lent to each sub-group as its ``.grad`` and freed at the function's end; states are not made there
-      (torch's and DeepSpeed's Adam make them lazily, at the first ``step``);
+      (torch's and DeepSpeed's optimizers make them lazily, at the first ``step``, v0.14.2 as 0.19.8);
     - ``_setup_for_real_optimizer``: the IPG bucket buffer (``contiguous_gradients``), then the flat 16-bit
       gradient partition buffer (``grad_partitions_flat_buffer``).
 
-    Sub-groups close at ``sub_group_size`` elements of partition (``_create_fp16_sub_groups``; here split at
-    exactly that size, not at the parameter boundary that closes them).
+    The optimizer sees each sub-group as one flat 1-D fp32 tensor, so its states are those of a vector (a
+    factored optimizer keeps a full second moment). Sub-groups close at ``sub_group_size`` elements of partition
+    (``_create_fp16_sub_groups``; here split at exactly that size, not at the parameter boundary that closes
+    them).
     """
     groups = [float(sub_group_size)] * int(shard // sub_group_size)
     if shard - sum(groups) > 0 or not groups:
         groups.append(shard - sum(groups))
     steps: list[tuple[str, float | None]] = [("lp_param_buffer", dt.param * shard)]
-    if dt.master:  # each converted copy lives until the next one replaces it (a loop variable)
+    if master_from_clone and (dt.master or dt.param == 4):
+        for g, numel in enumerate(groups):
+            if dt.param == 4:  # the fp32 clone is the master; .float() returns it
+                steps.append((f"fp32 partition {g}", 4.0 * numel))
+            else:
+                steps += [(f"clone {g}", dt.param * numel), (f"fp32 partition {g}", 4.0 * numel),
+                          (f"clone {g}", None)]
+    elif dt.master:
         for g, numel in enumerate(groups):
             steps.append((f"converted {g}", 4.0 * numel))
             if g:
@@ -259,7 +270,7 @@ def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool
       itself, which autograd saves as the parameter) keeps nothing; its tied head is an ``nn.Linear``.
 
     Keys: the moments of ``base.Gathered``; each value is the largest count over that moment's modules."""
-    conv1d = shape.family == "gpt2"
+    conv1d = shape.model_type == "gpt2"
     return dict(_zero3_moments(tuple(shape.other_tensors), tuple(shape.layer_tensors), shape.layers,
                                bool(shape.tied), causal, checkpointing, zs,
                                "none" if linear_wrapped else ("head" if conv1d else "all")))
@@ -327,6 +338,7 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
             next_step[step] = last[trace[step]]
         last[trace[step]] = step
     kept: dict[int, int] = {}  # parameter -> its elements that autograd keeps gathered
+    detached: set[int] = set()  # kept parameters the coordinator released since: gathering them again is a copy
     release_at: dict[int, list[int]] = {}
     for step, m in enumerate(trace):
         own = [p for p in modules[m] if p not in persistent]
@@ -352,9 +364,10 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
                 if p not in persistent:
                     kept[p] = sizes[p]
                     release_at.setdefault(next_step[step], []).append(p)
-        held.append(n_live + sum(n for p, n in kept.items() if p not in live))
+        held.append(n_live + sum(n for p, n in kept.items() if p not in live or p in detached))
         for p in release_at.get(step, ()):
             kept.pop(p, None)
+            detached.discard(p)
         if step >= tail:  # the embeddings: released only in the backward's epilogue
             continue
         for p in own:
@@ -365,6 +378,8 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
                 continue  # used again within the reuse distance
             live.discard(p)
             n_live -= sizes[p]
+            if p in kept:
+                detached.add(p)
     return tuple((name, resident + max((held[i] for i in steps), default=0)) for name, steps in marks.items())
 
 
@@ -560,7 +575,14 @@ class DeepSpeed(Strategy):
                 host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
         startup, lazy = (), ()
         if stage == 3 and dt.gpu and plan.offload_optimizer == "none" and plan.offload_params == "none":
-            startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket)
+            startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket,
+                                          master_from_clone=getattr(runtime, "zero3_master_from_clone", False))
+            # the optimizer's bytes as that start-up and the first step make them: the fp32 partitions it keeps
+            # and the flat sub-groups' states
+            alive: dict[str, float] = {}
+            for name, size in startup:
+                alive.pop(name) if size is None else alive.__setitem__(name, size)
+            optimizer = sum(v for k, v in alive.items() if k.startswith("fp32 partition")) + sum(lazy)
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
                            step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp,
