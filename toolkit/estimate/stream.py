@@ -237,13 +237,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     flat_states: list[int] = []
     persistent_grads: list[int] = []
     if states.startup:  # the engine's own start-up, tensor by tensor (its buffers included)
-        made: dict[str, int] = {}
-        for name, size in states.startup:
-            if size is None:
-                free(made.pop(name))
-            else:
-                made[name] = alloc(size)
-        flat_states = list(made.values())
+        flat_states = list(_follow(states.startup, alloc, free).values())
         persistent_grads = flat_states if states.persistent_grads and states.grads_bytes > 0 else []
     else:
         if per_tensor:
@@ -329,12 +323,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     free(gathered.pop(0))
             cast_ids += [alloc(x) for x in head_casts]
             if acts.loss_forward_order:  # a causal LM's loss: the logits' tensors, then the log-probs it saves
-                made: dict[str, int] = {}
-                for name, size in acts.loss_forward_order:
-                    if size is None:
-                        free(made.pop(name))
-                    else:
-                        made[name] = alloc(size)
+                made = _follow(acts.loss_forward_order, alloc, free)
                 lp = alloc(logprobs) if logprobs else None
                 for i in made.values():
                     free(i)
@@ -446,6 +435,18 @@ _FLAT_CHUNK = 2 * 1024 ** 3
 """Flat buffers (DeepSpeed's partitions, FSDP's shards) as tensors of at most 2 GiB (DeepSpeed's
 default sub_group_size is 1e9 elements; torch pads each FSDP shard): chunks only matter for the
 segments they make."""
+
+
+def _follow(order, alloc, free) -> dict[str, int]:
+    """Replay a recipe of ``(name, bytes)`` (make a tensor) and ``(name, None)`` (free the one made under that
+    name) steps; the ids still alive, by name."""
+    made: dict[str, int] = {}
+    for name, size in order:
+        if size is None:
+            free(made.pop(name))
+        else:
+            made[name] = alloc(size)
+    return made
 
 
 def _loss_forward(acts, logprobs: int) -> list[int]:
