@@ -12,6 +12,7 @@ from math import prod
 from ..modelshape import ModelShape
 from ..plan import Plan
 from ..strategies import Dtypes
+from ..strategies.base import recipe_sizes
 from .gpu import DEFAULT_RUNTIME, Runtime
 
 LN_STATS_BYTES = 8
@@ -244,14 +245,7 @@ def loss_forward_temp(order, logprobs: float) -> float:
     """The loss's forward transients as one figure beside the log-probs (which the phases count among the
     saved tensors): the larger of what is alive at once before the log-probs are made, less them, and what is
     alive beside them."""
-    alive: dict = {}
-    peak = 0.0
-    for name, size in order:
-        if size is None:
-            alive.pop(name)
-        else:
-            alive[name] = size
-            peak = max(peak, sum(alive.values()))
+    alive, peak = recipe_sizes(order)
     return max(peak - logprobs, sum(alive.values()))
 
 

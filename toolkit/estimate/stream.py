@@ -322,15 +322,14 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 if gathered and len(gathered) > g_depth:
                     free(gathered.pop(0))
             cast_ids += [alloc(x) for x in head_casts]
-            if acts.loss_forward_order:  # a causal LM's loss: the logits' tensors, then the log-probs it saves
-                made = _follow(acts.loss_forward_order, alloc, free)
-                lp = alloc(logprobs) if logprobs else None
-                for i in made.values():
-                    free(i)
-            else:
-                lp = alloc(logprobs) if logprobs else None
-                for i in [alloc(x) for x in _loss_forward(acts, logprobs)]:
-                    free(i)
+            # the loss: a causal LM's logits tensors in their order, then the log-probs it saves; another model's
+            # transients after its log-probs
+            made = list(_follow(acts.loss_forward_order, alloc, free).values())
+            lp = alloc(logprobs) if logprobs else None
+            if not acts.loss_forward_order:
+                made = [alloc(x) for x in _loss_forward(acts, logprobs)]
+            for i in made:
+                free(i)
             for i in cast_ids:  # autocast's cache is cleared when the forward's context exits
                 free(i)
             # backward

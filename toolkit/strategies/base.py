@@ -115,6 +115,21 @@ class ModelStates:
     while the step's gradient copy is alive, and kept"""
 
 
+def recipe_sizes(order) -> tuple[dict[str, float], float]:
+    """A recipe of ``(name, bytes)`` (make a tensor) and ``(name, None)`` (free the one made under that name)
+    steps, as ``ModelStates.startup`` and ``Activations.loss_forward_order`` write them: (the sizes still alive at
+    its end, by name; the most alive at once)."""
+    alive: dict[str, float] = {}
+    peak = 0.0
+    for name, size in order:
+        if size is None:
+            alive.pop(name)
+        else:
+            alive[name] = size
+            peak = max(peak, sum(alive.values()))
+    return alive, peak
+
+
 @dataclass(frozen=True)
 class Placement:
     """Shares of the unsharded model states one rank keeps on its device, and on the host (0..1)."""

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 from .. import optimizers
 from ..errors import ConfigError, PlanError
-from .base import MIXED, SIXTEEN_BIT, Dtypes, Gathered, Layout, ModelStates, Placement, Strategy, get, register
+from .base import (MIXED, SIXTEEN_BIT, Dtypes, Gathered, Layout, ModelStates, Placement, Strategy, get,
+                   recipe_sizes, register)
 
 # Buffers DeepSpeed stages parameters through when they live on NVMe. One buffer must hold the largest
 # single parameter; they are allocated up front (count x size x element bytes per rank), so they are sized
@@ -579,9 +580,7 @@ class DeepSpeed(Strategy):
                                           master_from_clone=getattr(runtime, "zero3_master_from_clone", False))
             # the optimizer's bytes as that start-up and the first step make them: the fp32 partitions it keeps
             # and the flat sub-groups' states
-            alive: dict[str, float] = {}
-            for name, size in startup:
-                alive.pop(name) if size is None else alive.__setitem__(name, size)
+            alive, _ = recipe_sizes(startup)
             optimizer = sum(v for k, v in alive.items() if k.startswith("fp32 partition")) + sum(lazy)
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
