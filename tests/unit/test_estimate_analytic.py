@@ -693,11 +693,15 @@ def test_zero3_offload_hands_the_largest_gradient_partition_to_the_host_through_
     two = Plan(launcher="deepspeed", nodes=1, gpus_per_node=4, global_batch=4, micro_batch=1, seq_len=512,
                precision="bf16-mixed", zero_stage=2, offload_optimizer="cpu")
     # ZeRO-1/2 (stage_1_and_2.py copy_grads_in_partition): the rank's slice of a gradient, a range of the flat
-    # model, normed in fp64 on the device, then cast to fp32: the rank owning the largest parameter whole
-    assert model_states(LLAMA7B, two, dtypes_for(two, True)).reduce_temp_bytes == 8 * LLAMA7B.largest_param_numel
+    # model, normed in fp64 on the device, then cast to fp32: the rank owning the largest parameter whole. The
+    # embedding (131M elements) is larger than hpcmem's 50M bucket, so at ZeRO-2 its bf16 gradient is a tensor
+    # of its own through the hand-over
+    emb = LLAMA7B.largest_param_numel
+    assert model_states(LLAMA7B, two, dtypes_for(two, True)).reduce_temp_bytes == 2 * emb + 8 * emb
     tiny_share = two.replace(gpus_per_node=8, nodes=64, global_batch=512)  # the flat model's 512th is smaller than the embedding
     assert model_states(LLAMA7B, tiny_share, dtypes_for(tiny_share, True)).reduce_temp_bytes == \
-        8 * math.ceil(LLAMA7B.n_params / 512)
+        2 * emb + 8 * math.ceil(LLAMA7B.n_params / 512)
+    assert model_states(LLAMA7B, two.replace(zero_stage=1), dtypes_for(two, True)).reduce_temp_bytes == 8 * emb
     assert model_states(LLAMA7B, two.replace(offload_optimizer="none"),
                         dtypes_for(two, True)).reduce_temp_bytes == 0
     assert model_states(LLAMA7B, p, dtypes_for(p, False)).reduce_temp_bytes == 0  # no CUDA norm on the CPU
@@ -815,6 +819,53 @@ def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks(
     assert with_["backward end"].temporaries == pytest.approx(st.buffer_bytes + max(others, 2 * total))
     assert with_["backward end"].total > without["backward end"].total
     assert with_["forward end"].total == without["forward end"].total
+
+
+def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate():
+    """ZeRO-1/2 with CPU optimizer offload, hand-worked. Each gradient handed to the host (copy_grads_in_partition):
+    the rank's slice normed in fp64, then the overflow check over the whole gradient, then the slice cast to fp32.
+    Before DeepSpeed PR #8325 the check is elementwise: an fp32 copy, three bool masks and an fp32 copy of the last,
+    11 bytes per element of a 16-bit gradient, 7 of an fp32 one. From v0.14.1 (PR #5301) to v0.17.0 (PR #7309)
+    the step copies the whole updated fp32 partition to the device before casting it into the 16-bit weights."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.analytic import dtypes_for, model_states
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+    from toolkit.strategies.base import recipe_sizes
+    from toolkit.strategies.deepspeed import zero12_offload_handover
+
+    # a 100-element parameter, 30 of them this rank's, 16-bit gradients
+    order = zero12_offload_handover(100, 30, 2, own=True, scan=True)
+    assert [size for _, size in order if size is not None] == [200, 240, 400, 100, 100, 100, 400, 120]
+    alive, peak = recipe_sizes(order)
+    assert alive == {} and peak == 200 + 400 + 300 + 400  # the gradient + the scan's five tensors
+    assert recipe_sizes(zero12_offload_handover(100, 30, 4, own=False, scan=True))[1] == 300 + 400  # fp32: no copy
+    assert recipe_sizes(zero12_offload_handover(100, 30, 2, own=False, scan=False))[1] == 240  # the fp64 slice
+    assert recipe_sizes(zero12_offload_handover(100, 100, 2, own=False, scan=True))[1] == 1100 > 800
+
+    assert [Runtime(deepspeed_version=v).zero_overflow_scan_elementwise
+            for v in ("0.7.0", "0.14.2", "0.19.5", "0.19.7", "0.19.8", "0.20")] == [True] * 4 + [False] * 2
+    assert not Runtime().zero_overflow_scan_elementwise and not Runtime().zero_offload_step_fp32_copy
+    assert [Runtime(deepspeed_version=v).zero_offload_step_fp32_copy
+            for v in ("0.14.0", "0.14.1", "0.16.9", "0.17.0")] == [False, True, True, False]
+
+    two = Plan(launcher="deepspeed", nodes=1, gpus_per_node=8, global_batch=8, micro_batch=1, seq_len=512,
+               precision="fp16-mixed", zero_stage=2, offload_optimizer="cpu")
+    dt = dtypes_for(two, True)
+    emb, shard = LLAMA7B.largest_param_numel, LLAMA7B.n_params / 8
+    old, new = (model_states(LLAMA7B, two, dt, Runtime(deepspeed_version=v)) for v in ("0.14.2", "0.19.8"))
+    assert old.reduce_temp_bytes == 2 * emb + 11 * emb and new.reduce_temp_bytes == 2 * emb + 8 * emb
+    assert old.step_temp_bytes == pytest.approx(4 * shard) and new.step_temp_bytes == 0
+    assert model_states(LLAMA7B, two, dt, Runtime(deepspeed_version="0.17.1")).step_temp_bytes == 0
+    # the phases: the step's copy beside the weights; the stream replays the hand-over tensor by tensor, in order
+    phases = {ph.name: ph for ph in an.phases(LLAMA7B, two, dt, old, an.activations(LLAMA7B, two, dt))}
+    assert phases["optimizer step"].temporaries == pytest.approx(old.buffer_bytes + 4 * shard)
+    events = step_events(LLAMA7B, two, dt, old, an.activations(LLAMA7B, two, dt), steps=1, sharded=True)
+    sizes = [e[2] for e in events if e[0] == "alloc"]
+    made = [int(size) for _, size in old.reduce_order if size is not None]
+    at = next(i for i in range(len(sizes)) if sizes[i:i + len(made)] == made)
+    assert made == [2 * emb, 8 * emb, 4 * emb, emb, emb, emb, 4 * emb, 4 * emb] and at > 0
+    assert replay(events).peak_allocated >= LLAMA7B.n_params * 2 + old.reduce_temp_bytes
 
 
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():

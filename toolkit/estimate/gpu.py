@@ -166,8 +166,8 @@ class Runtime:
     (transformers since ``ForCausalLMLoss``, hpcmem's runtime) or there is no upcast"""
 
     deepspeed_version: str | None = None
-    """the DeepSpeed the job ran, where its code allocates differently (``zero3_master_from_clone``); None:
-    hpcmem's (0.19.8)"""
+    """the DeepSpeed the job ran, where its code allocates differently (``zero3_master_from_clone``,
+    ``zero_offload_step_fp32_copy``, ``zero_overflow_scan_elementwise``); None: hpcmem's (0.19.8)"""
 
     zero3_linear_wrapped: bool = True
     """DeepSpeed ZeRO-3 installs its memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``, whose
@@ -199,16 +199,40 @@ class Runtime:
         if self.model_code not in MODEL_CODES:
             raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)}")
 
+    def _deepspeed_before(self, release: tuple[int, int, int]) -> bool:
+        """The job's DeepSpeed is older than ``release`` (None: hpcmem's, which is not)."""
+        if not self.deepspeed_version:
+            return False
+        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", self.deepspeed_version)
+        return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < release
+
     @property
     def zero3_master_from_clone(self) -> bool:
         """ZeRO-3 made each sub-group's fp32 master as ``.clone().float()`` of its 16-bit partition (a 16-bit clone
         freed at once; with fp32 weights the clone is the master, a copy of its own) before DeepSpeed PR #7700
         (v0.18.3, 2025-12; read in v0.14.2 and v0.16.4); since, ``.to(dtype=fp32)`` then ``.clone()``
         (``strategies.deepspeed.zero3_startup``)."""
-        if not self.deepspeed_version:
-            return False
-        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", self.deepspeed_version)
-        return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < (0, 18, 3)
+        return self._deepspeed_before((0, 18, 3))
+
+    @property
+    def zero_offload_step_fp32_copy(self) -> bool:
+        """ZeRO-1/2 with CPU optimizer offload copy each updated fp32 partition back as
+        ``bit16_partition.copy_(fp32_partition.to(device))``: the whole fp32 partition on the device during the
+        step. From DeepSpeed PR #5301 ("fix pagable h2d memcpy", v0.14.1; read in v0.14.2 and v0.16.0) until PR
+        #7309 (v0.17.0, "Fix the GPU memory usage of ZeRO-Offload": a 16-bit pinned host buffer instead); before
+        and since, nothing of the partition's size on the device."""
+        return not self._deepspeed_before((0, 14, 1)) and self._deepspeed_before((0, 17, 0))
+
+    @property
+    def zero_overflow_scan_elementwise(self) -> bool:
+        """DeepSpeed's overflow check ``_has_inf_or_nan`` tests elementwise (``stage_1_and_2.py``: an fp32 copy,
+        three boolean masks and an fp32 copy of the last, all alive at once; ZeRO-1/2 with CPU offload run it on
+        each gradient they hand to the host). DeepSpeed PR #8325 (merged 2026-08-26, "stop allocating
+        per-element temporaries in the overflow check") reduces first and allocates nothing of the tensor's
+        size: read elementwise in every release to v0.19.5 and in the 0.19.6 development tree of 2026-08-22,
+        reduce-first in 0.19.8 (hpcmem's). 0.19.6 and 0.19.7 were not read and count as elementwise, the
+        larger."""
+        return self._deepspeed_before((0, 19, 8))
 
     @property
     def grads_through_forward(self) -> bool:

@@ -282,10 +282,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     grads: dict[int, int] = {}  # param index -> id
     head_idx, layer_idx, emb_idx = _backward_groups(params)
     states_made = bool(flat_states) or sharded
-    # DeepSpeed with optimizer offload: the device copies of the largest gradient partition on its way to the host
-    # (ModelStates.reduce_temp_bytes), as one block
-    reduce_temp = [int(states.reduce_temp_bytes)] if states.reduce_temp_bytes > 0 else []
-    head_reduce = reduce_temp if shape.task == "causal-lm" and not shape.tied else []
+    # DeepSpeed with optimizer offload: the device copies of the largest gradient on its way to the host, in the
+    # engine's order (ModelStates.reduce_order; one block of reduce_temp_bytes where no order is given)
+    reduce_temp = states.reduce_order or ((("hand-over", int(states.reduce_temp_bytes)), ("hand-over", None))
+                                          if states.reduce_temp_bytes > 0 else ())
+    head_reduce = reduce_temp if shape.task == "causal-lm" and not shape.tied else ()
     micro = 1 if plan.grad_accum == 1 else 2
     keep_grads = states.persistent_grads or not runtime.frees_grads
     # zero_grad between the loss and the backward: the step's grads are freed before the next backward
@@ -348,8 +349,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             head_params = head_idx
             _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
             if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
-                for i in [alloc(x, flush.stream) for x in head_reduce]:
-                    free(i)
+                flush.within(head_reduce)
             for i in head_tmp:
                 free(i)
             for li in reversed(range(shape.layers)):
@@ -501,11 +501,15 @@ class _Flush:
             self.epilogue()
         self.fill += numel
 
-    def epilogue(self, inside: list[int] = ()) -> None:
-        """Reduce what the bucket holds; ``inside``: sizes of transients made and freed during the reduction."""
-        copy = self.alloc(self.elem * self.fill, self.stream) if self.fill else None
-        for i in [self.alloc(x, self.stream) for x in inside]:
+    def within(self, order=()) -> None:
+        """Transients of a reduction on its stream: a recipe (``ModelStates.reduce_order``'s form), replayed."""
+        for i in _follow(order, lambda size: self.alloc(int(size), self.stream), self.free).values():
             self.free(i)
+
+    def epilogue(self, inside=()) -> None:
+        """Reduce what the bucket holds; ``inside``: a recipe of transients made and freed during the reduction."""
+        copy = self.alloc(self.elem * self.fill, self.stream) if self.fill else None
+        self.within(inside)
         if copy is not None:
             self.free(copy)
         self.fill = 0

@@ -86,7 +86,11 @@ class ModelStates:
     """offloaded states (with their buffers) and pinned NVMe buffers"""
     reduce_temp_bytes: float = 0.0
     """device bytes alive at once while the largest parameter's gradient is reduced and handed to the host
-    (DeepSpeed with optimizer offload, ZeRO-1/2 and ZeRO-3 each by its own path: see ``DeepSpeed.model_states``)"""
+    (DeepSpeed with optimizer offload, ZeRO-1/2 and ZeRO-3 each by its own path: see ``DeepSpeed.model_states``):
+    the most alive at once in ``reduce_order``"""
+    reduce_order: tuple[tuple[str, float | None], ...] = ()
+    """that hand-over tensor by tensor, in the engine's order, as a recipe (``startup``'s form); everything it
+    makes it frees"""
     gathered_moments: Gathered | None = None
     """``gathered_bytes`` moment by moment, where the engine's own schedule says it (None: the same at every moment
     of the forward and backward)"""

@@ -41,6 +41,7 @@ NORM_CHUNK_ELEMENTS = 250_000_000
 """ZeRO-3's ``_constant_buffered_norm2``: a gradient partition's norm is taken in fp64 chunks of this many elements."""
 SUB_GROUP_ELEMENTS = 1_000_000_000
 """ZeRO-3 sub_group_size default: the unit the optimizer steps (and swaps to NVMe)."""
+
 OFFLOAD_BUFFER_FACTOR = 1.5
 """DeepSpeed's own estimators multiply offloaded host memory by 1.5 for pinned and staging buffers."""
 ADAMW_PARAMS = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -148,6 +149,34 @@ class ZeroSettings:
         if stage == 3:
             return one, 0.0
         return 0.0, one * (2 if self.overlap_comm else 1)
+
+
+def zero12_offload_handover(largest: float, part: float, grad_bytes: int, *, own: bool,
+                            scan: bool) -> tuple[tuple[str, float | None], ...]:
+    """ZeRO-1/2's hand-over of one gradient to the host under CPU optimizer offload, on the rank that owns
+    ``part`` elements of the ``largest`` parameter, as a recipe (``ModelStates.reduce_order``). Read in
+    stage_1_and_2.py ``copy_grads_in_partition`` (v0.14.2, v0.19.6-dev and 0.19.8), one after the other:
+
+    - ``own``: the gradient is a tensor of its own (larger than the bucket, ``extra_large_param_to_reduce``, at
+      ZeRO-2, which keeps no gradients) until ``param.grad = None`` ends the hand-over;
+    - ``set_norm_for_param_grad_in_gpu``: the rank's slice normed in fp64 (``get_norm_dtype``, fp64 on CUDA);
+    - ``scan``: the overflow check over the whole gradient, elementwise before DeepSpeed PR #8325
+      (``Runtime.zero_overflow_scan_elementwise``): ``x.float()`` (a copy unless the gradient is fp32), the
+      ``isnan``, ``isinf`` and ``logical_or`` masks and ``.float()`` of the last, all alive until it returns
+      (PR #8325: "11 bytes of device memory for every 2 bytes of a bf16 gradient");
+    - ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: the slice cast to fp32 on the device for the copy.
+    """
+    order: list[tuple[str, float | None]] = [("gradient", grad_bytes * largest)] if own else []
+    order += [("fp64 norm", 8.0 * part), ("fp64 norm", None)]
+    if scan:
+        masks = ("isnan", "isinf", "either")
+        made = ([("fp32 copy", 4.0 * largest)] if grad_bytes != 4 else []) + [(m, 1.0 * largest) for m in masks]
+        made.append(("either as fp32", 4.0 * largest))
+        order += made + [(name, None) for name, _ in reversed(made)]
+    order += [("fp32 slice", 4.0 * part), ("fp32 slice", None)]
+    if own:
+        order.append(("gradient", None))
+    return tuple(order)
 
 
 def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int, bucket: float,
@@ -538,7 +567,7 @@ class DeepSpeed(Strategy):
         step = cast + opt.step_temp_bytes(group, largest, dt.state, 4, dt.gpu)
         flatten = dt.grad * group if stage == 3 and dt.grad != 4 else 0.0
         host = 0.0
-        reduce_temp = 0.0
+        reduce_order: tuple = ()
         if plan.offload_optimizer != "none":
             # Master copy, states and fp32 grads live on the host and step there; from ZeRO-2 on the grads
             # are reduced through the bucket straight into the host's partition.
@@ -551,8 +580,17 @@ class DeepSpeed(Strategy):
                 # .to(get_norm_dtype()), fp64 on CUDA), then is cast to fp32 on the device for the copy to the host
                 # (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one after the other. The partitions are
                 # ranges of the flat model, so the rank that owns the largest parameter whole has the largest.
-                part = min(shape.largest_param_numel, ceil(psi / n))
-                reduce_temp = 8.0 * part
+                # Between the two, the overflow check scans the whole gradient (update_overflow_tracker_for_param_
+                # grad), elementwise in older DeepSpeed (Runtime.zero_overflow_scan_elementwise). A gradient
+                # larger than the bucket is not copied into it (extra_large_param_to_reduce): at ZeRO-2, which
+                # keeps no gradients, it is a tensor of its own until handed over.
+                largest = shape.largest_param_numel
+                part = min(largest, ceil(psi / n))
+                own = stage == 2 and zs.contiguous_gradients and largest > zs.reduce_bucket_size
+                scan = getattr(runtime, "zero_overflow_scan_elementwise", False)
+                reduce_order = zero12_offload_handover(largest, part, dt.grad, own=own, scan=scan)
+                if getattr(runtime, "zero_offload_step_fp32_copy", False):
+                    step = (dt.master or dt.param) * shard  # the updated fp32 partition, copied to the device
                 # and the 16-bit staging buffer as large as the largest parameter, made on the device at start-up
                 # and kept (temp_grad_buffer_for_gpu_offload; read in 0.19.8 and v0.14.2)
                 bucket += dt.grad * shape.largest_param_numel
@@ -562,8 +600,10 @@ class DeepSpeed(Strategy):
                 # get_norm_dtype: fp64 on CUDA), then cast to the fp32 master dtype on the device before the
                 # copy to the host (_offload_grad_partition_at_boundary); the largest partition sets the peak.
                 part = shape.largest_param_numel / n
-                reduce_temp = dt.grad * part + max(8.0 * min(part, NORM_CHUNK_ELEMENTS),
-                                                   4.0 * part if dt.grad != 4 else 0.0)
+                reduce_order = (("partition", dt.grad * part),
+                                ("fp64 norm chunk", 8.0 * min(part, NORM_CHUNK_ELEMENTS)), ("fp64 norm chunk", None),
+                                *((("fp32 cast", 4.0 * part), ("fp32 cast", None)) if dt.grad != 4 else ()),
+                                ("partition", None))
             if plan.offload_optimizer == "cpu":
                 host += OFFLOAD_BUFFER_FACTOR * (opt_full * shard / psi + 4.0 * shard)
             else:  # NVMe: states and grads swap through pinned fp32 buffers, each one sub-group large
@@ -584,7 +624,8 @@ class DeepSpeed(Strategy):
             optimizer = sum(v for k, v in alive.items() if k.startswith("fp32 partition")) + sum(lazy)
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                            persistent_grads=stage >= 2, buffer_bytes=bucket, gathered_bytes=gathered,
-                           step_temp_bytes=step, host_bytes_per_rank=host, reduce_temp_bytes=reduce_temp,
+                           step_temp_bytes=step, host_bytes_per_rank=host,
+                           reduce_temp_bytes=recipe_sizes(reduce_order)[1], reduce_order=reduce_order,
                            grad_bucket_bytes=grad_bucket, gathered_moments=moments,
                            flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
                            step_flatten_bytes=flatten, startup=startup, lazy_states=lazy)
