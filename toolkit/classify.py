@@ -246,6 +246,9 @@ class Verdict:
     step: int | None = None
     """The training step at death from the last progress line before the failure (None: not said)."""
     total_steps: int | None = None
+    deepspeed_version: str | None = None
+    """The DeepSpeed the job ran, as its engine printed it (``DeepSpeed info: version=0.14.4, ...``) or ``ds_report``
+    did; None: not in the text read. Older DeepSpeed allocates differently (``estimate.gpu.Runtime``)."""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -260,7 +263,7 @@ class Verdict:
 
     def to_dict(self) -> dict:
         """JSON-ready: kind, numbers, gpu, rank, evidence [{line, text}], reason, ranks, cause, confidence,
-        confirm, phase, step, total_steps."""
+        confirm, phase, step, total_steps, deepspeed_version."""
         return {
             "kind": self.kind,
             "numbers": dict(self.numbers),
@@ -275,6 +278,7 @@ class Verdict:
             "phase": self.phase,
             "step": self.step,
             "total_steps": self.total_steps,
+            "deepspeed_version": self.deepspeed_version,
         }
 
     @classmethod
@@ -285,7 +289,8 @@ class Verdict:
                    evidence=tuple((e["line"], e["text"]) for e in data.get("evidence") or ()),
                    ranks=tuple(dict(r) for r in data.get("ranks") or ()), cause=data.get("cause"),
                    confidence=data.get("confidence") or "high", confirm=data.get("confirm") or "",
-                   phase=data.get("phase"), step=data.get("step"), total_steps=data.get("total_steps"))
+                   phase=data.get("phase"), step=data.get("step"), total_steps=data.get("total_steps"),
+                   deepspeed_version=data.get("deepspeed_version"))
 
 
 # --------------------------------------------------------------------------- sizes
@@ -903,8 +908,20 @@ def _classify(record: Any, text: str) -> tuple[Verdict, int | None]:
     rec = _record(record)
     events = _lend_ranks(_scan(log), log)
     event, verdict = _decide(rec, events, log)
-    verdict = _where_when(verdict, event, log)
+    verdict = replace(_where_when(verdict, event, log), deepspeed_version=deepspeed_version(text))
     return _finish(verdict, event, events, log), (event.index if event else None)
+
+
+_DEEPSPEED_VERSION = re.compile(r"DeepSpeed info: version=(\d+\.\d+(?:\.\d+)?)"  # the engine, at initialize
+                                r"|deepspeed info \.+ (\d+\.\d+(?:\.\d+)?)")  # ds_report
+
+
+def deepspeed_version(text: str) -> str | None:
+    """The DeepSpeed version the log states (the last one, should a log hold several runs); None if none (pure)."""
+    found = None
+    for m in _DEEPSPEED_VERSION.finditer(text):
+        found = m.group(1) or m.group(2)
+    return found
 
 
 def _lend_ranks(events: list, log: _Log) -> list:

@@ -255,6 +255,7 @@ class Predictor:
     memory (None: planning before any run). ``numbers``: what its OOM message stated (the Verdict's numbers).
     ``model``: what is trained (None: the numbers-only model). ``anchor``: the run's first plan, where the
     activation share is assumed (default ``failed``). ``method``: the estimate's method (model known).
+    ``runtime``: the job's software where it is not hpcmem's (``estimate.gpu.Runtime``; None: hpcmem's).
     """
 
     partition: Any
@@ -263,6 +264,7 @@ class Predictor:
     model: Any = None
     anchor: Plan | None = None
     method: str = "analytic"
+    runtime: Any = None
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -332,10 +334,10 @@ class Predictor:
         from .estimate import estimate
 
         if model is not None and model is not self.model:
-            return estimate(model, plan, self.partition, self.method)  # another model: not remembered
+            return estimate(model, plan, self.partition, self.method, runtime=self.runtime)  # not remembered
         key = ("est", plan)
         if key not in self._memo:
-            self._memo[key] = estimate(self.model, plan, self.partition, self.method)
+            self._memo[key] = estimate(self.model, plan, self.partition, self.method, runtime=self.runtime)
         return self._memo[key]
 
     def _scale(self, plan: Plan) -> float:

@@ -94,7 +94,7 @@ def test_verdict_to_dict_and_is_oom():
     assert v.to_dict() == {
         "kind": "gpu_oom", "numbers": {"tried_to_allocate_mib": 20.0}, "gpu": 0, "rank": 3,
         "evidence": [{"line": 7, "text": "x"}], "reason": "r.", "ranks": [], "cause": None, "confidence": "high",
-        "confirm": "", "phase": None, "step": None, "total_steps": None,
+        "confirm": "", "phase": None, "step": None, "total_steps": None, "deepspeed_version": None,
     }
     assert Verdict.from_dict(v.to_dict()) == v
     assert v.is_oom and not Verdict("not_oom").is_oom and not Verdict("unknown").is_oom

@@ -821,7 +821,7 @@ def test_zero3_reduces_each_bucket_through_a_copy_and_gathers_only_across_ranks(
     assert with_["forward end"].total == without["forward end"].total
 
 
-def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate():
+def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate(monkeypatch):
     """ZeRO-1/2 with CPU optimizer offload, hand-worked. Each gradient handed to the host (copy_grads_in_partition):
     the rank's slice normed in fp64, then the overflow check over the whole gradient, then the slice cast to fp32.
     Before DeepSpeed PR #8325 the check is elementwise: an fp32 copy, three bool masks and an fp32 copy of the last,
@@ -845,6 +845,14 @@ def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate():
 
     assert [Runtime(deepspeed_version=v).zero_overflow_scan_elementwise
             for v in ("0.7.0", "0.14.2", "0.19.5", "0.19.7", "0.19.8", "0.20")] == [True] * 4 + [False] * 2
+    # a Runtime that names no version is the DeepSpeed installed beside hpcmem (its jobs run it), else the newest read
+    from toolkit.estimate import gpu
+
+    monkeypatch.setattr(gpu, "installed_deepspeed", lambda: "0.14.2")
+    assert Runtime().zero_overflow_scan_elementwise and Runtime().zero_offload_step_fp32_copy
+    assert not Runtime(deepspeed_version="0.19.8").zero_overflow_scan_elementwise
+    monkeypatch.setattr(gpu, "installed_deepspeed", lambda: None)
+    assert gpu.CURRENT_DEEPSPEED == "0.19.8"
     assert not Runtime().zero_overflow_scan_elementwise and not Runtime().zero_offload_step_fp32_copy
     assert [Runtime(deepspeed_version=v).zero_offload_step_fp32_copy
             for v in ("0.14.0", "0.14.1", "0.16.9", "0.17.0")] == [False, True, True, False]

@@ -390,3 +390,39 @@ def test_triage_widens_with_the_ladders_more_gpus_move():
     assert [(p.gpus_per_node, p.micro_batch, p.grad_accum) for p in wider] == [(2, 12, 2), (3, 16, 1), (4, 12, 1)]
     assert all(p.global_batch == 48 for p in wider)
     assert ladder.more_gpus(plan.replace(gpus_per_node=4, micro_batch=12, grad_accum=1), A100) == []
+
+
+def test_an_older_deepspeed_named_in_the_log_is_estimated_as_it_allocates_and_an_upgrade_is_offered():
+    """The engine prints 'DeepSpeed info: version=...' at initialize. Triage estimates the plan under that version
+    (estimate.gpu.Runtime): DeepSpeed 0.14.2's ZeRO-Offload hand-over holds an elementwise overflow check of 11 bytes
+    per element of the largest gradient (PR #8325), and its step the whole fp32 partition (PR #7309). The first
+    remedy is then the same plan on a newer DeepSpeed, predicted without that memory."""
+    from toolkit.estimate.gpu import Runtime
+
+    banner = ("[2024-08-06 10:00:01,123] [INFO] [logging.py:96:log_dist] [Rank 0] DeepSpeed info: version=0.14.2, "
+              "git-hash=unknown, git-branch=unknown\n")
+    message = new_oom(tried=1.0, total=39.39, free=0.5, in_use=38.8, allocated=37.0, unallocated=1.2)
+    plan = Plan(launcher="deepspeed", gpus_per_node=4, global_batch=16, micro_batch=4, grad_accum=1, seq_len=2048,
+                precision="bf16-mixed", zero_stage=2, offload_optimizer="cpu", checkpointing=True, time_min=240)
+    old = classify(None, banner + message)
+    assert old.deepspeed_version == "0.14.2" and classify(None, message).deepspeed_version is None
+    assert classify(None, "deepspeed info ................... 0.9.5, unknown, unknown\n" + message
+                    ).deepspeed_version == "0.9.5"
+    assert old.to_dict()["deepspeed_version"] == "0.14.2" and type(old).from_dict(old.to_dict()) == old
+
+    found = remedies(old, plan, A100, LLAMA)
+    first = found[0]
+    assert first.title.startswith("Upgrade DeepSpeed 0.14.2 -> 0.19.8") and first.plan is None
+    then, now = (estimate(LLAMA, plan, A100, runtime=r).device_used_mib
+                 for r in (Runtime(deepspeed_version="0.14.2"), None))
+    assert then - now > 1024  # the 11-byte scan of the 131M-element embedding alone is 1.3 GiB
+    assert f"{(then - now) / 1024:.1f} GiB" in first.title
+    demand = 38.8 * 1024 + 1.0 * 1024  # the message: in use + the request, above both estimates
+    assert first.predicted_peak_mib == pytest.approx(demand - (then - now), rel=1e-6)
+    assert "PR #8325" in first.note and "PR #7309" in first.note
+    # the plan moves after it are predicted under the job's DeepSpeed too
+    assert any(r.plan is not None for r in found[1:])
+    # nothing to offer: hpcmem's DeepSpeed, no version in the log, or ZeRO-3 (its own hand-over)
+    for verdict, p in ((classify(None, banner.replace("0.14.2", "0.19.8") + message), plan),
+                       (classify(None, message), plan), (old, plan.replace(zero_stage=3))):
+        assert not any(r.title.startswith("Upgrade DeepSpeed") for r in remedies(verdict, p, A100, LLAMA))

@@ -13,8 +13,10 @@ Pure arithmetic, no torch import.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping
 
 MIB = 1024 * 1024
@@ -167,7 +169,8 @@ class Runtime:
 
     deepspeed_version: str | None = None
     """the DeepSpeed the job ran, where its code allocates differently (``zero3_master_from_clone``,
-    ``zero_offload_step_fp32_copy``, ``zero_overflow_scan_elementwise``); None: hpcmem's (0.19.8)"""
+    ``zero_offload_step_fp32_copy``, ``zero_overflow_scan_elementwise``); None: the one installed beside hpcmem
+    (``installed_deepspeed``: hpcmem's jobs run it), else ``CURRENT_DEEPSPEED``"""
 
     zero3_linear_wrapped: bool = True
     """DeepSpeed ZeRO-3 installs its memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``, whose
@@ -200,11 +203,10 @@ class Runtime:
             raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)}")
 
     def _deepspeed_before(self, release: tuple[int, int, int]) -> bool:
-        """The job's DeepSpeed is older than ``release`` (None: hpcmem's, which is not)."""
-        if not self.deepspeed_version:
-            return False
-        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", self.deepspeed_version)
-        return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < release
+        """The job's DeepSpeed (``deepspeed_version``, else the one installed beside hpcmem, else
+        ``CURRENT_DEEPSPEED``) is older than ``release``."""
+        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", self.deepspeed_version or installed_deepspeed() or CURRENT_DEEPSPEED)
+        return bool(m) and (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < release
 
     @property
     def zero3_master_from_clone(self) -> bool:
@@ -303,6 +305,21 @@ class Runtime:
 
 
 DEFAULT_RUNTIME = Runtime()
+
+
+CURRENT_DEEPSPEED = "0.19.8"
+"""The newest DeepSpeed whose allocations were read (setup.cfg allows >= 0.14): what a Runtime without a
+``deepspeed_version`` assumes where no DeepSpeed is installed."""
+
+
+@lru_cache(maxsize=1)
+def installed_deepspeed() -> str | None:
+    """The version of the DeepSpeed installed beside hpcmem, from its distribution metadata (nothing is imported);
+    None when it is not installed. Read once per process."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def nccl_buffer_bytes(world_size: int) -> int:

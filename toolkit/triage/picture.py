@@ -31,6 +31,7 @@ from typing import Any, Mapping
 from ..classify import Verdict
 from ..errors import UnknownNameError
 from ..estimate import Estimate, ModelRef, estimate
+from ..estimate.gpu import Runtime
 from ..failures import is_host
 from ..ladder import describe
 from ..predict import footprint
@@ -248,7 +249,15 @@ def _estimate(verdict: Verdict, known: KnownPlan | None, partition: Partition | 
         return None
     if not partition.has_gpu and not is_host(verdict):
         notes.append("No GPU estimate: the partition has no GPU.")
-    return estimate(model, known.plan, partition)
+    return estimate(model, known.plan, partition, runtime=job_runtime(verdict))
+
+
+def job_runtime(verdict: Verdict):
+    """The job's software as its log states it (``Verdict.deepspeed_version``), for the estimator; None: hpcmem's."""
+    version = getattr(verdict, "deepspeed_version", None)
+    if not version:
+        return None
+    return Runtime(deepspeed_version=version)
 
 
 def _flags(verdict, n, known, est, demand, capacity, partition, max_rss, mem_request) -> list[str]:

@@ -72,12 +72,13 @@ from ..predict import EXPANDABLE, MARGIN, Predictor, alloc_conf_value
 from ..classify import Verdict
 from ..errors import HpcmemError, UnknownNameError
 from ..estimate import ModelRef
+from ..estimate.gpu import CURRENT_DEEPSPEED, Runtime
 from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
 from ..plan import KNOBS, Plan, parse_sets, with_changes
 from ..sites import Partition
 from .changes import ds_config_changes, script_changes, title, trainer_arg_changes
-from .picture import KnownPlan, fill_plan
+from .picture import KnownPlan, fill_plan, job_runtime
 
 ALL_MOVES = tuple(name for name in ladder.ALLOW_NAMES if name != "partition")
 """Every move a remedy may make (a bigger partition is the lead's to suggest: it needs the site)."""
@@ -168,7 +169,9 @@ def remedies(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] | None
     pred = _predictor(verdict, known.plan, partition, model) if known.known else None
     if pred is None:
         return advice + _walk(verdict, known, maker, allow, room, host=False)
-    return advice + _gpu(verdict, known, maker, allow, pred, room)
+    upgrade = software_advice(known.plan, maker, pred)[:room]
+    room -= len(upgrade)
+    return advice + upgrade + (_gpu(verdict, known, maker, allow, pred, room) if room > 0 else [])
 
 
 LATE_STEP = 50
@@ -232,6 +235,37 @@ def phase_advice(verdict: Verdict, maker: "_Maker") -> list[Remedy]:
     return out
 
 
+def software_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Remedy]:
+    """A newer DeepSpeed, where the job's own (its log's ``DeepSpeed info: version=``) holds memory that hpcmem's
+    does not for this plan: ZeRO-1/2 with CPU optimizer offload (``estimate.gpu.Runtime``: the elementwise
+    overflow check before DeepSpeed PR #8325, the step's fp32 partition on the device from v0.14.1 to v0.17.0).
+    The failed plan unchanged, predicted without that memory; [] when nothing applies or the model is unknown."""
+    runtime = pred.runtime
+    if runtime is None or pred.model is None or failed.launcher != "deepspeed" or failed.zero_stage not in (1, 2) \
+            or failed.offload_optimizer == "none":
+        return []
+    causes = []
+    if runtime.zero_overflow_scan_elementwise:
+        causes.append("its overflow check copies each gradient it hands to the host to fp32 with three masks, 11 "
+                      "bytes per element of the largest gradient at once (DeepSpeed PR #8325, in 0.19.8)")
+    if runtime.zero_offload_step_fp32_copy:
+        causes.append("its step copies the whole fp32 partition to the GPU before casting it (DeepSpeed PR #7309, "
+                      "in 0.17.0)")
+    before = pred.peak(failed)
+    newer = Predictor(pred.partition, model=pred.model, method=pred.method,
+                      runtime=Runtime(deepspeed_version=CURRENT_DEEPSPEED))
+    saved = pred.estimate(failed).device_used_mib - newer.estimate(failed).device_used_mib
+    if not causes or before is None or saved < 1.0:
+        return []
+    peak = before - saved
+    advice = _advice(
+        f"Upgrade DeepSpeed {runtime.deepspeed_version} -> {CURRENT_DEEPSPEED} or later: with this plan it holds "
+        f"{saved / 1024:.1f} GiB per GPU that newer DeepSpeed does not",
+        (), "Same plan, same results. With ZeRO-Offload " + "; ".join(causes) + ". Predicted peak without "
+        "that memory; pip install -U deepspeed in the job's environment.", maker)
+    return [replace(advice, predicted_peak_mib=peak, fits=pred.fits(peak, failed))]
+
+
 def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Remedy:
     """A remedy that is advice, not a plan change (no plan, no predicted peak)."""
     return Remedy(title=title, moves=(), plan=None, predicted_peak_mib=None, fits=None, slowdown=None, set_args=(),
@@ -245,7 +279,7 @@ def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Reme
 def _predictor(verdict: Verdict, failed: Plan, partition: Partition, model: ModelRef | None) -> Predictor | None:
     """The one predictor (toolkit/predict.py) for this failure; None when it can say nothing (neither a model nor
     enough numbers, or no known GPU capacity)."""
-    pred = Predictor(partition, failed, verdict.numbers, model)
+    pred = Predictor(partition, failed, verdict.numbers, model, runtime=job_runtime(verdict))
     if not pred.predicts or pred.target_mib is None:
         return None
     return pred
