@@ -876,6 +876,28 @@ def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate(monkeypat
     assert replay(events).peak_allocated >= LLAMA7B.n_params * 2 + old.reduce_temp_bytes
 
 
+def test_zero3_fp16_checks_the_gradient_partition_for_overflow_with_two_masks_on_the_reduce_stream():
+    """stage3.py has_overflow (v0.14.2 and 0.19.8), fp16 only: isinf(grad_partitions_flat_buffer).any(), then isnan,
+    under the reduce-and-partition stream, at the step's start: two bool masks of the rank's gradient partition,
+    one after the other. With the optimizer offloaded that buffer is on the host."""
+    from toolkit.estimate.stream import REDUCE_STREAM, step_events
+
+    def check(**knobs):
+        p = plan(gpus_per_node=8, zero_stage=3, **knobs)
+        dt = an.dtypes_for(p, True)
+        st = an.model_states(LLAMA7B, p, dt)
+        events = step_events(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt), steps=1, sharded=True)
+        at = next(i for i, e in enumerate(events) if e[0] == "mark" and e[1] == "step 1 optimizer")
+        return st.step_check_bytes, events[at + 1:at + 5]
+
+    size, after = check(precision="fp16-mixed")
+    assert size == pytest.approx(LLAMA7B.n_params / 8)
+    assert [(e[0], e[2] if e[0] == "alloc" else None, e[3] if e[0] == "alloc" else None) for e in after] == \
+        [("alloc", int(size), REDUCE_STREAM), ("free", None, None)] * 2
+    assert after[1][1] == after[0][1] and after[3][1] == after[2][1]  # each mask freed before the next is made
+    assert check(precision="bf16-mixed")[0] == 0 and check(precision="fp16-mixed", offload_optimizer="cpu")[0] == 0
+
+
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():
     """DeepSpeed ZeRO-3 with the partitions on the device (stage3.py): the flat 16-bit buffer; per sub-group the
     fp32 master, made since v0.18.3 from a converted fp32 copy (alive until the next replaces it), before it

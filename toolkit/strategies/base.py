@@ -105,6 +105,10 @@ class ModelStates:
     """made at the step's start beside ``step_temp_bytes`` and freed before the optimizer runs (DeepSpeed: the
     group's 16-bit gradients flattened into one tensor, then cast to the fp32 copy that ``step_temp_bytes``
     holds); counted with the optimizer's own transients, which come after it, as a bound"""
+    step_check_bytes: float = 0.0
+    """a bool mask of the gradient partition, made and freed twice at the step's start on the reduction stream
+    (DeepSpeed ZeRO-3 fp16's overflow check: ``isinf`` then ``isnan`` of the flat gradient buffer); smaller than
+    the step's own transients, so no phase counts it: it matters for where the allocator puts it"""
     side_streams: bool = False
     """the engine gathers weights and reduces gradients on streams of its own (DeepSpeed ``overlap_comm``):
     the caching allocator serves each stream from its own blocks"""

@@ -614,6 +614,11 @@ class DeepSpeed(Strategy):
                 host += OFFLOAD_BUFFER_FACTOR * dt.param * shard
             else:  # pinned buffers DeepSpeed stages NVMe parameters through
                 host += NVME_PARAM_BUFFERS * nvme_buffer_elements(shape.largest_param_numel) * dt.param
+        # ZeRO-3 with fp16 loss scaling checks the flat gradient partition for overflow at the step's start
+        # (stage3.py has_overflow: isinf(grad_partitions_flat_buffer).any(), then isnan, under the reduce-and-
+        # partition stream; read in v0.14.2 and 0.19.8); offloaded, that buffer is on the host
+        check = 1.0 * shard if stage == 3 and dt.gpu and plan.precision == "fp16-mixed" \
+            and plan.offload_optimizer == "none" else 0.0
         startup, lazy = (), ()
         if stage == 3 and dt.gpu and plan.offload_optimizer == "none" and plan.offload_params == "none":
             startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket,
@@ -628,7 +633,7 @@ class DeepSpeed(Strategy):
                            reduce_temp_bytes=recipe_sizes(reduce_order)[1], reduce_order=reduce_order,
                            grad_bucket_bytes=grad_bucket, gathered_moments=moments,
                            flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
-                           step_flatten_bytes=flatten, startup=startup, lazy_states=lazy)
+                           step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
