@@ -10,6 +10,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def newest_deepspeed_read(monkeypatch):
+    """Estimates in tests assume the newest DeepSpeed whose allocations were read (``gpu.CURRENT_DEEPSPEED``), not
+    whichever one this machine has installed (setup.cfg allows >= 0.14): a Runtime that names no version would
+    otherwise follow ``gpu.installed_deepspeed``. A test of that rule sets it itself."""
+    from toolkit.estimate import gpu
+
+    monkeypatch.setattr(gpu, "installed_deepspeed", lambda: None)
+
+
 @pytest.fixture
 def hpcmem_home(tmp_path, monkeypatch):
     """A fresh $HPCMEM_HOME for one test."""

@@ -170,7 +170,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from .logtail import DEFAULT_MAX_BYTES, Tail, read_tail
+from .logtail import DEFAULT_MAX_BYTES, Tail, read_head, read_tail
 
 from .failures import KINDS, OOM_KINDS, SHM_CAUSE  # noqa: E402  (the one table of failure kinds)
 
@@ -912,8 +912,10 @@ def _classify(record: Any, text: str) -> tuple[Verdict, int | None]:
     return _finish(verdict, event, events, log), (event.index if event else None)
 
 
-_DEEPSPEED_VERSION = re.compile(r"DeepSpeed info: version=(\d+\.\d+(?:\.\d+)?)"  # the engine, at initialize
-                                r"|deepspeed info \.+ (\d+\.\d+(?:\.\d+)?)")  # ds_report
+HEAD_BYTES = 2**20
+"""How much of a log's head is read for what start-up prints (the DeepSpeed version) when the tail skipped it."""
+_DEEPSPEED_VERSION = re.compile(r"DeepSpeed info: version=(\d{1,6}\.\d{1,6}(?:\.\d{1,6})?)(?!\d)"  # the engine
+                                r"|deepspeed info \.+ (\d{1,6}\.\d{1,6}(?:\.\d{1,6})?)(?!\d)")  # ds_report
 
 
 def deepspeed_version(text: str) -> str | None:
@@ -1400,6 +1402,9 @@ def classify_paths(
         origin.extend((k, j) for j in range(len(lines)))
         chunks.extend(lines)
     verdict, decisive = _classify(record, "\n".join(chunks))
+    if verdict.deepspeed_version is None:  # the engine names its version at start-up: in a skipped head
+        heads = (read_head(p, HEAD_BYTES) for p, tail in zip(paths, tails) if tail.truncated and tail.first_line != 1)
+        verdict = replace(verdict, deepspeed_version=next(filter(None, map(deepspeed_version, heads)), None))
     if verdict.ranks:
         verdict = replace(verdict, ranks=tuple(_file_line(r, origin, tails, paths) for r in verdict.ranks))
     if not verdict.evidence:

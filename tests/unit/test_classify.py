@@ -1036,3 +1036,21 @@ def test_newer_and_other_platform_wordings(line, kind, cause):
 def test_nccl_calloc_async_states_its_size():
     v = classify(None, "node1:1:2 [3] include/alloc.h:125 NCCL WARN Failed to CUDA calloc async 608 bytes\n")
     assert v.kind == "nccl_oom" and v.numbers["nccl_bytes"] == 608 and v.gpu == 3
+
+
+def test_the_deepspeed_version_is_read_from_a_head_the_tail_skipped(tmp_path):
+    """The engine prints 'DeepSpeed info: version=...' once, at start-up; a long log's tail does not hold it, so the
+    head is read for it. A hostile version (thousands of digits) is not a version."""
+    from toolkit.classify import classify_paths, deepspeed_version
+
+    banner = "[2024-08-06 10:00:01,123] [INFO] [logging.py:96:log_dist] [Rank 0] DeepSpeed info: version=0.14.2, x\n"
+    oom = new_oom(tried="1.00 GiB", total="39.39 GiB", free="0.50 GiB", this="38.80 GiB", allocated="37.00 GiB",
+                  unallocated="1.20 GiB")
+    log = tmp_path / "slurm-1.out"
+    log.write_text(banner + "{'loss': 1.0, 'learning_rate': 1e-05, 'epoch': 0.1}\n" * 5000 + oom + "\n")
+    assert classify_paths([log], max_bytes=4096).deepspeed_version == "0.14.2"
+    assert classify_paths([log]).deepspeed_version == "0.14.2"  # the whole log read
+    log.write_text("no banner\n" * 5000 + oom + "\n")
+    assert classify_paths([log], max_bytes=4096).deepspeed_version is None
+    assert deepspeed_version("DeepSpeed info: version=" + "9" * 5000 + ".1") is None
+    assert deepspeed_version("DeepSpeed info: version=0.16.4+cu121, git-hash=unknown") == "0.16.4"

@@ -830,32 +830,40 @@ def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate(monkeypat
     from toolkit.estimate.allocator import replay
     from toolkit.estimate.analytic import dtypes_for, model_states
     from toolkit.estimate.gpu import Runtime
-    from toolkit.estimate.stream import step_events
-    from toolkit.strategies.base import recipe_sizes
+    from toolkit.estimate.stream import REDUCE_STREAM, step_events
+    from toolkit.strategies.base import AUTOGRAD_GRADIENT, recipe_sizes
     from toolkit.strategies.deepspeed import zero12_offload_handover
 
     # a 100-element parameter, 30 of them this rank's, 16-bit gradients
-    order = zero12_offload_handover(100, 30, 2, own=True, scan=True)
+    order = zero12_offload_handover(100, 30, 2, own=True, check="elementwise")
     assert [size for _, size in order if size is not None] == [200, 240, 400, 100, 100, 100, 400, 120]
+    assert order[0][0] == order[-1][0] == AUTOGRAD_GRADIENT  # made by autograd, freed last
     alive, peak = recipe_sizes(order)
-    assert alive == {} and peak == 200 + 400 + 300 + 400  # the gradient + the scan's five tensors
-    assert recipe_sizes(zero12_offload_handover(100, 30, 4, own=False, scan=True))[1] == 300 + 400  # fp32: no copy
-    assert recipe_sizes(zero12_offload_handover(100, 30, 2, own=False, scan=False))[1] == 240  # the fp64 slice
-    assert recipe_sizes(zero12_offload_handover(100, 100, 2, own=False, scan=True))[1] == 1100 > 800
+    assert alive == {} and peak == 200 + 400 + 300 + 400  # the gradient + the check's five tensors
+    assert recipe_sizes(zero12_offload_handover(100, 30, 4, own=False, check="elementwise"))[1] == 300 + 400  # fp32
+    assert recipe_sizes(zero12_offload_handover(100, 30, 2, own=False, check=None))[1] == 240  # the fp64 slice
+    assert recipe_sizes(zero12_offload_handover(100, 100, 2, own=False, check="elementwise"))[1] == 1100 > 800
+    # before v0.13.3 the check was float(x.float().sum()): one fp32 copy of a 16-bit gradient, none of an fp32 one
+    assert recipe_sizes(zero12_offload_handover(100, 10, 2, own=False, check="sum"))[1] == 400
+    assert recipe_sizes(zero12_offload_handover(100, 10, 4, own=False, check="sum"))[1] == 80
 
-    assert [Runtime(deepspeed_version=v).zero_overflow_scan_elementwise
-            for v in ("0.7.0", "0.14.2", "0.19.5", "0.19.7", "0.19.8", "0.20")] == [True] * 4 + [False] * 2
+    assert [Runtime(deepspeed_version=v).zero_overflow_check for v in
+            ("0.7.0", "0.13.2", "0.13.3", "0.14.2", "0.19.5", "0.19.7", "0.19.8", "0.20")] == \
+        ["sum", "sum"] + ["elementwise"] * 4 + [None] * 2
+    assert [Runtime(deepspeed_version=v).zero_offload_step_fp32_copy
+            for v in ("0.14.0", "0.14.1", "0.16.9", "0.17.0")] == [False, True, True, False]
     # a Runtime that names no version is the DeepSpeed installed beside hpcmem (its jobs run it), else the newest read
     from toolkit.estimate import gpu
 
     monkeypatch.setattr(gpu, "installed_deepspeed", lambda: "0.14.2")
-    assert Runtime().zero_overflow_scan_elementwise and Runtime().zero_offload_step_fp32_copy
-    assert not Runtime(deepspeed_version="0.19.8").zero_overflow_scan_elementwise
+    assert Runtime().zero_overflow_check == "elementwise" and Runtime().zero_offload_step_fp32_copy
+    assert Runtime(deepspeed_version="0.19.8").zero_overflow_check is None
     monkeypatch.setattr(gpu, "installed_deepspeed", lambda: None)
     assert gpu.CURRENT_DEEPSPEED == "0.19.8"
-    assert not Runtime().zero_overflow_scan_elementwise and not Runtime().zero_offload_step_fp32_copy
-    assert [Runtime(deepspeed_version=v).zero_offload_step_fp32_copy
-            for v in ("0.14.0", "0.14.1", "0.16.9", "0.17.0")] == [False, True, True, False]
+    assert Runtime().zero_overflow_check is None and not Runtime().zero_offload_step_fp32_copy
+    # a version is a few digits, never thousands (a hostile log must not reach int()'s limit)
+    with pytest.raises(ValueError, match="deepspeed_version"):
+        Runtime(deepspeed_version="9" * 5000 + ".1")
 
     two = Plan(launcher="deepspeed", nodes=1, gpus_per_node=8, global_batch=8, micro_batch=1, seq_len=512,
                precision="fp16-mixed", zero_stage=2, offload_optimizer="cpu")
@@ -874,6 +882,24 @@ def test_zero12_offload_hand_over_and_step_as_older_deepspeed_allocate(monkeypat
     at = next(i for i in range(len(sizes)) if sizes[i:i + len(made)] == made)
     assert made == [2 * emb, 8 * emb, 4 * emb, emb, emb, emb, 4 * emb, 4 * emb] and at > 0
     assert replay(events).peak_allocated >= LLAMA7B.n_params * 2 + old.reduce_temp_bytes
+    # the backward's epilogue hands the embedding's gradient over before it releases the bucket
+    # (independent_gradient_partition_epilogue: reduce_ipg_grads, then _release_ipg_buffers); the gradient autograd
+    # made is on the compute stream
+    last = max(i for i in range(len(sizes)) if sizes[i:i + len(made)] == made)
+    allocs = [e for e in events if e[0] == "alloc"]
+    bucket = [e[1] for e in allocs if e[2] == int(old.grad_bucket_bytes)][-1]
+    freed_at = next(i for i, e in enumerate(events) if e[0] == "free" and e[1] == bucket)
+    assert events.index(allocs[last + len(made) - 1]) < freed_at
+    # with overlap_comm the hand-over runs on the reduction stream, the gradient autograd made on the compute stream
+    overlap = Runtime(deepspeed_version="0.14.2",
+                      engine_config={"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True,
+                                     "reduce_bucket_size": 50_000_000})
+    ov = model_states(LLAMA7B, two, dt, overlap)
+    ev = step_events(LLAMA7B, two, dt, ov, an.activations(LLAMA7B, two, dt), steps=1, sharded=True)
+    allocs = [e for e in ev if e[0] == "alloc"]
+    at = max(i for i in range(len(allocs)) if [e[2] for e in allocs[i:i + len(made)]] == made)
+    assert [len(e) == 3 for e in allocs[at:at + len(made)]] == [True] + [False] * (len(made) - 1)
+    assert {e[3] for e in allocs[at + 1:at + len(made)]} == {REDUCE_STREAM}
 
 
 def test_zero3_fp16_checks_the_gradient_partition_for_overflow_with_two_masks_on_the_reduce_stream():
@@ -896,6 +922,16 @@ def test_zero3_fp16_checks_the_gradient_partition_for_overflow_with_two_masks_on
         [("alloc", int(size), REDUCE_STREAM), ("free", None, None)] * 2
     assert after[1][1] == after[0][1] and after[3][1] == after[2][1]  # each mask freed before the next is made
     assert check(precision="bf16-mixed")[0] == 0 and check(precision="fp16-mixed", offload_optimizer="cpu")[0] == 0
+    # the step phase counts the larger of the masks and the step's own transients: with small sub-groups, the mask
+    from toolkit.estimate.gpu import Runtime
+
+    p = plan(gpus_per_node=8, zero_stage=3, precision="fp16-mixed")
+    dt = an.dtypes_for(p, True)
+    small = Runtime(engine_config={"stage": 3, "sub_group_size": 10_000_000})
+    st = an.model_states(LLAMA7B, p, dt, small)
+    step = {ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt), small)}
+    assert st.step_temp_bytes + st.step_flatten_bytes < st.step_check_bytes
+    assert step["optimizer step"].temporaries == pytest.approx(st.buffer_bytes + st.step_check_bytes)
 
 
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():

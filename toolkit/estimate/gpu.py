@@ -100,6 +100,8 @@ def version_tuple(text: str | None) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (2, 99)
 
 
+_VERSION = r"(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?"
+"""A release number as ``deepspeed_version`` takes it (bounded: a version is never thousands of digits long)."""
 ZERO_GRAD_PLACES = ("after_step", "before_backward")
 FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY = "20230708"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104780's single-intermediate foreach Adam."""
@@ -169,7 +171,7 @@ class Runtime:
 
     deepspeed_version: str | None = None
     """the DeepSpeed the job ran, where its code allocates differently (``zero3_master_from_clone``,
-    ``zero_offload_step_fp32_copy``, ``zero_overflow_scan_elementwise``); None: the one installed beside hpcmem
+    ``zero_offload_step_fp32_copy``, ``zero_overflow_check``); None: the one installed beside hpcmem
     (``installed_deepspeed``: hpcmem's jobs run it), else ``CURRENT_DEEPSPEED``"""
 
     zero3_linear_wrapped: bool = True
@@ -192,7 +194,7 @@ class Runtime:
         if self.shifted_logits_copy not in SHIFTED_COPIES:
             raise ValueError(f"Runtime.shifted_logits_copy: {self.shifted_logits_copy!r} is not one of "
                              f"{', '.join(str(x) for x in SHIFTED_COPIES)}")
-        if self.deepspeed_version is not None and not re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", str(self.deepspeed_version)):
+        if self.deepspeed_version is not None and not re.match(_VERSION + r"\S{0,40}\Z", str(self.deepspeed_version)):
             raise ValueError(f"Runtime.deepspeed_version: expected a version such as 0.14.2, "
                              f"got {self.deepspeed_version!r}")
         if self.engine_config is not None and not isinstance(self.engine_config, Mapping):
@@ -205,7 +207,7 @@ class Runtime:
     def _deepspeed_before(self, release: tuple[int, int, int]) -> bool:
         """The job's DeepSpeed (``deepspeed_version``, else the one installed beside hpcmem, else
         ``CURRENT_DEEPSPEED``) is older than ``release``."""
-        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", self.deepspeed_version or installed_deepspeed() or CURRENT_DEEPSPEED)
+        m = re.match(_VERSION, self.deepspeed_version or installed_deepspeed() or CURRENT_DEEPSPEED)
         return bool(m) and (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < release
 
     @property
@@ -226,15 +228,20 @@ class Runtime:
         return not self._deepspeed_before((0, 14, 1)) and self._deepspeed_before((0, 17, 0))
 
     @property
-    def zero_overflow_scan_elementwise(self) -> bool:
-        """DeepSpeed's overflow check ``_has_inf_or_nan`` tests elementwise (``stage_1_and_2.py``: an fp32 copy,
-        three boolean masks and an fp32 copy of the last, all alive at once; ZeRO-1/2 with CPU offload run it on
-        each gradient they hand to the host). DeepSpeed PR #8325 (merged 2026-08-26, "stop allocating
-        per-element temporaries in the overflow check") reduces first and allocates nothing of the tensor's
-        size: read elementwise in every release to v0.19.5 and in the 0.19.6 development tree of 2026-08-22,
-        reduce-first in 0.19.8 (hpcmem's). 0.19.6 and 0.19.7 were not read and count as elementwise, the
-        larger."""
-        return self._deepspeed_before((0, 19, 8))
+    def zero_overflow_check(self) -> str | None:
+        """How ZeRO-1/2's overflow check ``_has_inf_or_nan`` allocates (with CPU offload it runs on each gradient
+        handed to the host; ``strategies.deepspeed.overflow_check_bytes``):
+
+        - ``"sum"`` before DeepSpeed PR #5115 (v0.13.3): ``float(x.float().sum())``, an fp32 copy of a 16-bit
+          tensor (read in v0.7.0 and v0.13.2);
+        - ``"elementwise"`` from v0.13.3: an fp32 copy, three bool masks and an fp32 copy of the last, all alive at
+          once (read in v0.14.2, every tag to v0.19.5 and the 0.19.6 tree of 2026-08-22);
+        - None from DeepSpeed PR #8325 (merged 2026-08-26, "stop allocating per-element temporaries in the overflow
+          check"): a reduction first, nothing of the tensor's size (read in 0.19.8). 0.19.6 and 0.19.7 were not
+          read and count as elementwise, the larger."""
+        if self._deepspeed_before((0, 13, 3)):
+            return "sum"
+        return "elementwise" if self._deepspeed_before((0, 19, 8)) else None
 
     @property
     def grads_through_forward(self) -> bool:

@@ -35,6 +35,7 @@ from typing import Iterator
 
 from .. import optimizers
 from ..modelshape import ModelShape
+from ..strategies.base import AUTOGRAD_GRADIENT
 from .gpu import DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD, ddp_bucket_sizes
 
 Event = tuple
@@ -379,11 +380,14 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             add = (grads or (shape.task == "causal-lm" and shape.tied)) and vocab_grad > 0
             t = [alloc(vocab_grad), alloc(vocab_grad)] if add else []
             _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
-            for i in t + grad_buckets:
+            for i in t:
                 free(i)
             # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient
-            # to the host inside that reduction (offload)
+            # to the host inside that reduction (offload), and then releases ZeRO-1/2's buckets
+            # (independent_gradient_partition_epilogue: reduce_ipg_grads, then _release_ipg_buffers)
             flush.epilogue(reduce_temp)
+            for i in grad_buckets:
+                free(i)
             for i in out_ids:
                 free(i)
         # optimizer step
@@ -504,8 +508,15 @@ class _Flush:
         self.fill += numel
 
     def within(self, order=()) -> None:
-        """Transients of a reduction on its stream: a recipe (``ModelStates.reduce_order``'s form), replayed."""
-        for i in _follow(order, lambda size: self.alloc(int(size), self.stream), self.free).values():
+        """Transients of a reduction on its stream: a recipe (``ModelStates.reduce_order``'s form), replayed; the
+        gradient autograd made (``AUTOGRAD_GRADIENT``) on the compute stream."""
+        made: dict[str, int] = {}
+        for name, size in order:
+            if size is None:
+                self.free(made.pop(name))
+            else:
+                made[name] = self.alloc(int(size), DEFAULT_STREAM if name == AUTOGRAD_GRADIENT else self.stream)
+        for i in made.values():
             self.free(i)
 
     def epilogue(self, inside=()) -> None:

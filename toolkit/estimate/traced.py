@@ -335,11 +335,16 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
     extra = int(trace.largest_layer_bytes * place.gathered_layers)
     extras = (f", plus {place.gathered_layers:g} gathered layer(s)", "); communication buckets are not counted")
     if engine is not None and plan.launcher == "deepspeed":
-        extra = int(engine.gathered_bytes + engine.buffer_bytes + engine.grad_bucket_bytes + engine.reduce_temp_bytes)
+        # with the optimizer offloaded the traced step has nothing on the device: the engine's own step copy (older
+        # ZeRO-1/2: the fp32 partition) comes after the hand-over, so the larger of the two
+        step_copy = engine.step_temp_bytes if plan.offload_optimizer != "none" else 0.0
+        extra = int(engine.gathered_bytes + engine.buffer_bytes + engine.grad_bucket_bytes
+                    + max(engine.reduce_temp_bytes, step_copy))
         extras = ("", f"); DeepSpeed's own device memory added at the peak, each part at its largest: "
                       f"{engine.gathered_bytes / MIB:.0f} MiB of gathered weights (its parameter coordinator), "
                       f"{(engine.buffer_bytes + engine.grad_bucket_bytes) / MIB:.0f} MiB of gradient buckets, "
-                      f"{engine.reduce_temp_bytes / MIB:.0f} MiB handing a gradient to the host")
+                      f"{max(engine.reduce_temp_bytes, step_copy) / MIB:.0f} MiB handing a gradient to the host "
+                      "or copying the stepped partition back")
     # the traced weights are in the engine's layout dtype (FSDP mixed precision: the 16-bit compute copy, the
     # fp32 shards being the master), which is the dtype the gathered weights are kept in
     gathered = place.gathered_params

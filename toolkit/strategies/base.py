@@ -107,8 +107,8 @@ class ModelStates:
     holds); counted with the optimizer's own transients, which come after it, as a bound"""
     step_check_bytes: float = 0.0
     """a bool mask of the gradient partition, made and freed twice at the step's start on the reduction stream
-    (DeepSpeed ZeRO-3 fp16's overflow check: ``isinf`` then ``isnan`` of the flat gradient buffer); smaller than
-    the step's own transients, so no phase counts it: it matters for where the allocator puts it"""
+    (DeepSpeed ZeRO-3 fp16's overflow check: ``isinf`` then ``isnan`` of the flat gradient buffer), before the
+    step's own transients (the step phase counts the larger of the two)"""
     side_streams: bool = False
     """the engine gathers weights and reduces gradients on streams of its own (DeepSpeed ``overlap_comm``):
     the caching allocator serves each stream from its own blocks"""
@@ -121,6 +121,11 @@ class ModelStates:
     """optimizer states (bytes, one tensor each, in creation order) that the optimizer makes at its first step
     (``zeros_like`` on the first ``step``) rather than at start-up: part of ``optimizer_bytes``, made in step 1
     while the step's gradient copy is alive, and kept"""
+
+
+AUTOGRAD_GRADIENT = "gradient"
+"""The name a hand-over recipe (``ModelStates.reduce_order``) gives the gradient autograd made: on the compute
+stream, where the rest of the hand-over may run on the engine's reduction stream."""
 
 
 def recipe_sizes(order) -> tuple[dict[str, float], float]:

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 
 from .. import optimizers
 from ..errors import ConfigError, PlanError
-from .base import (MIXED, SIXTEEN_BIT, Dtypes, Gathered, Layout, ModelStates, Placement, Strategy, get,
-                   recipe_sizes, register)
+from .base import (AUTOGRAD_GRADIENT, MIXED, SIXTEEN_BIT, Dtypes, Gathered, Layout, ModelStates, Placement,
+                   Strategy, get, recipe_sizes, register)
 
 # Buffers DeepSpeed stages parameters through when they live on NVMe. One buffer must hold the largest
 # single parameter; they are allocated up front (count x size x element bytes per rank), so they are sized
@@ -151,31 +151,39 @@ class ZeroSettings:
         return 0.0, one * (2 if self.overlap_comm else 1)
 
 
+def overflow_check(form: str | None, grad_bytes: int) -> tuple[tuple[str, float], ...]:
+    """The tensors ZeRO-1/2's overflow check ``_has_inf_or_nan`` holds at once, bytes per element of the tensor it
+    checks, by ``Runtime.zero_overflow_check``'s form: ``"sum"``, an fp32 copy (none of an fp32 tensor);
+    ``"elementwise"``, that copy, the ``isnan``, ``isinf`` and ``logical_or`` masks and ``.float()`` of the last
+    (DeepSpeed PR #8325: "11 bytes of device memory for every 2 bytes of a bf16 gradient"); None, nothing."""
+    if form is None:
+        return ()
+    copy = (("fp32 copy", 4.0),) if grad_bytes != 4 else ()
+    if form == "sum":
+        return copy
+    return copy + (("isnan", 1.0), ("isinf", 1.0), ("either", 1.0), ("either as fp32", 4.0))
+
+
 def zero12_offload_handover(largest: float, part: float, grad_bytes: int, *, own: bool,
-                            scan: bool) -> tuple[tuple[str, float | None], ...]:
+                            check: str | None) -> tuple[tuple[str, float | None], ...]:
     """ZeRO-1/2's hand-over of one gradient to the host under CPU optimizer offload, on the rank that owns
     ``part`` elements of the ``largest`` parameter, as a recipe (``ModelStates.reduce_order``). Read in
-    stage_1_and_2.py ``copy_grads_in_partition`` (v0.14.2, v0.19.6-dev and 0.19.8), one after the other:
+    stage_1_and_2.py ``copy_grads_in_partition`` (v0.13.2, v0.14.2, v0.19.6-dev and 0.19.8), one after the other:
 
     - ``own``: the gradient is a tensor of its own (larger than the bucket, ``extra_large_param_to_reduce``, at
-      ZeRO-2, which keeps no gradients) until ``param.grad = None`` ends the hand-over;
+      ZeRO-2, which keeps no gradients) until ``param.grad = None`` ends the hand-over (``AUTOGRAD_GRADIENT``);
     - ``set_norm_for_param_grad_in_gpu``: the rank's slice normed in fp64 (``get_norm_dtype``, fp64 on CUDA);
-    - ``scan``: the overflow check over the whole gradient, elementwise before DeepSpeed PR #8325
-      (``Runtime.zero_overflow_scan_elementwise``): ``x.float()`` (a copy unless the gradient is fp32), the
-      ``isnan``, ``isinf`` and ``logical_or`` masks and ``.float()`` of the last, all alive until it returns
-      (PR #8325: "11 bytes of device memory for every 2 bytes of a bf16 gradient");
+    - ``update_overflow_tracker_for_param_grad``: the overflow check over the whole gradient, in the form
+      ``check`` (``Runtime.zero_overflow_check``; ``overflow_check``);
     - ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: the slice cast to fp32 on the device for the copy.
     """
-    order: list[tuple[str, float | None]] = [("gradient", grad_bytes * largest)] if own else []
+    order: list[tuple[str, float | None]] = [(AUTOGRAD_GRADIENT, grad_bytes * largest)] if own else []
     order += [("fp64 norm", 8.0 * part), ("fp64 norm", None)]
-    if scan:
-        masks = ("isnan", "isinf", "either")
-        made = ([("fp32 copy", 4.0 * largest)] if grad_bytes != 4 else []) + [(m, 1.0 * largest) for m in masks]
-        made.append(("either as fp32", 4.0 * largest))
-        order += made + [(name, None) for name, _ in reversed(made)]
+    made = [(name, per * largest) for name, per in overflow_check(check, grad_bytes)]
+    order += made + [(name, None) for name, _ in reversed(made)]
     order += [("fp32 slice", 4.0 * part), ("fp32 slice", None)]
     if own:
-        order.append(("gradient", None))
+        order.append((AUTOGRAD_GRADIENT, None))
     return tuple(order)
 
 
@@ -581,14 +589,14 @@ class DeepSpeed(Strategy):
                 # (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one after the other. The partitions are
                 # ranges of the flat model, so the rank that owns the largest parameter whole has the largest.
                 # Between the two, the overflow check scans the whole gradient (update_overflow_tracker_for_param_
-                # grad), elementwise in older DeepSpeed (Runtime.zero_overflow_scan_elementwise). A gradient
-                # larger than the bucket is not copied into it (extra_large_param_to_reduce): at ZeRO-2, which
-                # keeps no gradients, it is a tensor of its own until handed over.
+                # grad) as the version does it (Runtime.zero_overflow_check). A gradient larger than the bucket is
+                # not copied into it (extra_large_param_to_reduce): at ZeRO-2, which keeps no gradients, it is a
+                # tensor of its own until handed over.
                 largest = shape.largest_param_numel
                 part = min(largest, ceil(psi / n))
                 own = stage == 2 and zs.contiguous_gradients and largest > zs.reduce_bucket_size
-                scan = getattr(runtime, "zero_overflow_scan_elementwise", False)
-                reduce_order = zero12_offload_handover(largest, part, dt.grad, own=own, scan=scan)
+                reduce_order = zero12_offload_handover(largest, part, dt.grad, own=own,
+                                                       check=getattr(runtime, "zero_overflow_check", None))
                 if getattr(runtime, "zero_offload_step_fp32_copy", False):
                     step = (dt.master or dt.param) * shard  # the updated fp32 partition, copied to the device
                 # and the 16-bit staging buffer as large as the largest parameter, made on the device at start-up

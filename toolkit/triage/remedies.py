@@ -169,9 +169,11 @@ def remedies(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] | None
     pred = _predictor(verdict, known.plan, partition, model) if known.known else None
     if pred is None:
         return advice + _walk(verdict, known, maker, allow, room, host=False)
-    upgrade = software_advice(known.plan, maker, pred)[:room]
-    room -= len(upgrade)
-    return advice + upgrade + (_gpu(verdict, known, maker, allow, pred, room) if room > 0 else [])
+    upgrade = software_advice(known.plan, maker, pred)
+    if upgrade and upgrade[0].fits:  # the same plan fits on a newer DeepSpeed: first
+        return advice + upgrade + (_gpu(verdict, known, maker, allow, pred, room - 1) if room > 1 else [])
+    moves = _gpu(verdict, known, maker, allow, pred, room)
+    return advice + moves + upgrade[:room - len(moves)]
 
 
 LATE_STEP = 50
@@ -237,17 +239,21 @@ def phase_advice(verdict: Verdict, maker: "_Maker") -> list[Remedy]:
 
 def software_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Remedy]:
     """A newer DeepSpeed, where the job's own (its log's ``DeepSpeed info: version=``) holds memory that hpcmem's
-    does not for this plan: ZeRO-1/2 with CPU optimizer offload (``estimate.gpu.Runtime``: the elementwise
-    overflow check before DeepSpeed PR #8325, the step's fp32 partition on the device from v0.14.1 to v0.17.0).
-    The failed plan unchanged, predicted without that memory; [] when nothing applies or the model is unknown."""
+    does not for this plan: ZeRO-1/2 with CPU optimizer offload (``estimate.gpu.Runtime``: the overflow check's
+    copies before DeepSpeed PR #8325, the step's fp32 partition on the device from v0.14.1 to v0.17.0).
+    The failed plan unchanged, predicted without that memory and fitting only where the newer estimate fits too
+    (ranked first then, after the plan moves otherwise); [] when nothing applies or the model is unknown."""
     runtime = pred.runtime
     if runtime is None or pred.model is None or failed.launcher != "deepspeed" or failed.zero_stage not in (1, 2) \
             or failed.offload_optimizer == "none":
         return []
     causes = []
-    if runtime.zero_overflow_scan_elementwise:
+    if runtime.zero_overflow_check == "elementwise":
         causes.append("its overflow check copies each gradient it hands to the host to fp32 with three masks, 11 "
                       "bytes per element of the largest gradient at once (DeepSpeed PR #8325, in 0.19.8)")
+    elif runtime.zero_overflow_check == "sum":
+        causes.append("its overflow check copies each gradient it hands to the host to fp32, 4 bytes per element "
+                      "of the largest gradient (DeepSpeed PR #8325, in 0.19.8, allocates nothing)")
     if runtime.zero_offload_step_fp32_copy:
         causes.append("its step copies the whole fp32 partition to the GPU before casting it (DeepSpeed PR #7309, "
                       "in 0.17.0)")
@@ -258,12 +264,14 @@ def software_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Reme
     if not causes or before is None or saved < 1.0:
         return []
     peak = before - saved
+    fits = pred.fits(peak, failed)
+    fits = fits and bool(newer.estimate(failed).fits) if fits is not None else None
     advice = _advice(
         f"Upgrade DeepSpeed {runtime.deepspeed_version} -> {CURRENT_DEEPSPEED} or later: with this plan it holds "
         f"{saved / 1024:.1f} GiB per GPU that newer DeepSpeed does not",
         (), "Same plan, same results. With ZeRO-Offload " + "; ".join(causes) + ". Predicted peak without "
         "that memory; pip install -U deepspeed in the job's environment.", maker)
-    return [replace(advice, predicted_peak_mib=peak, fits=pred.fits(peak, failed))]
+    return [replace(advice, predicted_peak_mib=peak, fits=fits)]
 
 
 def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Remedy:
