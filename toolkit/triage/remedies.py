@@ -29,6 +29,11 @@ Which failures get which remedies (the family is ``failures.family_of(kind, caus
                                            lower ZeRO stage, less offload, fp32 again). Fragmentation:
                                            ``expandable_segments:True`` first (free: no code change, no
                                            slowdown), and on every other candidate too.
+    the job's own DeepSpeed (``Verdict.deepspeed_version``, from its log): every prediction is made as that version
+                                           allocates; where it holds memory that a newer one does not
+                                           (``software_advice``: ZeRO-1/2 with CPU offload before 0.19.8), the
+                                           same plan on a newer DeepSpeed -- first when it fits, after the plan
+                                           moves when it does not.
 
 Predicted peak (MiB per GPU, as nvidia-smi shows it)
     The one predictor, ``predict.Predictor`` (its docstring has the rules, the same as the ladder's): model known,
