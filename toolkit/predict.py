@@ -255,7 +255,8 @@ class Predictor:
     memory (None: planning before any run). ``numbers``: what its OOM message stated (the Verdict's numbers).
     ``model``: what is trained (None: the numbers-only model). ``anchor``: the run's first plan, where the
     activation share is assumed (default ``failed``). ``method``: the estimate's method (model known).
-    ``runtime``: the job's software where it is not hpcmem's (``estimate.gpu.Runtime``; None: hpcmem's).
+    ``runtime``: the job's software as known (``estimate.gpu.Runtime``; None: the default Runtime, whose
+    DeepSpeed is the one installed beside hpcmem).
     """
 
     partition: Any

@@ -230,7 +230,7 @@ class Runtime:
     @property
     def zero_overflow_check(self) -> str | None:
         """How ZeRO-1/2's overflow check ``_has_inf_or_nan`` allocates (with CPU offload it runs on each gradient
-        handed to the host; ``strategies.deepspeed.overflow_check_bytes``):
+        handed to the host; ``strategies.deepspeed.overflow_check``):
 
         - ``"sum"`` before DeepSpeed PR #5115 (v0.13.3): ``float(x.float().sum())``, an fp32 copy of a 16-bit
           tensor (read in v0.7.0 and v0.13.2);

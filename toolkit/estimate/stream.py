@@ -442,15 +442,16 @@ default sub_group_size is 1e9 elements; torch pads each FSDP shard): chunks only
 segments they make."""
 
 
-def _follow(order, alloc, free) -> dict[str, int]:
+def _follow(order, alloc, free, stream_of=None) -> dict[str, int]:
     """Replay a recipe of ``(name, bytes)`` (make a tensor) and ``(name, None)`` (free the one made under that
-    name) steps; the ids still alive, by name."""
+    name) steps; the ids still alive, by name. ``stream_of(name)``: the stream each tensor is made on (None: the
+    allocator's default)."""
     made: dict[str, int] = {}
     for name, size in order:
         if size is None:
             free(made.pop(name))
         else:
-            made[name] = alloc(size)
+            made[name] = alloc(size) if stream_of is None else alloc(size, stream_of(name))
     return made
 
 
@@ -510,13 +511,8 @@ class _Flush:
     def within(self, order=()) -> None:
         """Transients of a reduction on its stream: a recipe (``ModelStates.reduce_order``'s form), replayed; the
         gradient autograd made (``AUTOGRAD_GRADIENT``) on the compute stream."""
-        made: dict[str, int] = {}
-        for name, size in order:
-            if size is None:
-                self.free(made.pop(name))
-            else:
-                made[name] = self.alloc(int(size), DEFAULT_STREAM if name == AUTOGRAD_GRADIENT else self.stream)
-        for i in made.values():
+        on = lambda name: DEFAULT_STREAM if name == AUTOGRAD_GRADIENT else self.stream  # noqa: E731
+        for i in _follow(order, self.alloc, self.free, on).values():
             self.free(i)
 
     def epilogue(self, inside=()) -> None:

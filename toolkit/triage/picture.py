@@ -253,7 +253,8 @@ def _estimate(verdict: Verdict, known: KnownPlan | None, partition: Partition | 
 
 
 def job_runtime(verdict: Verdict):
-    """The job's software as its log states it (``Verdict.deepspeed_version``), for the estimator; None: hpcmem's."""
+    """The job's software as its log states it (``Verdict.deepspeed_version``), for the estimator; None when the log
+    names none (the default Runtime: the DeepSpeed installed beside hpcmem)."""
     version = getattr(verdict, "deepspeed_version", None)
     if not version:
         return None
