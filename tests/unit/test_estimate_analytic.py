@@ -676,6 +676,79 @@ def test_fsdp1_without_the_rate_limiter_reserves_every_units_gather_and_gradient
         estimate_analytic(VIT_BASE, ds, A100, runtime=new).peak_reserved_mib
 
 
+def test_fsdp1_cpu_offload_copies_each_units_shard_to_the_device_and_keeps_its_gradient_shard():
+    """FSDP1 with CPUOffload(offload_params=True) (torch's FlatParamHandle.pre_unshard and
+    prepare_gradient_for_optim): every unshard copies the unit's shard to the device first, and every unit's
+    reduce-scattered gradient shard stays there until the backward's final callback; without the rate limiter
+    both are blocks of their own until the backward's end, as the gathered units are."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    old, new = Runtime(torch_version="2.1.0.dev20230623"), Runtime(torch_version="2.3")
+    base = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", micro_batch=64, seq_len=197, checkpointing=True)
+    dt = an.dtypes_for(base, True)
+    shard = -(-4 * VIT_BASE.layer_params // 4)
+    root = 4 * (VIT_BASE.n_params - VIT_BASE.layers * VIT_BASE.layer_params)
+
+    def stream(p, runtime):
+        states = an.model_states(VIT_BASE, p, dt, runtime)
+        return step_events(VIT_BASE, p, dt, states, inv.activations(VIT_BASE, p, dt, runtime), runtime=runtime,
+                           steps=1, sharded=True)
+
+    def sizes(events):
+        return [e[2] for e in events if e[0] == "alloc"]
+
+    off = base.replace(offload_params="cpu")
+    unlimited, limited = sizes(stream(off, old)), sizes(stream(off, new))
+    # per layer: a copy before the forward's gather and the backward's, and the gradient's shard; the root's
+    # copy and its gradient shard once; under the limiter (torch >= 2.1's FSDP1 default, FSDP2) none of them
+    assert unlimited.count(shard) - limited.count(shard) == 3 * VIT_BASE.layers
+    assert unlimited.count(-(-root // 4)) - limited.count(-(-root // 4)) == 2
+    # the peak holds them all at once: the same stream without them peaks that much lower (in the blocks the
+    # allocator hands out; the reserved segments pack the 7 MB copies two to a 20 MiB segment)
+    events = stream(off, old)
+    copies = {e[1] for e in events if e[0] == "alloc" and e[2] == shard}
+    assert len(copies) == 3 * VIT_BASE.layers  # the offloaded shards themselves are not on the device
+    rest = [e for e in events if e[0] == "mark" or e[1] not in copies]
+    full, less = replay(events), replay(rest)
+    assert full.peak_allocated - less.peak_allocated >= 3 * VIT_BASE.layers * shard
+    assert full.peak_reserved > less.peak_reserved
+
+
+def test_fsdp_optimizer_states_are_made_by_the_first_step_tensor_by_tensor():
+    """torch's optimizers make their states at the first step, one per tensor they step over: FSDP1's flat
+    parameter per wrapped unit (torch < 2.4), FSDP2's per-parameter shard. Neither is one flat buffer made at
+    start-up (DeepSpeed's), and a foreach step's temporaries are as many tensors."""
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import foreach_step_copies, step_events
+
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", micro_batch=8, seq_len=197)
+    dt = an.dtypes_for(p, True)
+
+    def after_step_mark(runtime):
+        states = an.model_states(VIT_BASE, p, dt, runtime)
+        events = step_events(VIT_BASE, p, dt, states, inv.activations(VIT_BASE, p, dt, runtime), runtime=runtime,
+                             steps=1, sharded=True)
+        mark = events.index(("mark", "step 1 optimizer"))
+        before = [e[2] for e in events[:mark] if e[0] == "alloc"]
+        return before, [e[2] for e in events[mark:] if e[0] == "alloc"], states
+
+    unit = -(-VIT_BASE.layer_params // 4) * 4
+    before, step, states = after_step_mark(Runtime(torch_version="2.0.1"))
+    # AdamW (foreach): exp_avg and exp_avg_sq of every unit, then its temporaries (torch 2.0's foreach Adam: two
+    # per tensor, before PR #104780)
+    assert foreach_step_copies(p, dt, Runtime(torch_version="2.0.1")) == 2
+    assert step.count(unit) == (2 + 2) * VIT_BASE.layers
+    assert before.count(unit) < step.count(unit)
+    assert max(before) <= states.params_bytes < states.optimizer_bytes  # no flat buffer of states at start-up
+    _, step2, states2 = after_step_mark(Runtime())
+    # FSDP2: every parameter's shard (dim 0 chunked); the layers' largest is the MLP's 3072 x 768 -> 768 x 768
+    assert step2.count(4 * 768 * 768) >= 2 * 2 * VIT_BASE.layers
+    assert foreach_step_copies(p, dt, Runtime()) == 1
+    assert sum(step2) == pytest.approx(sum(step) * 3 / 4, rel=0.02)
+
+
 def test_zero3_offload_hands_the_largest_gradient_partition_to_the_host_through_device_copies():
     """DeepSpeed ZeRO-3 with optimizer offload (stage3.py partition_grads): each gradient partition is copied
     back to the device, its norm taken in fp64 chunks of at most 250M elements, and it is cast to fp32 on the

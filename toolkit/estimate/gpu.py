@@ -276,6 +276,13 @@ class Runtime:
         return 1
 
     @property
+    def fsdp_flat_params(self) -> bool:
+        """A ``fsdp`` launch is FSDP1 (torch before 2.4, when the job states its torch): each wrapped unit's
+        parameters are one flat parameter, sharded as one, so the optimizer sees one tensor per unit (its states
+        and a foreach step's temporaries are unit-sized); FSDP2 shards each parameter as a DTensor of its own."""
+        return self.torch_version is not None and version_tuple(self.torch_version) < FSDP2_TORCH
+
+    @property
     def fsdp_unlimited_all_gathers(self) -> bool:
         """FSDP1 without its rate limiter: torch before 2.1.0.dev20230712 (``limit_all_gathers: bool =
         False`` in ``FullyShardedDataParallel.__init__`` until PR #104900), when the caller passes none

@@ -234,6 +234,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     def free(i: int) -> None:
         A(("free", i))
 
+    # FSDP's optimizer runs on the device over the shards as tensors (not one flat buffer): states made lazily by
+    # its first step and its temporaries tensor by tensor, as torchrun's
+    fsdp_shards = (_fsdp_shards(shape, params, plan.world_size, runtime.fsdp_flat_params)
+                   if sharded and plan.launcher == "fsdp" and states.optimizer_bytes > 0 else [])
+
     # -- load -------------------------------------------------------------------------------------
     flat_states: list[int] = []
     persistent_grads: list[int] = []
@@ -247,7 +252,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         else:
             for piece in _split(states.params_bytes, _FLAT_CHUNK):
                 alloc(piece)
-        if sharded and states.optimizer_bytes > 0:  # DeepSpeed/FSDP: master copy and states made at start-up
+        if sharded and states.optimizer_bytes > 0 and not fsdp_shards:  # DeepSpeed: master copy and states
             flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK)]
         if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
             persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
@@ -259,6 +264,16 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                  and states.gathered_bytes > 0 and getattr(plan, "reshard_after_forward", True))
     unit = dt.param * shape.layer_params
     root = dt.param * max(shape.n_params - shape.layers * shape.layer_params, 0)
+    # FSDP1 with CPU offload (CPUOffload(offload_params=True)), read in torch's _flat_param.py and
+    # _runtime_utils.py (the same since torch 2.0's HandleConfig): each unshard first copies the unit's shard to
+    # the device (FlatParamHandle.pre_unshard: flat_param_to(device), "a new tensor distinct from any
+    # attributes"), the all-gather's input, dropped once the unsharded view replaces it; each unit's
+    # reduce-scattered gradient shard stays on the device as _saved_grad_shard until the post-backward final
+    # callback gives the optimizer the host copy (prepare_gradient_for_optim). Both pass through NCCL, which
+    # records them on its stream: without the rate limiter, blocks of their own until the backward's end too.
+    world = max(1, plan.world_size)
+    shard_copy = -(-int(unit) // world) if unlimited and plan.offload_params == "cpu" else 0
+    root_copy = -(-int(root) // world) if shard_copy else 0
     # gathered weights: blocks of gathered_bytes, two in flight; where the engine schedules them module by module
     # (ZeRO-3's coordinator: ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak
     g_block, g_depth = states.gathered_bytes, 1
@@ -282,7 +297,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
     grads: dict[int, int] = {}  # param index -> id
     head_idx, layer_idx, emb_idx = _backward_groups(params)
-    states_made = bool(flat_states) or sharded
+    states_made = bool(flat_states) or (sharded and not fsdp_shards)
     # DeepSpeed with optimizer offload: the device copies of the largest gradient on its way to the host, in the
     # engine's order (ModelStates.reduce_order; one block of reduce_temp_bytes where no order is given)
     reduce_temp = states.reduce_order or ((("hand-over", int(states.reduce_temp_bytes)), ("hand-over", None))
@@ -307,9 +322,13 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             cast_ids: list[int] = []
             kept_ids: list[list[int]] = []
             gathered = []
-            pending = [alloc(root)] if unlimited and root > 0 else []  # FSDP1 keeps the root gathered
+            pending = [alloc(root_copy)] if root_copy else []
+            if unlimited and root > 0:  # FSDP1 keeps the root gathered
+                pending.append(alloc(root))
             for li in range(shape.layers):
                 if unlimited:
+                    if shard_copy:
+                        pending.append(alloc(shard_copy))
                     pending.append(alloc(unit))
                 elif states.gathered_bytes > 0 and sharded:
                     gathered.append(alloc(g_block, g_stream))
@@ -355,6 +374,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             for li in reversed(range(shape.layers)):
                 if unlimited:
+                    if shard_copy:
+                        pending.append(alloc(shard_copy))
                     pending.append(alloc(unit))
                 elif gathered:
                     free(gathered.pop())
@@ -365,6 +386,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 idx = layer_idx.get(li, [])
                 if unlimited:  # the unit's unsharded gradient, reduce-scattered into its shard
                     pending.append(alloc(unit))
+                    if shard_copy:  # the shard kept on the device (_saved_grad_shard)
+                        pending.append(alloc(shard_copy))
                 _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
                 for i in tmp:
                     free(i)
@@ -372,6 +395,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     free(i)
                 for i in kept_ids[li]:
                     free(i)
+            if root_copy:  # the root's gradient shard, reduced last
+                pending.append(alloc(root_copy))
             for i in gathered + pending:
                 free(i)
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
@@ -395,7 +420,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         copies = foreach_step_copies(plan, dt, runtime)
         for _ in range(2 if states.step_check_bytes > 0 else 0):  # the overflow check's isinf, then isnan, mask
             free(alloc(int(states.step_check_bytes), flush.stream))
-        if sharded:
+        if sharded and not fsdp_shards:
             flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK)]
             tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK)]
             for i in flat:  # the flattened 16-bit gradients, once cast
@@ -406,17 +431,18 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in tmp:
                 free(i)
         else:
-            numels = [prod(e[1]) for e in params]
+            tensors = fsdp_shards or params
+            numels = [prod(e[1]) for e in tensors]
             if not states_made:
                 if opt.temporaries == "foreach" and dt.gpu:  # _init_group makes every state first
-                    for e in params:
+                    for e in tensors:
                         for x in _state_sizes(opt, e, dt.state):
                             alloc(x)
                     waves = opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
                 else:  # a per-parameter loop makes each parameter's states as it reaches it
                     waves = []
-                    for e, wave in zip(params, opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
-                                       or [[] for _ in params]):
+                    for e, wave in zip(tensors, opt.step_temp_tensors(numels, dt.state, dt.grad, dt.gpu)
+                                       or [[] for _ in tensors]):
                         for x in _state_sizes(opt, e, dt.state):
                             alloc(x)
                         w = [alloc(x) for x in wave]
@@ -453,6 +479,27 @@ def _follow(order, alloc, free, stream_of=None) -> dict[str, int]:
         else:
             made[name] = alloc(size) if stream_of is None else alloc(size, stream_of(name))
     return made
+
+
+def _fsdp_shards(shape: ModelShape, params: list[tuple], world: int, flat: bool) -> list[tuple]:
+    """The tensors FSDP's optimizer steps over on one rank, as ``param_order`` entries: FSDP1 (``flat``) one flat
+    parameter per wrapped unit, the root's (the parameters outside the layers) first, each shard a 1-D tensor of
+    ``ceil(numel / world)`` (torch pads the flat parameter to a multiple of the world size); FSDP2 each
+    parameter's shard, its first dimension chunked (``torch.chunk``: ``ceil(dim0 / world)`` rows)."""
+    world = max(1, world)
+    if flat:
+        root = max(shape.n_params - shape.layers * shape.layer_params, 0)
+        numels = ([root] if root else []) + [shape.layer_params] * shape.layers
+        return [("flat_param", (-(-n // world),), "flat", None, ((-(-n // world),),)) for n in numels]
+    out = []
+    for name, dims, kind, li, members in params:
+        if len(members) == 1 and dims:
+            shard = (-(-dims[0] // world),) + tuple(dims[1:])
+            out.append((name, shard, kind, li, (shard,)))
+        else:  # a bundle of small tensors: each sharded, summed
+            shards = tuple((-(-m[0] // world),) + tuple(m[1:]) if m else m for m in members)
+            out.append((name, (sum(prod(m) for m in shards),), kind, li, shards))
+    return out
 
 
 def _loss_forward(acts, logprobs: int) -> list[int]:
