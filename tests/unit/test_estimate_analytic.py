@@ -1007,6 +1007,40 @@ def test_zero3_fp16_checks_the_gradient_partition_for_overflow_with_two_masks_on
     assert step["optimizer step"].temporaries == pytest.approx(st.buffer_bytes + st.step_check_bytes)
 
 
+def test_zero_without_offload_takes_the_gradient_norm_through_an_fp64_copy_of_each_gradient_slice():
+    """get_grad_norm_direct (stage3.py and stage_1_and_2.py, v0.7.0 to 0.19.8): ``g.double().norm(2)`` for each
+    gradient slice of the rank's partition, one after the other, after the overflow check and before the step's
+    fp32 copy. ZeRO-3's slices are the parameters' partitions; ZeRO-1/2's the parameters in the rank's range."""
+    from toolkit.estimate.stream import REDUCE_STREAM, step_events
+
+    def norm(**knobs):
+        p = plan(gpus_per_node=8, **knobs)
+        dt = an.dtypes_for(p, True)
+        st = an.model_states(LLAMA7B, p, dt)
+        events = step_events(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt), steps=1, sharded=True)
+        at = next(i for i, e in enumerate(events) if e[0] == "mark" and e[1] == "step 1 optimizer")
+        masks = {e[1] for e in events[at + 1:] if e[0] == "alloc" and len(e) > 3 and e[3] == REDUCE_STREAM}
+        after = [e for e in events[at + 1:] if e[1] not in masks]
+        return st.step_norm_bytes, after[:2], st
+
+    largest = LLAMA7B.largest_param_numel
+    size, after, st = norm(zero_stage=3, precision="fp16-mixed")
+    assert size == 8 * -(-largest // 8)
+    # the first allocation on the compute stream after the masks, freed at once
+    assert after[0][0] == "alloc" and after[0][2] == size and after[1] == ("free", after[0][1])
+    assert norm(zero_stage=2, precision="bf16-mixed")[0] == 8 * min(largest, -(-LLAMA7B.n_params // 8))
+    assert norm(zero_stage=1, precision="fp16-mixed")[0] == 8 * min(largest, -(-LLAMA7B.n_params // 8))
+    # bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer; offloaded, the norm is taken on the way to the host
+    assert norm(zero_stage=1, precision="bf16-mixed")[0] == 0
+    assert norm(zero_stage=3, precision="fp16-mixed", offload_optimizer="cpu")[0] == 0
+    # the step phase counts it against the check and the step's own transients
+    p = plan(gpus_per_node=8, zero_stage=3, precision="bf16-mixed")
+    dt = an.dtypes_for(p, True)
+    st = an.model_states(LLAMA7B, p, dt)
+    step = {ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt))}
+    assert step["optimizer step"].temporaries >= st.buffer_bytes + st.step_norm_bytes
+
+
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():
     """DeepSpeed ZeRO-3 with the partitions on the device (stage3.py): the flat 16-bit buffer; per sub-group the
     fp32 master, made since v0.18.3 from a converted fp32 copy (alive until the next replaces it), before it

@@ -165,9 +165,10 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes + flush_mid),
         Phase("backward end", moment("backward_end"), grads, opt, 0.0,
               bwd_buf + max(emb_temp, flush_end) + reduce_temp),
-        # the overflow check's masks (ZeRO-3 fp16) come and go before the step's own transients
+        # the overflow check's masks (ZeRO-3 fp16) and the norm's fp64 copies come and go before the step's own
+        # transients
         Phase("optimizer step", params, grads, opt, 0.0,
-              buf + max(states.step_check_bytes,
+              buf + max(states.step_check_bytes, states.step_norm_bytes,
                         states.step_temp_bytes * foreach_step_copies(plan, dt, runtime) + states.step_flatten_bytes)),
     )
 

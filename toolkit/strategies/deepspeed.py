@@ -627,6 +627,17 @@ class DeepSpeed(Strategy):
         # partition stream; read in v0.14.2 and 0.19.8); offloaded, that buffer is on the host
         check = 1.0 * shard if stage == 3 and dt.gpu and plan.precision == "fp16-mixed" \
             and plan.offload_optimizer == "none" else 0.0
+        # Without offload, the step's gradient norm (get_grad_norm_direct, stage3.py and stage_1_and_2.py; read in
+        # v0.7.0 and v0.14.2, and in 0.19.8 as .to(get_norm_dtype()), fp64 on CUDA) copies each gradient slice of
+        # the partition to fp64 in turn: ZeRO-3 each parameter's partition, ZeRO-1/2 each slice of a parameter in
+        # the rank's range (the rank owning the largest parameter whole has the largest). bf16 at ZeRO-1 runs
+        # DeepSpeed's BF16_Optimizer instead (engine.py _do_optimizer_sanity_check), which has no such copy here.
+        norm = 0.0
+        if dt.gpu and stage >= 1 and plan.offload_optimizer == "none" and not (
+                stage == 1 and plan.precision in ("bf16-mixed", "bf16-true")):
+            largest_part = ceil(shape.largest_param_numel / n) if stage == 3 else min(shape.largest_param_numel,
+                                                                                      ceil(psi / n))
+            norm = 8.0 * largest_part
         startup, lazy = (), ()
         if stage == 3 and dt.gpu and plan.offload_optimizer == "none" and plan.offload_params == "none":
             startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket,
@@ -641,7 +652,8 @@ class DeepSpeed(Strategy):
                            reduce_temp_bytes=recipe_sizes(reduce_order)[1], reduce_order=reduce_order,
                            grad_bucket_bytes=grad_bucket, gathered_moments=moments,
                            flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
-                           step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check)
+                           step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check,
+                           step_norm_bytes=norm)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
