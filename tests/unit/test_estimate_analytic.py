@@ -44,6 +44,12 @@ GPT2 = ModelShape.from_config(load_model_config("gpt2"))
 LLAMA7B = ModelShape.from_config(load_model_config("llama-7b"))
 
 
+def recipe_peak(order) -> float:
+    from toolkit.strategies.base import recipe_sizes
+
+    return recipe_sizes(order)[1]
+
+
 def plan(**knobs) -> Plan:
     """A plan whose global batch follows from the knobs given."""
     knobs.setdefault("micro_batch", 1)
@@ -1007,38 +1013,54 @@ def test_zero3_fp16_checks_the_gradient_partition_for_overflow_with_two_masks_on
     assert step["optimizer step"].temporaries == pytest.approx(st.buffer_bytes + st.step_check_bytes)
 
 
-def test_zero_without_offload_takes_the_gradient_norm_through_an_fp64_copy_of_each_gradient_slice():
-    """get_grad_norm_direct (stage3.py and stage_1_and_2.py, v0.7.0 to 0.19.8): ``g.double().norm(2)`` for each
-    gradient slice of the rank's partition, one after the other, after the overflow check and before the step's
-    fp32 copy. ZeRO-3's slices are the parameters' partitions; ZeRO-1/2's the parameters in the rank's range."""
+def test_zero_without_offload_scans_and_norms_each_gradient_slice_at_the_step_start():
+    """The start of ZeRO's step without offload (stage_1_and_2.py and stage3.py, v0.7.0 to 0.19.8), slice after
+    slice of the rank's partition: ZeRO-1/2 fp16 checks each for overflow (_has_inf_or_nan, in the version's form),
+    then every stage takes ``g.double().norm(2)`` of each. ZeRO-3's slices are the parameters' partitions; ZeRO-1/2's
+    the parameters in the rank's range. The largest slice sets the sizes."""
+    from toolkit.estimate.gpu import Runtime
     from toolkit.estimate.stream import REDUCE_STREAM, step_events
 
-    def norm(**knobs):
+    def start(runtime=Runtime(), **knobs):
         p = plan(gpus_per_node=8, **knobs)
         dt = an.dtypes_for(p, True)
-        st = an.model_states(LLAMA7B, p, dt)
-        events = step_events(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt), steps=1, sharded=True)
+        st = an.model_states(LLAMA7B, p, dt, runtime)
+        events = step_events(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt, runtime), runtime=runtime, steps=1,
+                             sharded=True)
         at = next(i for i, e in enumerate(events) if e[0] == "mark" and e[1] == "step 1 optimizer")
         masks = {e[1] for e in events[at + 1:] if e[0] == "alloc" and len(e) > 3 and e[3] == REDUCE_STREAM}
         after = [e for e in events[at + 1:] if e[1] not in masks]
-        return st.step_norm_bytes, after[:2], st
+        return st, after
 
     largest = LLAMA7B.largest_param_numel
-    size, after, st = norm(zero_stage=3, precision="fp16-mixed")
-    assert size == 8 * -(-largest // 8)
-    # the first allocation on the compute stream after the masks, freed at once
-    assert after[0][0] == "alloc" and after[0][2] == size and after[1] == ("free", after[0][1])
-    assert norm(zero_stage=2, precision="bf16-mixed")[0] == 8 * min(largest, -(-LLAMA7B.n_params // 8))
-    assert norm(zero_stage=1, precision="fp16-mixed")[0] == 8 * min(largest, -(-LLAMA7B.n_params // 8))
-    # bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer; offloaded, the norm is taken on the way to the host
-    assert norm(zero_stage=1, precision="bf16-mixed")[0] == 0
-    assert norm(zero_stage=3, precision="fp16-mixed", offload_optimizer="cpu")[0] == 0
-    # the step phase counts it against the check and the step's own transients
-    p = plan(gpus_per_node=8, zero_stage=3, precision="bf16-mixed")
+    in_range = min(largest, -(-LLAMA7B.n_params // 8))
+    st, after = start(zero_stage=3, precision="fp16-mixed")
+    # ZeRO-3: the norm's copy only (its overflow check is the reduce stream's masks), made and freed at once, first
+    assert st.step_order == (("fp64 norm", 8.0 * -(-largest // 8)), ("fp64 norm", None))
+    assert after[0][0] == "alloc" and after[0][2] == 8 * -(-largest // 8) and after[1] == ("free", after[0][1])
+    # ZeRO-1/2 fp16 in DeepSpeed 0.14: the 11-byte check (fp32 copy, three masks, the last as fp32), then the norm
+    st, after = start(Runtime(deepspeed_version="0.14.2"), zero_stage=2, precision="fp16-mixed")
+    made = [e[2] for e in after[:5]]
+    assert made == [int(x * in_range) for x in (4, 1, 1, 1, 4)] and all(e[0] == "alloc" for e in after[:5])
+    assert [e[0] for e in after[5:10]] == ["free"] * 5 and after[10][2] == 8 * in_range
+    assert recipe_peak(st.step_order) == 11.0 * in_range
+    # before v0.13.3: one fp32 copy; from 0.19.8: no copy of the slice's size; bf16 is not checked at all
+    assert start(Runtime(deepspeed_version="0.13.2"), zero_stage=1, precision="fp16-mixed")[0].step_order[0] == \
+        ("fp32 copy", 4.0 * in_range)
+    assert start(Runtime(deepspeed_version="0.19.8"), zero_stage=2, precision="fp16-mixed")[0].step_order == \
+        (("fp64 norm", 8.0 * in_range), ("fp64 norm", None))
+    assert start(Runtime(deepspeed_version="0.14.2"), zero_stage=2, precision="bf16-mixed")[0].step_order == \
+        (("fp64 norm", 8.0 * in_range), ("fp64 norm", None))
+    # bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer; offloaded, the scans happen on the way to the host
+    assert start(zero_stage=1, precision="bf16-mixed")[0].step_order == ()
+    assert start(zero_stage=3, precision="fp16-mixed", offload_optimizer="cpu")[0].step_order == ()
+    # the step phase counts the recipe's peak against the check's masks and the step's own transients
+    p = plan(gpus_per_node=8, zero_stage=2, precision="fp16-mixed")
+    old = Runtime(deepspeed_version="0.14.2")
     dt = an.dtypes_for(p, True)
-    st = an.model_states(LLAMA7B, p, dt)
-    step = {ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt))}
-    assert step["optimizer step"].temporaries >= st.buffer_bytes + st.step_norm_bytes
+    st = an.model_states(LLAMA7B, p, dt, old)
+    step = {ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt, old), old)}
+    assert step["optimizer step"].temporaries >= st.buffer_bytes + recipe_peak(st.step_order)
 
 
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():

@@ -65,6 +65,7 @@ from ..modelshape import ModelShape
 from ..plan import Plan
 from ..sites import Partition
 from ..strategies import Dtypes, ModelStates
+from ..strategies.base import recipe_sizes
 from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
 from .activations import Activations, activations
@@ -168,7 +169,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
         # the overflow check's masks (ZeRO-3 fp16) and the norm's fp64 copies come and go before the step's own
         # transients
         Phase("optimizer step", params, grads, opt, 0.0,
-              buf + max(states.step_check_bytes, states.step_norm_bytes,
+              buf + max(states.step_check_bytes, recipe_sizes(states.step_order)[1],
                         states.step_temp_bytes * foreach_step_copies(plan, dt, runtime) + states.step_flatten_bytes)),
     )
 

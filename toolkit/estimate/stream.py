@@ -420,8 +420,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         copies = foreach_step_copies(plan, dt, runtime)
         for _ in range(2 if states.step_check_bytes > 0 else 0):  # the overflow check's isinf, then isnan, mask
             free(alloc(int(states.step_check_bytes), flush.stream))
-        if states.step_norm_bytes > 0:  # the gradient norm's fp64 copy of the largest gradient slice
-            free(alloc(int(states.step_norm_bytes)))
+        _follow(states.step_order, alloc, free)  # ZeRO's overflow scan and fp64 norm of the largest gradient slice
         if sharded and not fsdp_shards:
             flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK)]
             tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK)]

@@ -109,10 +109,10 @@ class ModelStates:
     """a bool mask of the gradient partition, made and freed twice at the step's start on the reduction stream
     (DeepSpeed ZeRO-3 fp16's overflow check: ``isinf`` then ``isnan`` of the flat gradient buffer), before the
     step's own transients (the step phase counts the larger of the two)"""
-    step_norm_bytes: float = 0.0
-    """the gradient norm's fp64 copy of one gradient, made and freed for each in turn at the step's start, after
-    the overflow check and before the step's own transients (DeepSpeed ZeRO without offload: ``get_grad_norm_direct``
-    takes ``g.double().norm(2)`` per gradient slice of the partition); the largest slice's size"""
+    step_order: tuple[tuple[str, float | None], ...] = ()
+    """the step's first transients on the compute stream, as a recipe (``recipe_sizes``), before its own
+    (``step_flatten_bytes``, ``step_temp_bytes``): DeepSpeed ZeRO without offload checks (ZeRO-1/2 fp16) and
+    norms each gradient slice of the partition in turn, so the largest slice's; all freed by its end"""
     side_streams: bool = False
     """the engine gathers weights and reduces gradients on streams of its own (DeepSpeed ``overlap_comm``):
     the caching allocator serves each stream from its own blocks"""

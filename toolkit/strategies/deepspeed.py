@@ -187,6 +187,22 @@ def zero12_offload_handover(largest: float, part: float, grad_bytes: int, *, own
     return tuple(order)
 
 
+def zero_step_scans(part: float, grad_bytes: int, check: str | None) -> tuple[tuple[str, float | None], ...]:
+    """The start of DeepSpeed ZeRO's ``step`` without offload on the rank whose largest gradient slice has ``part``
+    elements, as a recipe (``ModelStates.step_order``), on the compute stream, slice after slice (the largest sets
+    the size). Read in stage_1_and_2.py and stage3.py at v0.7.0, v0.14.2 and 0.19.8:
+
+    - ZeRO-1/2 fp16 only (``if self.dtype == torch.float16: self.check_overflow()``):
+      ``has_overflow_partitioned_grads_serial`` runs ``_has_inf_or_nan`` on each slice, in the form ``check``
+      (``Runtime.zero_overflow_check``; ``overflow_check``). ZeRO-3 checks its flat buffer on its reduction
+      stream instead (``ModelStates.step_check_bytes``): pass None;
+    - ``get_grad_norm_direct``: ``g.double().norm(2)`` of each slice (0.19.8: ``.to(get_norm_dtype())``, fp64 on
+      CUDA), freed as the next is made.
+    """
+    made = [(name, per * part) for name, per in overflow_check(check, grad_bytes)]
+    return (*made, *((name, None) for name, _ in reversed(made)), ("fp64 norm", 8.0 * part), ("fp64 norm", None))
+
+
 def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int, bucket: float,
                   master_from_clone: bool = False) -> tuple[tuple[tuple[str, float | None], ...], tuple[float, ...]]:
     """ZeRO-3's device allocations at start-up, in order, and the optimizer states its first step makes
@@ -627,17 +643,14 @@ class DeepSpeed(Strategy):
         # partition stream; read in v0.14.2 and 0.19.8); offloaded, that buffer is on the host
         check = 1.0 * shard if stage == 3 and dt.gpu and plan.precision == "fp16-mixed" \
             and plan.offload_optimizer == "none" else 0.0
-        # Without offload, the step's gradient norm (get_grad_norm_direct, stage3.py and stage_1_and_2.py; read in
-        # v0.7.0 and v0.14.2, and in 0.19.8 as .to(get_norm_dtype()), fp64 on CUDA) copies each gradient slice of
-        # the partition to fp64 in turn: ZeRO-3 each parameter's partition, ZeRO-1/2 each slice of a parameter in
-        # the rank's range (the rank owning the largest parameter whole has the largest). bf16 at ZeRO-1 runs
-        # DeepSpeed's BF16_Optimizer instead (engine.py _do_optimizer_sanity_check), which has no such copy here.
-        norm = 0.0
+        step_order: tuple = ()
         if dt.gpu and stage >= 1 and plan.offload_optimizer == "none" and not (
                 stage == 1 and plan.precision in ("bf16-mixed", "bf16-true")):
             largest_part = ceil(shape.largest_param_numel / n) if stage == 3 else min(shape.largest_param_numel,
                                                                                       ceil(psi / n))
-            norm = 8.0 * largest_part
+            form = getattr(runtime, "zero_overflow_check", None) if stage < 3 and plan.precision == "fp16-mixed" \
+                else None
+            step_order = zero_step_scans(largest_part, dt.grad, form)
         startup, lazy = (), ()
         if stage == 3 and dt.gpu and plan.offload_optimizer == "none" and plan.offload_params == "none":
             startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket,
@@ -653,7 +666,7 @@ class DeepSpeed(Strategy):
                            grad_bucket_bytes=grad_bucket, gathered_moments=moments,
                            flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
                            step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check,
-                           step_norm_bytes=norm)
+                           step_order=step_order)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
