@@ -1051,8 +1051,11 @@ def test_zero_without_offload_scans_and_norms_each_gradient_slice_at_the_step_st
         (("fp64 norm", 8.0 * in_range), ("fp64 norm", None))
     assert start(Runtime(deepspeed_version="0.14.2"), zero_stage=2, precision="bf16-mixed")[0].step_order == \
         (("fp64 norm", 8.0 * in_range), ("fp64 norm", None))
-    # bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer; offloaded, the scans happen on the way to the host
-    assert start(zero_stage=1, precision="bf16-mixed")[0].step_order == ()
+    # bf16 at ZeRO-1 too: DeepSpeed takes its BF16_Optimizer only when the config asks for fp32 gradient
+    # accumulation (engine.py get_data_types: under ZeRO the default accumulates in the model's dtype)
+    assert start(zero_stage=1, precision="bf16-mixed")[0].step_order == (("fp64 norm", 8.0 * in_range),
+                                                                         ("fp64 norm", None))
+    # offloaded, the scans happen on the way to the host
     assert start(zero_stage=3, precision="fp16-mixed", offload_optimizer="cpu")[0].step_order == ()
     # the step phase counts the recipe's peak against the check's masks and the step's own transients
     p = plan(gpus_per_node=8, zero_stage=2, precision="fp16-mixed")

@@ -643,9 +643,10 @@ class DeepSpeed(Strategy):
         # partition stream; read in v0.14.2 and 0.19.8); offloaded, that buffer is on the host
         check = 1.0 * shard if stage == 3 and dt.gpu and plan.precision == "fp16-mixed" \
             and plan.offload_optimizer == "none" else 0.0
+        # the step's scans of each gradient slice (zero_step_scans); bf16 at ZeRO-1 too, since DeepSpeed takes its
+        # BF16_Optimizer only when the config asks for fp32 gradient accumulation (engine.py get_data_types)
         step_order: tuple = ()
-        if dt.gpu and stage >= 1 and plan.offload_optimizer == "none" and not (
-                stage == 1 and plan.precision in ("bf16-mixed", "bf16-true")):
+        if dt.gpu and stage >= 1 and plan.offload_optimizer == "none":
             largest_part = ceil(shape.largest_param_numel / n) if stage == 3 else min(shape.largest_param_numel,
                                                                                       ceil(psi / n))
             form = getattr(runtime, "zero_overflow_check", None) if stage < 3 and plan.precision == "fp16-mixed" \
