@@ -722,6 +722,24 @@ def test_fsdp1_cpu_offload_copies_each_units_shard_to_the_device_and_keeps_its_g
     assert full.peak_reserved > less.peak_reserved
 
 
+def test_fsdp2_reduce_scatters_from_a_new_flat_input_whatever_the_dtypes():
+    """FSDP2's foreach_reduce (torch 2.13's _fsdp_collectives.py) copies a unit's unsharded gradients into a new
+    flat reduce-scatter input in the reduce dtype, then frees them; FSDP1 reduce-scatters its flat gradient in
+    place, with a copy only to cast it to another reduce dtype."""
+    from toolkit.estimate.gpu import Runtime
+
+    unit = VIT_BASE.layer_params
+    for precision, reduce_dtype, grad, reduce in (("bf16-mixed", "param", 2, 2), ("bf16-mixed", "fp32", 2, 4),
+                                                  ("fp32", "param", 4, 4), ("bf16-true", "param", 2, 2)):
+        p = plan(launcher="fsdp", gpus_per_node=4, precision=precision, reduce_dtype=reduce_dtype, micro_batch=8,
+                 seq_len=197)
+        dt = an.dtypes_for(p, True)
+        fsdp2 = an.model_states(VIT_BASE, p, dt, Runtime())
+        fsdp1 = an.model_states(VIT_BASE, p, dt, Runtime(torch_version="2.3"))
+        assert fsdp2.buffer_bytes == pytest.approx(unit * (grad + reduce)), (precision, reduce_dtype)
+        assert fsdp1.buffer_bytes == pytest.approx(unit * (grad + (reduce if reduce != grad else 0)))
+
+
 def test_fsdp_optimizer_states_are_made_by_the_first_step_tensor_by_tensor():
     """torch's optimizers make their states at the first step, one per tensor they step over: FSDP1's flat
     parameter per wrapped unit (torch < 2.4), FSDP2's per-parameter shard. Neither is one flat buffer made at

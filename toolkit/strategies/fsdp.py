@@ -11,7 +11,9 @@ ranks (the sharded parameters are the master copy, so there is no separate one):
   block being computed plus the one prefetched; with ``false`` (ZeRO-2-like) every block from its forward to
   its backward;
 - in the backward, one block's unsharded gradients (compute dtype) and the reduce-scatter input in the
-  reduce dtype (``reduce_dtype``: fp32, or the compute dtype with ``param``).
+  reduce dtype (``reduce_dtype``: fp32, or the compute dtype with ``param``), a new flat buffer that
+  ``foreach_reduce`` copies the gradients into whatever the dtypes (FSDP1, which published runs of torch < 2.4
+  used, reduce-scatters its flat gradient in place unless it casts it).
 
 Knobs: ``reshard_after_forward`` (true/false), ``reduce_dtype`` (fp32/param), ``offload_params=cpu``
 (``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states live in pinned host memory and the
@@ -170,8 +172,11 @@ class FSDP(Strategy):
         optimizer = opt.state_bytes(shape.shape_counts, storage) / n
         largest = min(shape.largest_param_numel, shard)
         step = opt.step_temp_bytes(shard, largest, storage, storage, dt.gpu)
-        # one block's unsharded grads, and the reduce-scatter input in the reduce dtype when it differs
-        buffers = block * (dt.grad + (reduce if reduce != dt.grad else 0))
+        # one block's unsharded grads and the reduce-scatter input in the reduce dtype: FSDP2's foreach_reduce always
+        # copies the unit's gradients into a new flat input (read in torch 2.13's _fsdp_collectives.py); FSDP1
+        # (Runtime.fsdp_flat_params) reduce-scatters its flat gradient itself, cast only when the dtype differs
+        flat = getattr(runtime, "fsdp_flat_params", False)
+        buffers = block * (dt.grad + (reduce if reduce != dt.grad or not flat else 0))
         host = 0.0
         if plan.offload_params == "cpu":
             host = params + grads + optimizer
