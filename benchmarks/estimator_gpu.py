@@ -229,7 +229,7 @@ def check_source(path: Path, doc: dict) -> None:
 RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
                   "zero_grad": str, "model_code": str, "sdpa_repeats_kv": bool, "shifted_logits_copy": str,
                   "zero3_linear_wrapped": bool, "logits_upcast_in_model": bool, "deepspeed_version": str,
-                  "fsdp_limit_all_gathers": bool, "engine_config": dict}
+                  "fsdp_limit_all_gathers": bool, "fsdp_use_orig_params": bool, "engine_config": dict}
 
 
 def runtime_of(path: Path, doc: dict, row: dict | None = None, where: str | None = None):
@@ -354,7 +354,8 @@ def fsdp_plan(row: dict, knobs: dict, where: str) -> tuple[Plan | None, list[str
         plan = Plan(launcher="fsdp", offload_params=offload, **knobs, **extra)
     except HpcmemError as exc:
         return None, [f"the Plan refused launcher=fsdp for this row ({exc})"]
-    return plan, ["measured with FSDP1 (flat parameters); hpcmem's fsdp launcher is FSDP2"]
+    return plan, ["measured with FSDP1 (flat parameters; estimated as FSDP1 where the row's torch is before 2.4); "
+                  "hpcmem's fsdp launcher is FSDP2"]
 
 
 def gpu_partition(source: Source, gpus: int) -> Partition:

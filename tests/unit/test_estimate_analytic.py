@@ -683,43 +683,64 @@ def test_fsdp1_without_the_rate_limiter_reserves_every_units_gather_and_gradient
 
 
 def test_fsdp1_cpu_offload_copies_each_units_shard_to_the_device_and_keeps_its_gradient_shard():
-    """FSDP1 with CPUOffload(offload_params=True) (torch's FlatParamHandle.pre_unshard and
-    prepare_gradient_for_optim): every unshard copies the unit's shard to the device first, and every unit's
-    reduce-scattered gradient shard stays there until the backward's final callback; without the rate limiter
-    both are blocks of their own until the backward's end, as the gathered units are."""
+    """FSDP1 with CPUOffload(offload_params=True) (torch's FlatParamHandle.pre_unshard, _accumulate_sharded_grad and
+    prepare_gradient_for_optim): every unshard copies the unit's shard to the device first, the all-gather's input,
+    which NCCL records on its stream: without the rate limiter a block of its own until the backward's end, as the
+    gathered units are; with it, a transient. Each unit's gradient shard stays on the device, in the flat
+    parameter's dtype, until the backward's final callback, limiter or not. FSDP2 offload keeps neither."""
     from toolkit.estimate.allocator import replay
     from toolkit.estimate.gpu import Runtime
     from toolkit.estimate.stream import step_events
 
     old, new = Runtime(torch_version="2.1.0.dev20230623"), Runtime(torch_version="2.3")
-    base = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", micro_batch=64, seq_len=197, checkpointing=True)
+    assert old.fsdp_unlimited_all_gathers and not new.fsdp_unlimited_all_gathers and new.fsdp_flat_params
+    base = plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=64, seq_len=197,
+                checkpointing=True, offload_params="cpu")
     dt = an.dtypes_for(base, True)
-    shard = -(-4 * VIT_BASE.layer_params // 4)
-    root = 4 * (VIT_BASE.n_params - VIT_BASE.layers * VIT_BASE.layer_params)
+    copy = -(-2 * VIT_BASE.layer_params // 4)  # the unit's shard in the gathered bf16
+    root = -(-2 * (VIT_BASE.n_params - VIT_BASE.layers * VIT_BASE.layer_params) // 4)
 
-    def stream(p, runtime):
+    def stream(runtime, p=base):
         states = an.model_states(VIT_BASE, p, dt, runtime)
-        return step_events(VIT_BASE, p, dt, states, inv.activations(VIT_BASE, p, dt, runtime), runtime=runtime,
-                           steps=1, sharded=True)
+        return states, step_events(VIT_BASE, p, dt, states, inv.activations(VIT_BASE, p, dt, runtime),
+                                   runtime=runtime, steps=2, sharded=True)
 
-    def sizes(events):
-        return [e[2] for e in events if e[0] == "alloc"]
+    def most_copies_at_once(events):
+        live: dict = {}
+        most = 0
+        for e in events:
+            if e[0] == "alloc":
+                live[e[1]] = e[2]
+            elif e[0] == "free":
+                live.pop(e[1])
+            most = max(most, list(live.values()).count(copy))
+        return most
 
-    off = base.replace(offload_params="cpu")
-    unlimited, limited = sizes(stream(off, old)), sizes(stream(off, new))
-    # per layer: a copy before the forward's gather and the backward's, and the gradient's shard; the root's
-    # copy and its gradient shard once; under the limiter (torch >= 2.1's FSDP1 default, FSDP2) none of them
-    assert unlimited.count(shard) - limited.count(shard) == 3 * VIT_BASE.layers
-    assert unlimited.count(-(-root // 4)) - limited.count(-(-root // 4)) == 2
-    # the peak holds them all at once: the same stream without them peaks that much lower (in the blocks the
-    # allocator hands out; the reserved segments pack the 7 MB copies two to a 20 MiB segment)
-    events = stream(off, old)
-    copies = {e[1] for e in events if e[0] == "alloc" and e[2] == shard}
-    assert len(copies) == 3 * VIT_BASE.layers  # the offloaded shards themselves are not on the device
-    rest = [e for e in events if e[0] == "mark" or e[1] not in copies]
+    for runtime in (old, new):
+        states, events = stream(runtime)
+        # the gradient shards: fp32 (the flat parameter's dtype), the whole rank's share, freed before the step
+        assert states.grads_bytes == pytest.approx(4 * VIT_BASE.n_params / 4) and states.grads_end_with_backward
+        assert states.params_bytes == 0 and states.optimizer_bytes == 0
+        allocs = [e[2] for e in events if e[0] == "alloc"]
+        # two copies per layer (the forward's gather and the backward's) and one of the root per step
+        assert allocs.count(copy) >= 2 * 2 * VIT_BASE.layers and allocs.count(root) >= 2
+        phases = {ph.name: ph for ph in an.phases(VIT_BASE, base, dt, states, inv.activations(VIT_BASE, base, dt,
+                                                                                              runtime), runtime)}
+        assert phases["backward end"].grads == states.grads_bytes and phases["optimizer step"].grads == 0
+    # without the limiter every copy of the step is held until the backward's end; with it, one at a time
+    assert most_copies_at_once(stream(old)[1]) == 2 * VIT_BASE.layers
+    assert most_copies_at_once(stream(new)[1]) == 1
+    # the reserved peak of the unlimited run holds them all: without them it is lower
+    events = stream(old)[1]
+    ids = {e[1] for e in events if e[0] == "alloc" and e[2] == copy}
+    rest = [e for e in events if e[0] == "mark" or e[1] not in ids]
     full, less = replay(events), replay(rest)
-    assert full.peak_allocated - less.peak_allocated >= 3 * VIT_BASE.layers * shard
+    assert full.peak_allocated - less.peak_allocated >= 2 * VIT_BASE.layers * copy
     assert full.peak_reserved > less.peak_reserved
+    # FSDP2 (torch >= 2.4) offloads the gradients too, and makes no such copies
+    states2, events2 = stream(Runtime())
+    assert states2.grads_bytes == 0 and not states2.grads_end_with_backward
+    assert [e[2] for e in events2 if e[0] == "alloc"].count(copy) == 0
 
 
 def test_fsdp2_reduce_scatters_from_a_new_flat_input_whatever_the_dtypes():
@@ -740,37 +761,84 @@ def test_fsdp2_reduce_scatters_from_a_new_flat_input_whatever_the_dtypes():
         assert fsdp1.buffer_bytes == pytest.approx(unit * (grad + (reduce if reduce != grad else 0)))
 
 
+def test_fsdp_optimizer_steps_over_the_shards_as_torch_sees_them():
+    """strategies.fsdp.optimizer_tensors: FSDP2 steps over each parameter's shard (dim 0 chunked); FSDP1 over one
+    flat shard per wrapped unit (the root first), or with use_orig_params over each original parameter's piece of
+    the rank's contiguous chunk of the unit."""
+    from math import prod
+
+    from toolkit.strategies.fsdp import optimizer_tensors
+
+    root = VIT_BASE.n_params - VIT_BASE.layers * VIT_BASE.layer_params
+    unit = VIT_BASE.layer_params
+    flat = optimizer_tensors(VIT_BASE, 4, flat=True)
+    assert flat == [(-(-root // 4),)] + [(-(-unit // 4),)] * VIT_BASE.layers
+    pieces = optimizer_tensors(VIT_BASE, 4, flat=True, orig_params=True)
+    assert sum(prod(d) for d in pieces) == sum(prod(d) for d in flat)
+    assert all(len(d) == 1 for d in pieces) and len(pieces) > len(flat)
+    layer = [prod(dims) for _n, dims, _k in VIT_BASE.layer_tensors]
+    # rank 0's chunk of a layer: its parameters in order, whole, until the chunk ends inside one
+    chunk, got, taken = -(-unit // 4), [], 0
+    for n in layer:
+        if taken >= chunk:
+            break
+        got.append(min(n, chunk - taken))
+        taken += got[-1]
+    assert [prod(d) for d in pieces[-len(got):]] == got
+    fsdp2 = optimizer_tensors(VIT_BASE, 4)
+    assert len(fsdp2) == len([t for t in VIT_BASE.other_tensors if t[1]]) + VIT_BASE.layers * len(layer)
+    assert (768, 768) in fsdp2  # a 3072 x 768 MLP weight, 768 rows per rank
+    # a factored optimizer keeps a full second moment of a 1-D tensor: FSDP1's states are the flat shards'
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", optimizer="adafactor", micro_batch=8, seq_len=197)
+    dt = an.dtypes_for(p, True)
+    from toolkit.estimate.gpu import Runtime
+
+    fsdp1_states = an.model_states(VIT_BASE, p, dt, Runtime(torch_version="2.3")).optimizer_bytes
+    fsdp2_states = an.model_states(VIT_BASE, p, dt, Runtime()).optimizer_bytes
+    assert fsdp1_states == pytest.approx(4 * sum(prod(d) for d in flat)) and fsdp2_states < fsdp1_states / 4
+
+
 def test_fsdp_optimizer_states_are_made_by_the_first_step_tensor_by_tensor():
-    """torch's optimizers make their states at the first step, one per tensor they step over: FSDP1's flat
-    parameter per wrapped unit (torch < 2.4), FSDP2's per-parameter shard. Neither is one flat buffer made at
-    start-up (DeepSpeed's), and a foreach step's temporaries are as many tensors."""
+    """torch's optimizers make their states at the first step, one per tensor they step over
+    (strategies.fsdp.optimizer_tensors), not as one flat buffer at start-up (DeepSpeed's); a foreach step's
+    temporaries are as many tensors; the second step makes no states."""
+    from math import prod
+
     from toolkit.estimate.gpu import Runtime
     from toolkit.estimate.stream import foreach_step_copies, step_events
+    from toolkit.strategies.fsdp import optimizer_tensors
 
-    p = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", micro_batch=8, seq_len=197)
-    dt = an.dtypes_for(p, True)
-
-    def after_step_mark(runtime):
+    def at_steps(p, runtime):
+        dt = an.dtypes_for(p, True)
         states = an.model_states(VIT_BASE, p, dt, runtime)
         events = step_events(VIT_BASE, p, dt, states, inv.activations(VIT_BASE, p, dt, runtime), runtime=runtime,
-                             steps=1, sharded=True)
-        mark = events.index(("mark", "step 1 optimizer"))
-        before = [e[2] for e in events[:mark] if e[0] == "alloc"]
-        return before, [e[2] for e in events[mark:] if e[0] == "alloc"], states
+                             steps=2, sharded=True)
+        one = events.index(("mark", "step 1 optimizer"))
+        two = events.index(("mark", "step 2"))
+        two_step = events.index(("mark", "step 2 optimizer"))
+        sizes = [[e[2] for e in part if e[0] == "alloc"] for part in (events[:one], events[one:two], events[two_step:])]
+        return states, dt, sizes
 
-    unit = -(-VIT_BASE.layer_params // 4) * 4
-    before, step, states = after_step_mark(Runtime(torch_version="2.0.1"))
-    # AdamW (foreach): exp_avg and exp_avg_sq of every unit, then its temporaries (torch 2.0's foreach Adam: two
-    # per tensor, before PR #104780)
-    assert foreach_step_copies(p, dt, Runtime(torch_version="2.0.1")) == 2
-    assert step.count(unit) == (2 + 2) * VIT_BASE.layers
-    assert before.count(unit) < step.count(unit)
+    # FSDP1 through Lightning (use_orig_params): foreach AdamW over the pieces, torch 2.0's two temporaries each
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="fp32", micro_batch=8, seq_len=197)
+    orig = Runtime(torch_version="2.0.1", fsdp_use_orig_params=True)
+    states, dt, (before, step1, step2) = at_steps(p, orig)
+    pieces = [4 * prod(d) for d in optimizer_tensors(VIT_BASE, 4, flat=True, orig_params=True)]
+    assert foreach_step_copies(p, dt, orig) == 2
+    assert sorted(step1) == sorted(pieces * (2 + 2))  # exp_avg and exp_avg_sq, then two temporaries per piece
+    assert sorted(step2) == sorted(pieces * 2)  # the states exist: the temporaries only
     assert max(before) <= states.params_bytes < states.optimizer_bytes  # no flat buffer of states at start-up
-    _, step2, states2 = after_step_mark(Runtime())
-    # FSDP2: every parameter's shard (dim 0 chunked); the layers' largest is the MLP's 3072 x 768 -> 768 x 768
-    assert step2.count(4 * 768 * 768) >= 2 * 2 * VIT_BASE.layers
-    assert foreach_step_copies(p, dt, Runtime()) == 1
-    assert sum(step2) == pytest.approx(sum(step) * 3 / 4, rel=0.02)
+    # FSDP1's own FlatParameter is no nn.Parameter to torch's foreach check: the per-parameter AdamW, one unit
+    # at a time
+    per = p.replace(optimizer="adamw-perparam")
+    _, _, (_, step1, _) = at_steps(per, Runtime(torch_version="2.0.1"))
+    unit = 4 * -(-VIT_BASE.layer_params // 4)
+    assert step1.count(unit) >= 2 * VIT_BASE.layers
+    # FSDP2: every parameter's shard, one foreach temporary each
+    _, dt2, (_, step1, step2) = at_steps(p, Runtime())
+    shards = [4 * prod(d) for d in optimizer_tensors(VIT_BASE, 4)]
+    assert foreach_step_copies(p, dt2, Runtime()) == 1
+    assert sorted(step1) == sorted(shards * 3) and sorted(step2) == sorted(shards)
 
 
 def test_zero3_offload_hands_the_largest_gradient_partition_to_the_host_through_device_copies():
@@ -1075,13 +1143,15 @@ def test_zero_without_offload_scans_and_norms_each_gradient_slice_at_the_step_st
                                                                          ("fp64 norm", None))
     # offloaded, the scans happen on the way to the host
     assert start(zero_stage=3, precision="fp16-mixed", offload_optimizer="cpu")[0].step_order == ()
-    # the step phase counts the recipe's peak against the check's masks and the step's own transients
-    p = plan(gpus_per_node=8, zero_stage=2, precision="fp16-mixed")
-    old = Runtime(deepspeed_version="0.14.2")
+    # the step phase counts the recipe's peak against the check's masks and the step's own transients: with fp32
+    # gradients (no fp32 copy to make) and a fused AdamW (no temporaries) the norm's copy is the step's transient
+    p = plan(gpus_per_node=8, zero_stage=2, precision="fp32", optimizer="adamw-fused")
     dt = an.dtypes_for(p, True)
-    st = an.model_states(LLAMA7B, p, dt, old)
-    step = {ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt, old), old)}
-    assert step["optimizer step"].temporaries >= st.buffer_bytes + recipe_peak(st.step_order)
+    st = an.model_states(LLAMA7B, p, dt)
+    assert st.step_temp_bytes == 0 and st.step_flatten_bytes == 0 and st.step_check_bytes == 0
+    assert recipe_peak(st.step_order) == 8.0 * in_range
+    step = {ph.name: ph for ph in an.phases(LLAMA7B, p, dt, st, an.activations(LLAMA7B, p, dt))}
+    assert step["optimizer step"].temporaries == pytest.approx(st.buffer_bytes + 8.0 * in_range)
 
 
 def test_zero3_start_up_allocates_as_deepspeed_does_and_states_come_with_the_first_step():

@@ -126,10 +126,11 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     moment = (lambda name: fwd_params) if at is None else (lambda name: params + getattr(at, name))
     # Grads present from the start of the backward (DeepSpeed's buffers, a previous
     # micro-batch's); the rest is allocated during it: the head's first, then layer by layer.
-    live = grads if states.persistent_grads or plan.grad_accum > 1 else 0.0
+    live = grads if states.persistent_grads or (plan.grad_accum > 1 and not states.grads_end_with_backward) else 0.0
     # zero_grad(set_to_none) called between the loss and the backward: the previous step's grads
     # are alive through the forward (and freed before the backward starts)
-    fwd_live = grads if runtime.grads_through_forward and not states.persistent_grads else live
+    fwd_live = grads if runtime.grads_through_forward and not (states.persistent_grads
+                                                               or states.grads_end_with_backward) else live
     head_g = (grads - live) * shape.head_linear_params / shape.n_params
     layer_g = (grads - live) * shape.layer_params / shape.n_params
     kept = L * acts.kept_layer_bytes
@@ -168,7 +169,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               bwd_buf + max(emb_temp, flush_end) + reduce_temp),
         # the overflow check's masks (ZeRO-3 fp16) and the norm's fp64 copies come and go before the step's own
         # transients
-        Phase("optimizer step", params, grads, opt, 0.0,
+        Phase("optimizer step", params, 0.0 if states.grads_end_with_backward else grads, opt, 0.0,
               buf + max(states.step_check_bytes, recipe_sizes(states.step_order)[1],
                         states.step_temp_bytes * foreach_step_copies(plan, dt, runtime) + states.step_flatten_bytes)),
     )

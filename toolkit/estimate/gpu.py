@@ -141,6 +141,10 @@ class Runtime:
     fsdp_limit_all_gathers: bool | None = None
     """FSDP1's ``limit_all_gathers`` as the job passes it (None: the job passes none and the torch version's
     default applies; see ``fsdp_unlimited_all_gathers``)"""
+    fsdp_use_orig_params: bool = False
+    """FSDP1's ``use_orig_params`` as the job passes it (False: FSDP1's default; Lightning's ``FSDPStrategy``
+    passes True): the optimizer steps over each original parameter's piece of the rank's shard instead of one
+    flat parameter per unit (``strategies.fsdp.optimizer_tensors``)"""
 
     engine_config: Mapping[str, Any] | None = field(default=None, hash=False)
     """the engine's settings as the job states them, where they change device memory: DeepSpeed's ds_config
@@ -278,8 +282,8 @@ class Runtime:
     @property
     def fsdp_flat_params(self) -> bool:
         """A ``fsdp`` launch is FSDP1 (torch before 2.4, when the job states its torch): each wrapped unit's
-        parameters are one flat parameter, sharded as one, so the optimizer sees one tensor per unit (its states
-        and a foreach step's temporaries are unit-sized); FSDP2 shards each parameter as a DTensor of its own."""
+        parameters are one flat parameter, sharded as one (what the optimizer then steps over:
+        ``fsdp_use_orig_params``); FSDP2 shards each parameter as a DTensor of its own."""
         return self.torch_version is not None and version_tuple(self.torch_version) < FSDP2_TORCH
 
     @property
@@ -296,7 +300,7 @@ class Runtime:
         reused within the step: every unit's forward and backward gather and every unit's unsharded
         gradient are reserved at once (the bound; ``memory_allocated`` does not see it: the frees have
         happened). False from 2.1 on and for FSDP2 (which reuses its all-gather buffers by stream order)."""
-        if self.torch_version is None or version_tuple(self.torch_version) >= FSDP2_TORCH:
+        if not self.fsdp_flat_params:
             return False
         if self.fsdp_limit_all_gathers is not None:
             return not self.fsdp_limit_all_gathers

@@ -36,6 +36,7 @@ from typing import Iterator
 from .. import optimizers
 from ..modelshape import ModelShape
 from ..strategies.base import AUTOGRAD_GRADIENT
+from ..strategies.fsdp import optimizer_tensors as fsdp_optimizer_tensors
 from .gpu import DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD, ddp_bucket_sizes
 
 Event = tuple
@@ -215,7 +216,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     """The alloc/free stream of loading the model and running ``steps`` training steps on one rank.
 
     ``states``: the strategy's ModelStates (per-rank bytes); ``acts``: ``analytic.activations``.
-    ``sharded``: the engine keeps its states in flat buffers (DeepSpeed, FSDP) rather than per tensor.
+    ``sharded``: the engine shards the states (DeepSpeed: flat buffers made at start-up; FSDP: shards, whose
+    optimizer states its first step makes per tensor) rather than DDP's replicated per-tensor copies.
     """
     ids = _Ids()
     ev: list[Event] = []
@@ -234,9 +236,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     def free(i: int) -> None:
         A(("free", i))
 
-    # FSDP's optimizer runs on the device over the shards as tensors (not one flat buffer): states made lazily by
-    # its first step and its temporaries tensor by tensor, as torchrun's
-    fsdp_shards = (_fsdp_shards(shape, params, plan.world_size, runtime.fsdp_flat_params)
+    # FSDP's optimizer (torch's) steps over the shards as tensors, not one flat buffer: its states are made by its
+    # first step and its temporaries tensor by tensor, as under DDP (strategies.fsdp.optimizer_tensors)
+    fsdp_shards = ([("shard", dims, "shard", None, (dims,))
+                    for dims in fsdp_optimizer_tensors(shape, plan.world_size, runtime.fsdp_flat_params,
+                                                       runtime.fsdp_use_orig_params)]
                    if sharded and plan.launcher == "fsdp" and states.optimizer_bytes > 0 else [])
 
     # -- load -------------------------------------------------------------------------------------
@@ -264,16 +268,18 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                  and states.gathered_bytes > 0 and getattr(plan, "reshard_after_forward", True))
     unit = dt.param * shape.layer_params
     root = dt.param * max(shape.n_params - shape.layers * shape.layer_params, 0)
-    # FSDP1 with CPU offload (CPUOffload(offload_params=True)), read in torch's _flat_param.py and
-    # _runtime_utils.py (the same since torch 2.0's HandleConfig): each unshard first copies the unit's shard to
-    # the device (FlatParamHandle.pre_unshard: flat_param_to(device), "a new tensor distinct from any
-    # attributes"), the all-gather's input, dropped once the unsharded view replaces it; each unit's
-    # reduce-scattered gradient shard stays on the device as _saved_grad_shard until the post-backward final
-    # callback gives the optimizer the host copy (prepare_gradient_for_optim). Both pass through NCCL, which
-    # records them on its stream: without the rate limiter, blocks of their own until the backward's end too.
+    # FSDP1 with CPU offload (CPUOffload(offload_params=True)), read in torch's _flat_param.py (the same since
+    # torch 2.0's HandleConfig): each unshard first copies the unit's shard to the device, in the gathered dtype
+    # (FlatParamHandle.pre_unshard: flat_param_to(device), "a new tensor distinct from any attributes", or the
+    # low-precision _mp_shard), the all-gather's input, dropped once the unsharded view replaces it. NCCL records
+    # a collective's input on its stream (ProcessGroupNCCL recordStream), so without the rate limiter each copy
+    # is a block of its own until the backward's end, as the gathered units are; with it, a transient. (The
+    # gradient shards FSDP1 keeps on the device under offload are the strategy's grads_bytes.)
     world = max(1, plan.world_size)
-    shard_copy = -(-int(unit) // world) if unlimited and plan.offload_params == "cpu" else 0
-    root_copy = -(-int(root) // world) if shard_copy else 0
+    fsdp1_offload = (sharded and plan.launcher == "fsdp" and plan.offload_params == "cpu"
+                     and runtime.fsdp_flat_params and states.gathered_bytes > 0)
+    shard_copy = -(-int(unit) // world) if fsdp1_offload else 0
+    root_copy = -(-int(root) // world) if fsdp1_offload else 0
     # gathered weights: blocks of gathered_bytes, two in flight; where the engine schedules them module by module
     # (ZeRO-3's coordinator: ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak
     g_block, g_depth = states.gathered_bytes, 1
@@ -322,16 +328,21 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             cast_ids: list[int] = []
             kept_ids: list[list[int]] = []
             gathered = []
-            pending = [alloc(root_copy)] if root_copy else []
+            pending = [alloc(root_copy)] if root_copy and unlimited else []
             if unlimited and root > 0:  # FSDP1 keeps the root gathered
                 pending.append(alloc(root))
+            elif root_copy:
+                free(alloc(root_copy))
             for li in range(shape.layers):
                 if unlimited:
                     if shard_copy:
                         pending.append(alloc(shard_copy))
                     pending.append(alloc(unit))
                 elif states.gathered_bytes > 0 and sharded:
+                    copy = alloc(shard_copy) if shard_copy else None
                     gathered.append(alloc(g_block, g_stream))
+                    if copy is not None:
+                        free(copy)
                 cast_ids += [alloc(x) for x in layer.casts]
                 if plan.checkpointing:
                     tmp = [alloc(x) for x in layer.saved]
@@ -380,14 +391,15 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 elif gathered:
                     free(gathered.pop())
                 if sharded and states.gathered_bytes > 0 and not unlimited:
+                    copy = alloc(shard_copy) if shard_copy else None
                     gathered.append(alloc(g_block, g_stream))
+                    if copy is not None:
+                        free(copy)
                 recast = [alloc(x) for x in layer.casts] if plan.checkpointing else []
                 tmp = [alloc(x) for x in layer.backward]
                 idx = layer_idx.get(li, [])
                 if unlimited:  # the unit's unsharded gradient, reduce-scattered into its shard
                     pending.append(alloc(unit))
-                    if shard_copy:  # the shard kept on the device (_saved_grad_shard)
-                        pending.append(alloc(shard_copy))
                 _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
                 for i in tmp:
                     free(i)
@@ -395,8 +407,6 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     free(i)
                 for i in kept_ids[li]:
                     free(i)
-            if root_copy:  # the root's gradient shard, reduced last
-                pending.append(alloc(root_copy))
             for i in gathered + pending:
                 free(i)
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
@@ -415,6 +425,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             for i in out_ids:
                 free(i)
+            if states.grads_end_with_backward:  # the backward's final callback drops the device grads
+                for i in grads.values():
+                    free(i)
+                grads.clear()
         # optimizer step
         A(("mark", f"step {step} optimizer"))
         copies = foreach_step_copies(plan, dt, runtime)
@@ -480,27 +494,6 @@ def _follow(order, alloc, free, stream_of=None) -> dict[str, int]:
         else:
             made[name] = alloc(size) if stream_of is None else alloc(size, stream_of(name))
     return made
-
-
-def _fsdp_shards(shape: ModelShape, params: list[tuple], world: int, flat: bool) -> list[tuple]:
-    """The tensors FSDP's optimizer steps over on one rank, as ``param_order`` entries: FSDP1 (``flat``) one flat
-    parameter per wrapped unit, the root's (the parameters outside the layers) first, each shard a 1-D tensor of
-    ``ceil(numel / world)`` (torch pads the flat parameter to a multiple of the world size); FSDP2 each
-    parameter's shard, its first dimension chunked (``torch.chunk``: ``ceil(dim0 / world)`` rows)."""
-    world = max(1, world)
-    if flat:
-        root = max(shape.n_params - shape.layers * shape.layer_params, 0)
-        numels = ([root] if root else []) + [shape.layer_params] * shape.layers
-        return [("flat_param", (-(-n // world),), "flat", None, ((-(-n // world),),)) for n in numels]
-    out = []
-    for name, dims, kind, li, members in params:
-        if len(members) == 1 and dims:
-            shard = (-(-dims[0] // world),) + tuple(dims[1:])
-            out.append((name, shard, kind, li, (shard,)))
-        else:  # a bundle of small tensors: each sharded, summed
-            shards = tuple((-(-m[0] // world),) + tuple(m[1:]) if m else m for m in members)
-            out.append((name, (sum(prod(m) for m in shards),), kind, li, shards))
-    return out
 
 
 def _loss_forward(acts, logprobs: int) -> list[int]:

@@ -109,6 +109,9 @@ class ModelStates:
     """a bool mask of the gradient partition, made and freed twice at the step's start on the reduction stream
     (DeepSpeed ZeRO-3 fp16's overflow check: ``isinf`` then ``isnan`` of the flat gradient buffer), before the
     step's own transients (the step phase counts the larger of the two)"""
+    grads_end_with_backward: bool = False
+    """the device grads are freed at the backward's end, before the step (FSDP1 under CPU offload keeps each unit's
+    gradient shard until its final callback hands the optimizer the host copy)"""
     step_order: tuple[tuple[str, float | None], ...] = ()
     """the step's first transients on the compute stream, as a recipe (``recipe_sizes``), before its own
     (``step_flatten_bytes``, ``step_temp_bytes``): DeepSpeed ZeRO without offload checks (ZeRO-1/2 fp16) and

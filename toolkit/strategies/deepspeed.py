@@ -164,6 +164,13 @@ def overflow_check(form: str | None, grad_bytes: int) -> tuple[tuple[str, float]
     return copy + (("isnan", 1.0), ("isinf", 1.0), ("either", 1.0), ("either as fp32", 4.0))
 
 
+def overflow_scan(form: str | None, grad_bytes: int, numel: float) -> tuple[tuple[str, float | None], ...]:
+    """The overflow check of one ``numel``-element tensor as a recipe: its tensors (``overflow_check``) made, then
+    freed as the function returns."""
+    made = [(name, per * numel) for name, per in overflow_check(form, grad_bytes)]
+    return (*made, *((name, None) for name, _ in reversed(made)))
+
+
 def zero12_offload_handover(largest: float, part: float, grad_bytes: int, *, own: bool,
                             check: str | None) -> tuple[tuple[str, float | None], ...]:
     """ZeRO-1/2's hand-over of one gradient to the host under CPU optimizer offload, on the rank that owns
@@ -179,8 +186,7 @@ def zero12_offload_handover(largest: float, part: float, grad_bytes: int, *, own
     """
     order: list[tuple[str, float | None]] = [(AUTOGRAD_GRADIENT, grad_bytes * largest)] if own else []
     order += [("fp64 norm", 8.0 * part), ("fp64 norm", None)]
-    made = [(name, per * largest) for name, per in overflow_check(check, grad_bytes)]
-    order += made + [(name, None) for name, _ in reversed(made)]
+    order += overflow_scan(check, grad_bytes, largest)
     order += [("fp32 slice", 4.0 * part), ("fp32 slice", None)]
     if own:
         order.append((AUTOGRAD_GRADIENT, None))
@@ -199,8 +205,7 @@ def zero_step_scans(part: float, grad_bytes: int, check: str | None) -> tuple[tu
     - ``get_grad_norm_direct``: ``g.double().norm(2)`` of each slice (0.19.8: ``.to(get_norm_dtype())``, fp64 on
       CUDA), freed as the next is made.
     """
-    made = [(name, per * part) for name, per in overflow_check(check, grad_bytes)]
-    return (*made, *((name, None) for name, _ in reversed(made)), ("fp64 norm", 8.0 * part), ("fp64 norm", None))
+    return (*overflow_scan(check, grad_bytes, part), ("fp64 norm", 8.0 * part), ("fp64 norm", None))
 
 
 def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int, bucket: float,
@@ -568,6 +573,10 @@ class DeepSpeed(Strategy):
         params = dt.param * (shard if stage == 3 else psi)
         grads = dt.grad * (shard if stage >= 2 else psi)
         optimizer = opt_full * shard / psi
+        # the largest gradient slice one rank owns: ZeRO-3 partitions each parameter; ZeRO-1/2 partition the flat
+        # model into ranges, so the rank that owns the largest parameter whole has the largest
+        largest_slice = (ceil(shape.largest_param_numel / n) if stage == 3
+                         else min(shape.largest_param_numel, ceil(psi / n)))
         zero = engine_config if engine_config is not None else _memory_settings(stage, dt.gpu)
         zs = ZeroSettings.from_config(zero, stage=stage, hidden=shape.hidden, offload=plan.offload_optimizer != "none")
         bucket, grad_bucket = zs.bucket_bytes(stage, dt.grad, psi, dt.gpu)
@@ -609,9 +618,8 @@ class DeepSpeed(Strategy):
                 # not copied into it (extra_large_param_to_reduce): at ZeRO-2, which keeps no gradients, it is a
                 # tensor of its own until handed over.
                 largest = shape.largest_param_numel
-                part = min(largest, ceil(psi / n))
                 own = stage == 2 and zs.contiguous_gradients and largest > zs.reduce_bucket_size
-                reduce_order = zero12_offload_handover(largest, part, dt.grad, own=own,
+                reduce_order = zero12_offload_handover(largest, largest_slice, dt.grad, own=own,
                                                        check=getattr(runtime, "zero_overflow_check", None))
                 if getattr(runtime, "zero_offload_step_fp32_copy", False):
                     step = (dt.master or dt.param) * shard  # the updated fp32 partition, copied to the device
@@ -647,11 +655,9 @@ class DeepSpeed(Strategy):
         # BF16_Optimizer only when the config asks for fp32 gradient accumulation (engine.py get_data_types)
         step_order: tuple = ()
         if dt.gpu and stage >= 1 and plan.offload_optimizer == "none":
-            largest_part = ceil(shape.largest_param_numel / n) if stage == 3 else min(shape.largest_param_numel,
-                                                                                      ceil(psi / n))
             form = getattr(runtime, "zero_overflow_check", None) if stage < 3 and plan.precision == "fp16-mixed" \
                 else None
-            step_order = zero_step_scans(largest_part, dt.grad, form)
+            step_order = zero_step_scans(largest_slice, dt.grad, form)
         startup, lazy = (), ()
         if stage == 3 and dt.gpu and plan.offload_optimizer == "none" and plan.offload_params == "none":
             startup, lazy = zero3_startup(shard, dt, opt, zs.sub_group_size, bucket,

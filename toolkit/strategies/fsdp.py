@@ -23,6 +23,7 @@ policy's param dtype). The wrapping unit is the model's transformer block (HF ``
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 from .. import optimizers
@@ -30,6 +31,40 @@ from ..errors import PlanError
 from .base import MIXED, SIXTEEN_BIT, Dtypes, Layout, ModelStates, Placement, Strategy, register
 
 REDUCE_DTYPES = ("fp32", "param")
+
+
+def optimizer_tensors(shape, world: int, flat: bool = False, orig_params: bool = False) -> list[tuple[int, ...]]:
+    """The shapes of the tensors FSDP's optimizer steps over on rank 0, in ``model.parameters()`` order: its states
+    are made per tensor at the first step, and a foreach step's temporaries too.
+
+    - FSDP2: each parameter's shard, its first dimension chunked (``torch.chunk``: ``ceil(dim0 / world)`` rows);
+    - FSDP1 (``flat``, ``Runtime.fsdp_flat_params``): each wrapped unit is one flat parameter (the root's, the
+      parameters outside the layers, first), padded to a multiple of ``world`` and sharded in contiguous
+      chunks. Without ``orig_params`` the optimizer sees the flat shard, one 1-D tensor per unit; with it
+      (``use_orig_params=True``), each original parameter's piece of that chunk, a 1-D view (the rank's chunk
+      of a unit holds whole parameters, part of one at each end, and none of the others).
+    """
+    world = max(1, world)
+    first = [t for t in shape.other_tensors if t[2] == "embedding" or t[0].startswith("embeddings")]
+    root = first + [t for t in shape.other_tensors if t not in first]
+    units = ([root] if root else []) + [list(shape.layer_tensors)] * shape.layers
+    out: list[tuple[int, ...]] = []
+    for unit in units:
+        if not flat:
+            out += [(-(-dims[0] // world),) + tuple(dims[1:]) for _name, dims, _kind in unit if dims]
+            continue
+        chunk = -(-sum(prod(dims) for _name, dims, _kind in unit) // world)
+        if not orig_params:
+            out.append((chunk,))
+            continue
+        left = chunk
+        for _name, dims, _kind in unit:
+            if left <= 0:
+                break
+            piece = min(prod(dims), left)
+            out.append((piece,))
+            left -= piece
+    return [dims for dims in out if prod(dims) > 0]
 PREFETCHED_UNITS = 2
 """Blocks whose weights are gathered at once when resharding after the forward: the one being computed and
 the next, which FSDP2's implicit prefetching all-gathers in advance."""
@@ -169,19 +204,25 @@ class FSDP(Strategy):
         gathered = dt.param * (root + min(in_flight, shape.layers * block))
         shard = psi / n
         params, grads = storage * shard, storage * shard
-        optimizer = opt.state_bytes(shape.shape_counts, storage) / n
-        largest = min(shape.largest_param_numel, shard)
-        step = opt.step_temp_bytes(shard, largest, storage, storage, dt.gpu)
+        flat = getattr(runtime, "fsdp_flat_params", False)
+        tensors = optimizer_tensors(shape, n, flat, getattr(runtime, "fsdp_use_orig_params", False))
+        optimizer = float(sum(sum(opt.state_tensor_bytes(dims, storage)) for dims in tensors))
+        numels = [prod(dims) for dims in tensors]
+        step = opt.step_temp_bytes(sum(numels), max(numels, default=0), storage, storage, dt.gpu)
         # one block's unsharded grads and the reduce-scatter input in the reduce dtype: FSDP2's foreach_reduce always
         # copies the unit's gradients into a new flat input (read in torch 2.13's _fsdp_collectives.py); FSDP1
-        # (Runtime.fsdp_flat_params) reduce-scatters its flat gradient itself, cast only when the dtype differs
-        flat = getattr(runtime, "fsdp_flat_params", False)
+        # reduce-scatters its flat gradient itself, cast only when the dtype differs
         buffers = block * (dt.grad + (reduce if reduce != dt.grad or not flat else 0))
         host = 0.0
         if plan.offload_params == "cpu":
             host = params + grads + optimizer
-            params = grads = optimizer = step = 0.0
+            params = optimizer = step = 0.0
+            # FSDP1 keeps each unit's reduce-scattered gradient shard on the device, in the flat parameter's dtype,
+            # as _saved_grad_shard until the backward's final callback hands the optimizer the host copy
+            # (_accumulate_sharded_grad, prepare_gradient_for_optim; read in torch 2.13, the same since 2.0)
+            grads = grads if flat else 0.0
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, persistent_grads=False,
+                           grads_end_with_backward=plan.offload_params == "cpu" and grads > 0,
                            buffer_bytes=buffers, gathered_bytes=gathered, step_temp_bytes=step,
                            host_bytes_per_rank=host)
 
