@@ -17,10 +17,23 @@ from .errors import SchedulerError
 from .ledger import Run
 from .sites import Site
 
-CONTROLLER_TIME_MIN = int(os.environ.get("HPCMEM_CONTROLLER_TIME_MIN", 24 * 60))
+MIN_CONTROLLER_TIME_MIN = 2
+"""The shortest controller time limit under which its warning can be placed after its start (``signal_delay_s``)."""
+CONTROLLER_TIME_MIN = max(MIN_CONTROLLER_TIME_MIN, int(os.environ.get("HPCMEM_CONTROLLER_TIME_MIN", 24 * 60)))
 """The controller job's time limit before submitit requeues it (capped by the partition)."""
-SIGNAL_DELAY_S = min(90, CONTROLLER_TIME_MIN * 30)
-"""How long before its limit the controller job is warned (and requeues itself)."""
+SLURM_SIGNAL_EARLY_S = 60
+"""sbatch(1), ``--signal``: "Due to the resolution of event handling by Slurm, the signal may be sent up to 60
+seconds earlier than specified" (slurmctld sends it once the end is within the delay plus its 30 s period)."""
+HANDLER_START_S = 30
+"""Left between the controller's start and the earliest warning: submitit installs its USR2 handler only once
+its Python is up, and a warning before that kills the controller instead of requeueing it."""
+
+
+def signal_delay_s(limit_min: int) -> int:
+    """How long before its limit of ``limit_min`` minutes the controller job asks to be warned (and requeues
+    itself): 90 s, less under a short limit so that Slurm's earliest warning still comes ``HANDLER_START_S``
+    after the start; at least 1 s."""
+    return max(1, min(90, limit_min * 60 - SLURM_SIGNAL_EARLY_S - HANDLER_START_S))
 
 
 class Follower:
@@ -54,9 +67,10 @@ def detach(run: Run, site: Site, home: Path) -> str:
 
     partition = site.partition(run.partition)
     executor = submitit.AutoExecutor(folder=str(Path(run.run_dir) / "controller"), cluster="slurm")
-    params = {"slurm_partition": partition.slurm_partition, "timeout_min": min(CONTROLLER_TIME_MIN, partition.max_time_min),
+    limit_min = min(CONTROLLER_TIME_MIN, partition.max_time_min)
+    params = {"slurm_partition": partition.slurm_partition, "timeout_min": limit_min,
               "cpus_per_task": 1, "slurm_mem": "1G", "name": f"hpcmem-controller.{run.run_id}",
-              "slurm_signal_delay_s": SIGNAL_DELAY_S}
+              "slurm_signal_delay_s": signal_delay_s(limit_min)}
     if partition.account:
         params["slurm_account"] = partition.account
     if partition.qos:

@@ -258,16 +258,17 @@ def test_a_job_slurm_forgot_is_marked_lost_not_retried(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm
 def test_detached_controller_requeues_itself_on_its_time_limit(slurm_cluster, tmp_path):
-    """The controller job gets a 1-minute limit; the run's job outlives it; submitit requeues the controller
-    (warned 30 s before its limit) and the requeued controller finishes the run."""
-    (tmp_path / "slow.py").write_text("import time\ntime.sleep(75)\nprint('done')\n")
+    """The controller job gets a 2-minute limit (the shortest it takes); the run's job outlives it; submitit
+    requeues the controller (warned 30 s before its limit, which Slurm may bring up to 60 s earlier, never before
+    the handler is up) and the requeued controller finishes the run."""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(150)\nprint('done')\n")
     spec = tmp_path / "slow.yaml"
     spec.write_text("name: slow\ncommand: {script: slow.py}\ngpus_per_node: 1\ntraining: {global_batch: 1}\n")
     out = hpcmem("submit", str(spec), "--site", "testcluster", "--partition", "cpu", "--detach", home=tmp_path,
-                 env={"HPCMEM_CONTROLLER_TIME_MIN": "1"}, check=True).stdout
+                 env={"HPCMEM_CONTROLLER_TIME_MIN": "2"}, check=True).stdout
     assert "controller detached" in out
     (run,) = json.loads(hpcmem("runs", "--json", home=tmp_path, check=True).stdout)
-    view = wait_for_end(run["run_id"], tmp_path, timeout_s=400)
+    view = wait_for_end(run["run_id"], tmp_path, timeout_s=600)
     assert view["state"] == "succeeded"
     name = f"hpcmem-controller.{run['run_id']}"
     lines = subprocess.run(["sacct", "-n", "-P", "-D", "-S", "now-1hour", f"--name={name}", "-X", "-o", "JobID,State"],

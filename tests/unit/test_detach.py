@@ -1,0 +1,25 @@
+"""The detached controller's Slurm warning (toolkit.detach.signal_delay_s): Slurm may send ``--signal`` up to 60 s
+earlier than asked (sbatch(1)), and a warning before submitit's handler is up kills the controller instead of
+requeueing it, so the asked delay leaves the handler its start-up time whatever the limit."""
+
+import pytest
+
+from toolkit import detach
+
+
+@pytest.mark.parametrize("limit_min", [2, 3, 5, 30, 24 * 60, 7 * 24 * 60])
+def test_the_earliest_warning_comes_after_the_controller_is_up(limit_min):
+    delay = detach.signal_delay_s(limit_min)
+    earliest = limit_min * 60 - delay - detach.SLURM_SIGNAL_EARLY_S  # seconds after the start
+    assert earliest >= detach.HANDLER_START_S
+    assert 1 <= delay <= 90
+
+
+def test_long_limits_are_warned_90_s_ahead_and_short_ones_less():
+    assert detach.signal_delay_s(24 * 60) == 90 and detach.signal_delay_s(3) == 90
+    # a 2-minute controller: warned 30 s ahead, so no earlier than 30 s after its start
+    assert detach.signal_delay_s(2) == 30
+    # the shortest limit the controller takes is the one where that still holds
+    assert detach.signal_delay_s(detach.MIN_CONTROLLER_TIME_MIN) * 1 <= \
+        detach.MIN_CONTROLLER_TIME_MIN * 60 - detach.SLURM_SIGNAL_EARLY_S - detach.HANDLER_START_S
+    assert detach.CONTROLLER_TIME_MIN >= detach.MIN_CONTROLLER_TIME_MIN
