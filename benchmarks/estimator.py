@@ -19,12 +19,10 @@ import itertools
 import resource
 import subprocess
 import sys
-import time
 
-from toolkit.estimate import ModelRef, estimate, spec_model
+from toolkit.estimate import ModelRef, estimate
 from toolkit.estimate.measure import measured_peak_bytes
 from toolkit.estimate.traced import estimate_traced
-from toolkit.jobspec import load_spec
 from toolkit.models import load_model_config
 from toolkit.plan import Plan
 from toolkit.sites import load_site
@@ -53,17 +51,24 @@ def accuracy(quick: bool) -> list[tuple]:
     return rows
 
 
-def ladder_speed() -> list[tuple]:
-    from toolkit import planner
+LADDERS = (("gpt2-clm", "a100-40gb"), ("bert-large-cls", "v100-16gb"), ("llama-7b-zero3-nvme", "a100-40gb"))
 
-    ex = load_site("example-hpc")
+
+def ladder_speed() -> list[tuple]:
+    """Each shipped spec's whole candidate ladder, timed in a fresh process as ``hpcmem plan`` runs it: in this
+    process, after the accuracy grid, Python's garbage collector walks the grid's leftovers and added 300-450 ms
+    to the llama ladder (session 10: 843-1003 ms here, 562 ms after ``gc.freeze()``, 554-666 ms fresh)."""
+    code = ("import sys, time\nfrom toolkit import planner\nfrom toolkit.estimate import spec_model\n"
+            "from toolkit.jobspec import load_spec\nfrom toolkit.sites import load_site\n"
+            "spec = load_spec(sys.argv[1]); partition = load_site('example-hpc').partition(sys.argv[2])\n"
+            "t = time.perf_counter()\n"
+            "cands = planner.plan_candidates(spec_model(spec), spec.first_plan(partition), partition, spec.allow)\n"
+            "print(len(cands), time.perf_counter() - t)")
     out = []
-    for job, part in (("gpt2-clm", "a100-40gb"), ("bert-large-cls", "v100-16gb"), ("llama-7b-zero3-nvme", "a100-40gb")):
-        spec = load_spec(job)
-        partition = ex.partition(part)
-        start = time.perf_counter()
-        cands = planner.plan_candidates(spec_model(spec), spec.first_plan(partition), partition, spec.allow)
-        out.append((job, part, len(cands), time.perf_counter() - start))
+    for job, part in LADDERS:
+        n, secs = subprocess.run([sys.executable, "-c", code, job, part], capture_output=True, text=True,
+                                 check=True).stdout.split()[-2:]
+        out.append((job, part, int(n), float(secs)))
     return out
 
 
