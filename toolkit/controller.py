@@ -21,7 +21,6 @@ scheduler forgot the job). Run states: running, succeeded, failed, gave_up, canc
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping
@@ -37,15 +36,21 @@ from .jobspec import JobSpec
 from .ladder import HOST_RESERVE_SHARE, Decision, next_plan, size_for_long_batch
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
+from .resources import env_number
 from .runtime import inflight
 from .sites import Partition, Site
 
 TRANSIENT_STATES = ("NODE_FAIL", "BOOT_FAIL", "PREEMPTED")
-LOST_AFTER_S = float(os.environ.get("HPCMEM_LOST_AFTER_S", "900"))
-"""A job the scheduler has not known for this long after submission is LOST; so is an attempt whose
-submission stayed uncertain (sbatch timing out, the controller unreachable, no job by its name) that long."""
 
-__all__ = ["start", "tick", "tick_all", "follow", "cancel", "fault", "attempt_verdict", "LOST_AFTER_S"]
+
+def lost_after_s() -> float:
+    """A job the scheduler has not known for this long after submission is LOST; so is an attempt whose
+    submission stayed uncertain (sbatch timing out, the controller unreachable, no job by its name) that long.
+    ``$HPCMEM_LOST_AFTER_S``, 900 s by default."""
+    return env_number("HPCMEM_LOST_AFTER_S", 900.0)
+
+
+__all__ = ["start", "tick", "tick_all", "follow", "cancel", "fault", "attempt_verdict", "lost_after_s"]
 
 
 def start(ledger: Ledger, spec: JobSpec, site: Site, partition: Partition, plan: Plan, **kwargs) -> Run:
@@ -146,9 +151,9 @@ def _submit(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
 
 
 def _give_up_submitting(ledger: Ledger, run: Run, attempt: AttemptRow, exc: Exception) -> bool:
-    """An attempt whose submission stayed uncertain for LOST_AFTER_S becomes LOST (the run fails); True if so."""
+    """An attempt whose submission stayed uncertain for ``lost_after_s()`` becomes LOST (the run fails); True if so."""
     since = attempt.submitted
-    if since is None or time.time() - since <= LOST_AFTER_S:
+    if since is None or time.time() - since <= lost_after_s():
         return False
     ledger.update_attempt(run.run_id, attempt.n, state="LOST", finished=time.time(),
                           verdict=classify(None, "").to_dict())
@@ -165,7 +170,7 @@ def _poll(ledger: Ledger, run: Run, attempt: AttemptRow, backend) -> None:
         return
     fault("after_poll")
     if status.state == "UNKNOWN":
-        if attempt.submitted and time.time() - attempt.submitted > LOST_AFTER_S:
+        if attempt.submitted and time.time() - attempt.submitted > lost_after_s():
             ledger.update_attempt(run.run_id, attempt.n, state="LOST", finished=time.time(),
                                   verdict=classify(None, "").to_dict())
             runs.end_run(ledger, run, "failed", f"the scheduler no longer knows job {attempt.job_id}")

@@ -15,18 +15,24 @@ from pathlib import Path
 from . import proc, runs
 from .errors import SchedulerError
 from .ledger import Run
+from .resources import env_number
 from .sites import Site
 
 MIN_CONTROLLER_TIME_MIN = 2
 """The shortest controller time limit under which its warning can be placed after its start (``signal_delay_s``)."""
-CONTROLLER_TIME_MIN = max(MIN_CONTROLLER_TIME_MIN, int(os.environ.get("HPCMEM_CONTROLLER_TIME_MIN", 24 * 60)))
-"""The controller job's time limit before submitit requeues it (capped by the partition)."""
+
 SLURM_SIGNAL_EARLY_S = 60
 """sbatch(1), ``--signal``: "Due to the resolution of event handling by Slurm, the signal may be sent up to 60
 seconds earlier than specified" (slurmctld sends it once the end is within the delay plus its 30 s period)."""
 HANDLER_START_S = 30
 """Left between the controller's start and the earliest warning: submitit installs its USR2 handler only once
 its Python is up, and a warning before that kills the controller instead of requeueing it."""
+
+
+def controller_time_min() -> int:
+    """The controller job's time limit in minutes before submitit requeues it (capped by the partition):
+    ``$HPCMEM_CONTROLLER_TIME_MIN``, a day by default, at least ``MIN_CONTROLLER_TIME_MIN``."""
+    return int(env_number("HPCMEM_CONTROLLER_TIME_MIN", 24 * 60, minimum=MIN_CONTROLLER_TIME_MIN, integer=True))
 
 
 def signal_delay_s(limit_min: int) -> int:
@@ -67,7 +73,7 @@ def detach(run: Run, site: Site, home: Path) -> str:
 
     partition = site.partition(run.partition)
     executor = submitit.AutoExecutor(folder=str(Path(run.run_dir) / "controller"), cluster="slurm")
-    limit_min = min(CONTROLLER_TIME_MIN, partition.max_time_min)
+    limit_min = min(controller_time_min(), partition.max_time_min)
     params = {"slurm_partition": partition.slurm_partition, "timeout_min": limit_min,
               "cpus_per_task": 1, "slurm_mem": "1G", "name": f"hpcmem-controller.{run.run_id}",
               "slurm_signal_delay_s": signal_delay_s(limit_min)}

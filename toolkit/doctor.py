@@ -365,7 +365,7 @@ def _check_local(home: Path, report: DoctorReport, repair: bool) -> None:
     jobs = home / "local" / "jobs"
     if not jobs.is_dir():
         return
-    from .backends.local import START_GRACE_S, LocalBackend, claim_path, result_path
+    from .backends.local import LocalBackend, claim_path, result_path, start_grace_s
 
     backend = LocalBackend(state_dir=home / "local")
     stuck, damaged = [], []
@@ -376,7 +376,7 @@ def _check_local(home: Path, report: DoctorReport, repair: bool) -> None:
             continue
         if (data.get("runner_pid") is None and not claim_path(backend.state_dir, data["job_id"]).exists()
                 and not result_path(Path(data["attempt_dir"]), data["job_id"]).exists()
-                and time.time() - data["submitted"] > START_GRACE_S):
+                and time.time() - data["submitted"] > start_grace_s()):
             stuck.append(data["job_id"])
     for path in damaged:
         report.add("local", "warn", f"local job record {path} is damaged (not a job record)")

@@ -7,8 +7,11 @@ setup.py), so a non-editable install finds them there.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+
+from .errors import ConfigError
 
 _PACKAGE = Path(__file__).resolve().parent
 DATA_DIRS = ("templates", "site_configs", "jobs")
@@ -27,3 +30,19 @@ def data_dir(name: str) -> Path:
 def home_dir() -> Path:
     """Where hpcmem keeps its state: ``$HPCMEM_HOME`` or ``~/.hpcmem``."""
     return Path(os.environ.get("HPCMEM_HOME") or Path.home() / ".hpcmem").expanduser()
+
+
+def env_number(name: str, default: float, *, minimum: float = 0.0, integer: bool = False) -> float:
+    """The number set in environment variable ``name`` (``default`` when unset or empty), read when it is
+    needed so that a bad value is a one-line ``ConfigError`` naming the variable, never an import-time crash."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum:
+        kind = "a whole number" if integer else "a number"
+        raise ConfigError(f"environment variable {name}={raw!r} is not {kind} of at least {minimum:g}")
+    return value

@@ -234,7 +234,7 @@ def test_detach_locally_runs_a_background_watcher(tmp_path):
 
 
 @pytest.mark.slurm
-def test_a_job_slurm_forgot_is_marked_lost_not_retried(slurm_cluster, tmp_path):
+def test_a_job_slurm_forgot_is_marked_lost_not_retried(slurm_cluster, tmp_path, monkeypatch):
     """A job id the scheduler never heard of (or forgot) becomes LOST after HPCMEM_LOST_AFTER_S."""
     from toolkit import controller, runs
     from toolkit.jobspec import load_spec
@@ -247,11 +247,8 @@ def test_a_job_slurm_forgot_is_marked_lost_not_retried(slurm_cluster, tmp_path):
         run = runs.create_run(ledger, spec, site, part, spec.first_plan(part), home=tmp_path)
         ledger.update_attempt(run.run_id, 1, state="PENDING", job_id="987654", submitted=time.time() - 10)
         assert controller.tick(ledger, run.run_id).state == "running"  # not yet: Slurm may just be slow
-        controller.LOST_AFTER_S = 5
-        try:
-            after = controller.tick(ledger, run.run_id)
-        finally:
-            controller.LOST_AFTER_S = 900
+        monkeypatch.setenv("HPCMEM_LOST_AFTER_S", "5")
+        after = controller.tick(ledger, run.run_id)
         assert after.state == "failed" and "no longer knows job 987654" in after.reason
         assert ledger.attempts(run.run_id)[0].state == "LOST"
 
@@ -374,7 +371,7 @@ def test_a_submission_uncertain_for_too_long_is_lost_not_retried_for_ever(tmp_pa
             raise MaybeSubmittedError("Unable to contact slurm controller (tried 3 times)")
 
     ledger, run = _local_run(tmp_path, monkeypatch, Unreachable(state_dir=tmp_path / "local"))
-    monkeypatch.setattr(controller, "LOST_AFTER_S", 0.5)
+    monkeypatch.setenv("HPCMEM_LOST_AFTER_S", "0.5")
     with ledger:
         with pytest.raises(MaybeSubmittedError):
             controller.tick(ledger, run.run_id)

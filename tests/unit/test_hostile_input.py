@@ -449,3 +449,53 @@ def test_json_evidence_is_cut_around_its_error_too(tmp_path):
     out = run_cli("triage", str(log), "--format", "json", home=tmp_path, check=True)
     (line,) = json.loads(out.stdout)["findings"][0]["verdict"]["evidence"]
     assert len(line["text"]) < 1200 and "CUDA out of memory" in line["text"] and "characters]..." in line["text"]
+
+
+# ---------------------------------------------------------------- numbers hpcmem reads from the environment
+
+ENV_NUMBERS = ("HPCMEM_LOST_AFTER_S", "HPCMEM_LOCAL_START_GRACE_S", "HPCMEM_CONTROLLER_TIME_MIN")
+
+
+def _env_readers():
+    from toolkit import controller, detach
+    from toolkit.backends import local
+
+    return {"HPCMEM_LOST_AFTER_S": controller.lost_after_s, "HPCMEM_LOCAL_START_GRACE_S": local.start_grace_s,
+            "HPCMEM_CONTROLLER_TIME_MIN": detach.controller_time_min}
+
+
+@pytest.mark.parametrize("name", ENV_NUMBERS)
+@pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "1e999", "5 min", "\x1b[2J"])
+def test_a_bad_number_in_the_environment_is_named(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ConfigError, match=f"environment variable {name}=") as err:
+        _env_readers()[name]()
+    assert "\n" not in str(err.value)
+
+
+def test_numbers_in_the_environment_are_read_when_needed(monkeypatch):
+    readers = _env_readers()
+    for name in ENV_NUMBERS:
+        monkeypatch.delenv(name, raising=False)
+    assert (readers["HPCMEM_LOST_AFTER_S"](), readers["HPCMEM_LOCAL_START_GRACE_S"](),
+            readers["HPCMEM_CONTROLLER_TIME_MIN"]()) == (900.0, 60.0, 24 * 60)
+    monkeypatch.setenv("HPCMEM_LOST_AFTER_S", " 2.5 ")
+    monkeypatch.setenv("HPCMEM_CONTROLLER_TIME_MIN", "7")
+    assert readers["HPCMEM_LOST_AFTER_S"]() == 2.5 and readers["HPCMEM_CONTROLLER_TIME_MIN"]() == 7
+    for short in ("1", "2.5"):  # under the shortest controller limit, or not whole minutes
+        monkeypatch.setenv("HPCMEM_CONTROLLER_TIME_MIN", short)
+        with pytest.raises(ConfigError, match="HPCMEM_CONTROLLER_TIME_MIN"):
+            readers["HPCMEM_CONTROLLER_TIME_MIN"]()
+
+
+def test_a_bad_number_in_the_environment_never_breaks_the_cli_at_import(tmp_path):
+    """Once the numbers were read at import: any command died of a ValueError traceback."""
+    home = tmp_path / "home"
+    bad = {name: "abc" for name in ENV_NUMBERS}
+    r = run_cli("sites", home=home, env=bad, timeout=120)
+    assert r.returncode == 0 and "testcluster" in r.stdout, r.stderr
+    write(home / "local" / "jobs" / "local-1.json",
+          json.dumps({"job_id": "local-1", "attempt_dir": str(tmp_path / "a"), "submitted": 0}))
+    r = run_cli("doctor", home=home, env=bad, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "HPCMEM_LOCAL_START_GRACE_S='abc'" in r.stderr

@@ -31,7 +31,7 @@ Contracts:
   is written before the runner is spawned, and the runner *claims* the job
   (``jobs/<id>.claim``, created with ``link``, so exactly one claim exists) before it starts
   the script. A job whose record has no runner is PENDING while its submitter lives (at most
-  ``START_GRACE_S``); after that whoever looks first claims it as abandoned: it never runs,
+  ``start_grace_s()``); after that whoever looks first claims it as abandoned: it never runs,
   its result is BOOT_FAIL ("never started"), and ``find`` skips it, so the controller submits
   the attempt again. A runner that lost the claim exits without running anything; a runner
   that won it is found through the claim even when the submitter died before recording its pid.
@@ -57,6 +57,7 @@ import toolkit
 from .. import proc
 from ..files import write_atomic
 from ..errors import CommandError, SchedulerError
+from ..resources import env_number
 from .base import (
     BOOT_FAIL, CANCELLED, COMPLETED, FAILED, PENDING, RUNNING, UNKNOWN, Backend, JobStatus, fault,
 )
@@ -83,8 +84,10 @@ def cancel_path(attempt_dir: Path, job_id: str) -> Path:
 
 
 
-START_GRACE_S = float(os.environ.get("HPCMEM_LOCAL_START_GRACE_S", "60"))
-"""How long a job whose runner is not recorded yet stays PENDING while its submitter lives."""
+def start_grace_s() -> float:
+    """How long a job whose runner is not recorded yet stays PENDING while its submitter lives
+    (``$HPCMEM_LOCAL_START_GRACE_S``, 60 s by default)."""
+    return env_number("HPCMEM_LOCAL_START_GRACE_S", 60.0)
 
 _SCRIPT_MAX_BYTES = 1 << 20
 
@@ -261,7 +264,7 @@ class LocalBackend(Backend):
         return record
 
     def _submitter_may_still_start(self, record: dict) -> bool:
-        if time.time() - record["submitted"] > START_GRACE_S:
+        if time.time() - record["submitted"] > start_grace_s():
             return False
         pid = record.get("submitter_pid")
         return isinstance(pid, int) and _alive(pid, record.get("submitter_start"))
