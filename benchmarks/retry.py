@@ -298,21 +298,10 @@ def resume_report(results: dict, scenarios: list, meta: dict) -> tuple[str, dict
                + ("met" if not requeued else f"MISSED: {', '.join(requeued)}") + f" ({len(in_job)} such scenarios)")
     out.append("")
     out.append("Attempts (plan; verdict; last step printed; resumed from; in-job moves; ladder moves):")
-    for sc in scenarios:
-        for m in RESUME_METHODS:
-            r = results.get((sc.name, m))
-            if not r:
-                continue
-            if "error" in r:
-                out.append(f"  {sc.name} / {m}: ERROR {r['error']}")
-                continue
-            out.append(f"  {sc.name} / {m}: {r['state']}" + (f" — {r['reason']}" if r.get("reason") else ""))
-            for a in r["attempts"]:
-                el = f"{a['elapsed_s']:.0f}s" if a.get("elapsed_s") is not None else "?"
-                out.append(f"    {a['n']}. job {a['job_id']} {a['state']} {el} [{a['verdict']}] {a['plan']}; "
-                           f"last step {a['last_step']}; resumed from {a['resumed_from_step']}"
-                           + (f"; in-job {', '.join(a['inflight_moves'])}" if a["inflight_moves"] else "")
-                           + (f"; moves {', '.join(a['moves'])}" if a["moves"] else ""))
+    out += attempt_lines(scenarios, RESUME_METHODS, results, lambda a: (
+        f"; last step {a['last_step']}; resumed from {a['resumed_from_step']}"
+        + (f"; in-job {', '.join(a['inflight_moves'])}" if a["inflight_moves"] else "")
+        + (f"; moves {', '.join(a['moves'])}" if a["moves"] else "")))
     out.append("")
     out.append("Scenarios:")
     out += [f"  {sc.name}: {sc.what}" for sc in scenarios]
@@ -541,6 +530,35 @@ def figures(result: dict) -> dict:
 # --------------------------------------------------------------------------- the report
 
 
+def attempt_lines(scenarios, methods, results: dict, tail) -> list[str]:
+    """The report's per-attempt lines, scenario by scenario and method by method: each run's end, then each
+    attempt as 'n. job ID STATE ELAPSED [verdict] plan' followed by what ``tail(attempt)`` adds."""
+    out = []
+    for sc in scenarios:
+        for m in methods:
+            r = results.get((sc.name, m))
+            if not r:
+                continue
+            if "error" in r:
+                out.append(f"  {sc.name} / {m}: ERROR {r['error']}")
+                continue
+            out.append(f"  {sc.name} / {m}: {r['state']}" + (f" — {r['reason']}" if r.get("reason") else ""))
+            for a in r["attempts"]:
+                el = f"{a['elapsed_s']:.0f}s" if a.get("elapsed_s") is not None else "?"
+                out.append(f"    {a['n']}. job {a['job_id']} {a['state']} {el} [{a['verdict']}] {a['plan']}{tail(a)}")
+    return out
+
+
+def _ladder_attempt_tail(a: dict) -> str:
+    t = a.get("truth")
+    truth = f"; truth {t['peak_device_mib']}/{t['capacity_mib']}" if t else ""
+    if t and t.get("failed_at"):
+        truth += f" (failed at {t['failed_at']})"
+    moves = f"; moves {', '.join(a['moves'])}" if a.get("moves") else ""
+    pred = f"; predicted {a['predicted_peak_mib']:.0f}" if a.get("predicted_peak_mib") else ""
+    return f"{moves}{pred}{truth}"
+
+
 def fmt_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
@@ -633,25 +651,7 @@ def report(results: dict, scenarios: list[Scenario], meta: dict) -> tuple[str, d
         out.append(f"  {sc.name}: {sc.what} [{sc.kind}]")
     out.append("")
     out.append("Attempts (plan; verdict; truth = the fake GPU's ground-truth peak / capacity, MiB):")
-    for sc in scenarios:
-        for m in METHODS:
-            r = results.get((sc.name, m))
-            if not r:
-                continue
-            if "error" in r:
-                out.append(f"  {sc.name} / {m}: ERROR {r['error']}")
-                continue
-            out.append(f"  {sc.name} / {m}: {r['state']}" + (f" — {r['reason']}" if r.get("reason") else ""))
-            for a in r["attempts"]:
-                t = a.get("truth")
-                truth = f"; truth {t['peak_device_mib']}/{t['capacity_mib']}" if t else ""
-                if t and t.get("failed_at"):
-                    truth += f" (failed at {t['failed_at']})"
-                moves = f"; moves {', '.join(a['moves'])}" if a.get("moves") else ""
-                pred = f"; predicted {a['predicted_peak_mib']:.0f}" if a.get("predicted_peak_mib") else ""
-                el = f"{a['elapsed_s']:.0f}s" if a.get("elapsed_s") is not None else "?"
-                out.append(f"    {a['n']}. job {a['job_id']} {a['state']} {el} [{a['verdict']}] {a['plan']}"
-                           f"{moves}{pred}{truth}")
+    out += attempt_lines(scenarios, METHODS, results, _ladder_attempt_tail)
     data = {"meta": meta, "summary": summary, "latency": lat, "goal_misses": goal_misses, "worse_than_baseline": worse,
             "scenarios": [{**sc.__dict__, "args": list(sc.args)} for sc in scenarios],
             "results": [{"scenario": k[0], "method": k[1], **v} for k, v in results.items()]}
