@@ -743,6 +743,65 @@ def test_fsdp1_cpu_offload_copies_each_units_shard_to_the_device_and_keeps_its_g
     assert [e[2] for e in events2 if e[0] == "alloc"].count(copy) == 0
 
 
+def test_fsdp_no_sync_keeps_the_whole_unsharded_gradient_between_micro_batches():
+    """Accumulation under FSDP's no_sync (Runtime.fsdp_no_sync: HF Trainer, Accelerate, Lightning) keeps every
+    unit's unsharded gradient from the first micro-batch until the last one's reduce-scatter: FSDP1 in the compute
+    dtype (its flat parameter's .grad), FSDP2 in the mixed-precision policy's reduce dtype
+    (to_accumulated_grad_if_needed). Hand-worked on ViT-B over 4 ranks; a synced accumulation keeps shards only."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    psi = VIT_BASE.n_params
+    for precision, reduce_dtype, torch_version, per_elem in (
+            ("bf16-mixed", "fp32", "2.2", 2), ("bf16-mixed", "fp32", None, 4), ("bf16-mixed", "param", None, 2),
+            ("bf16-true", "fp32", None, 2), ("fp32", "fp32", "2.2", 4)):
+        p = plan(launcher="fsdp", gpus_per_node=4, precision=precision, reduce_dtype=reduce_dtype, micro_batch=8,
+                 seq_len=197, grad_accum=4, checkpointing=True)
+        dt = an.dtypes_for(p, True)
+        runs = {}
+        for no_sync in (False, True):
+            rt = Runtime(torch_version=torch_version, fsdp_no_sync=no_sync)
+            states = an.model_states(VIT_BASE, p, dt, rt)
+            acts = inv.activations(VIT_BASE, p, dt, rt)
+            runs[no_sync] = (states, {ph.name: ph for ph in an.phases(VIT_BASE, p, dt, states, acts, rt)},
+                             step_events(VIT_BASE, p, dt, states, acts, runtime=rt, steps=2, sharded=True))
+        (synced, sph, sev), (kept, kph, kev) = runs[False], runs[True]
+        case = (precision, reduce_dtype, torch_version)
+        assert synced.accumulated_grads_bytes == 0 and kept.accumulated_grads_bytes == per_elem * psi, case
+        assert kept.grads_bytes == synced.grads_bytes  # the shards the optimizer steps over are the same
+        # the whole unsharded gradient is alive through the micro-batches, the shards after the last one
+        for name in ("forward end", "backward start", "head backward", "backward, last layer",
+                     "backward, first layer"):
+            assert kph[name].grads == per_elem * psi, (case, name)
+        assert kph["backward end"].grads == max(per_elem * psi, synced.grads_bytes)
+        assert kph["optimizer step"].grads == sph["optimizer step"].grads == synced.grads_bytes
+        # the stream holds it too (the new gradient of the last micro-batch is a transient, the unsharded one freed
+        # after its shard is made): the allocated peak rises by what is held beyond the shards (to 1 %: the
+        # transients differ in size, and so does where a block splits), by no more than the whole unsharded
+        # gradient, and the same tensors are alive after the step
+        gain = replay(kev).peak_allocated - replay(sev).peak_allocated
+        assert 0.99 * (per_elem * psi - synced.grads_bytes) <= gain <= per_elem * psi, case
+
+        def alive(events):
+            live: dict = {}
+            for e in events:
+                if e[0] == "alloc":
+                    live[e[1]] = e[2]
+                elif e[0] == "free":
+                    live.pop(e[1])
+            return sorted(live.values())
+
+        assert alive(kev) == alive(sev)
+    # nothing to keep without accumulation or on one rank
+    for p in (plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=8, seq_len=197),
+              plan(launcher="fsdp", gpus_per_node=1, precision="bf16-mixed", micro_batch=8, seq_len=197, grad_accum=4)):
+        assert an.model_states(VIT_BASE, p, an.dtypes_for(p, True),
+                               Runtime(fsdp_no_sync=True)).accumulated_grads_bytes == 0
+    with pytest.raises(ValueError, match="fsdp_no_sync"):
+        Runtime(fsdp_no_sync="yes")
+
+
 def test_fsdp2_reduce_scatters_from_a_new_flat_input_whatever_the_dtypes():
     """FSDP2's foreach_reduce (torch 2.13's _fsdp_collectives.py) copies a unit's unsharded gradients into a new
     flat reduce-scatter input in the reduce dtype, then frees them; FSDP1 reduce-scatters its flat gradient in

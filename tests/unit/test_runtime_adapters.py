@@ -125,9 +125,16 @@ def test_fsdp_plan_for_accelerate_hf_and_fabric(tmp_path):
     plugin = kwargs["fsdp_plugin"]
     assert isinstance(plugin, FullyShardedDataParallelPlugin) and plugin.fsdp_version == 2
     assert plugin.reshard_after_forward is False and plugin.activation_checkpointing is True
-    assert kwargs["gradient_accumulation_steps"] == 2 and kwargs["mixed_precision"] == "bf16"
+    # accumulation reduce-scatters every micro-batch, as hpcmem's runtime and estimate do (no FSDP no_sync)
+    accumulation = kwargs["gradient_accumulation_plugin"]
+    assert (accumulation.num_steps, accumulation.sync_each_batch) == (2, True)
+    assert "gradient_accumulation_steps" not in kwargs and kwargs["mixed_precision"] == "bf16"
     args = hf_training_args(plan, cfg, cpu=True)
     assert args["fsdp"] == "shard_grad_op auto_wrap offload" and args["fsdp_config"] == str(cfg)
+    assert args["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    one = plan.replace(grad_accum=1, global_batch=8)
+    assert "accelerator_config" not in hf_training_args(one, cfg, cpu=True)
+    assert "--accelerator_config" not in one.strategy.trainer_flags(one, str(cfg))
     assert args["gradient_checkpointing"] is False  # FSDP's own activation checkpointing (fsdp_config) instead
     assert json.loads(cfg.read_text())["mixed_precision_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
@@ -140,3 +147,27 @@ def test_fsdp_plan_for_accelerate_hf_and_fabric(tmp_path):
                                          "auto_wrap_policy": {Block}, "activation_checkpointing_policy": {Block}}
     ds = fabric_kwargs(Plan(launcher="deepspeed", zero_stage=3, offload_params="cpu", offload_optimizer="cpu"))
     assert ds["strategy_kwargs"] == {"stage": 3, "offload_optimizer": True, "offload_parameters": True}
+
+
+def test_hf_trainer_reads_hpcmems_fsdp_accumulation_setting(tmp_path):
+    """The HF Trainer command line hpcmem writes for an FSDP plan with accumulation parses into TrainingArguments
+    whose accelerator config asks for a gradient sync on every micro-batch (what the estimate assumes), and the
+    Trainer's gradient state carries it to the check its accumulation loop makes before it would enter no_sync
+    (here without FSDP itself, which needs more than one process)."""
+    import torch
+    from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+    plan = Plan(launcher="fsdp", gpus_per_node=2, global_batch=16, micro_batch=4, grad_accum=2)
+    flags = plan.strategy.trainer_flags(plan, None)
+    at = flags.index("--accelerator_config")
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--use_cpu", "--gradient_accumulation_steps", "2",
+         *flags[at:at + 2]])
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+    trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+    try:
+        assert trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)

@@ -133,6 +133,14 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
                                                                or states.grads_end_with_backward) else live
     head_g = (grads - live) * shape.head_linear_params / shape.n_params
     layer_g = (grads - live) * shape.layer_params / shape.n_params
+    # FSDP's no_sync accumulation: the whole unsharded gradient is alive from the first micro-batch's backward
+    # through the next forwards and backwards, each unit's turned into its shard only by the last micro-batch's
+    # reduce-scatter; its peak is the earlier micro-batches' (one unit's new gradient, AccumulateGrad's transient,
+    # is the strategy's one-block buffer)
+    accumulated = states.accumulated_grads_bytes
+    if accumulated > 0:
+        live = fwd_live = accumulated
+        head_g = layer_g = 0.0
     kept = L * acts.kept_layer_bytes
     pixels = acts.input_bytes  # an image model's input, saved by its first op: kept to the end of the backward
     layer_casts = 0.0 if ckpt else L * acts.layer_cast_bytes  # recomputed layers re-cast their weights
@@ -165,7 +173,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
         Phase("backward, first layer", moment("first_layer"), live + head_g + (L - 1) * layer_g, opt,
               acts.kept_layer_bytes + pixels,
               bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes + flush_mid),
-        Phase("backward end", moment("backward_end"), grads, opt, 0.0,
+        Phase("backward end", moment("backward_end"), max(grads, accumulated), opt, 0.0,
               bwd_buf + max(emb_temp, flush_end) + reduce_temp),
         # the overflow check's masks (ZeRO-3 fp16) and the norm's fp64 copies come and go before the step's own
         # transients

@@ -146,6 +146,15 @@ class Runtime:
     passes True): the optimizer steps over each original parameter's piece of the rank's shard instead of one
     flat parameter per unit (``strategies.fsdp.optimizer_tensors``)"""
 
+    fsdp_no_sync: bool = False
+    """gradient accumulation under FSDP skips the gradient sync on every micro-batch but the last: FSDP1's
+    ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``, which HF Accelerate's ``accumulate``/``no_sync``,
+    HF Trainer (every micro-batch but the last) and Lightning (Fabric's ``no_backward_sync``, the Trainer's
+    ``accumulate_grad_batches``) use. Each unit then keeps its whole unsharded gradient from the first micro-batch
+    until the last one's reduce-scatter ("FSDP will accumulate the full model gradients (instead of gradient
+    shards) until the eventual sync", ``FullyShardedDataParallel.no_sync``; ``strategies.fsdp``). False: every
+    micro-batch reduce-scatters its gradients, as hpcmem's runtime does"""
+
     engine_config: Mapping[str, Any] | None = field(default=None, hash=False)
     """the engine's settings as the job states them, where they change device memory: DeepSpeed's ds_config
     ``zero_optimization`` section (its bucket sizes; ``strategies.deepspeed.ZeroSettings``). None: the config
@@ -192,7 +201,8 @@ class Runtime:
     ``nn.MultiheadAttention``, whose tensors differ; see ``activations.layer_bytes_per_token``)"""
 
     def __post_init__(self):
-        for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped"):
+        for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
+                     "fsdp_no_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:

@@ -317,6 +317,27 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     def grad_bytes(numel: int) -> int:
         return int(dt.grad * numel * (states.grads_bytes / (dt.grad * n_params) if dt.grad else 0))
 
+    # FSDP's no_sync accumulation (ModelStates.accumulated_grads_bytes): the first micro-batch makes each
+    # parameter's unsharded gradient, kept; the last adds its own (a transient) and reduce-scatters the sum into
+    # the shard, the unsharded one freed after it
+    unsharded: dict[int, int] = {}
+    acc_per_elem = states.accumulated_grads_bytes / n_params
+
+    def grads_of(idx, last: bool) -> None:
+        if acc_per_elem <= 0 or micro == 1:
+            _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
+            return
+        for k in idx:
+            size = int(acc_per_elem * prod(params[k][1]))
+            if k in unsharded or (last and k in grads):  # AccumulateGrad's new gradient, added in place
+                free(alloc(size))
+            else:
+                unsharded[k] = alloc(size)
+            if last and k in unsharded:
+                if k not in grads:
+                    grads[k] = alloc(grad_bytes(prod(params[k][1])))
+                free(unsharded.pop(k))
+
     flush = _Flush(states.flush_bucket_elements, dt.grad, alloc, free,
                    REDUCE_STREAM if states.side_streams else DEFAULT_STREAM)
 
@@ -378,7 +399,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             # ZeRO-1/2's gradient buckets, made at the first gradient hook, released in the backward's epilogue
             grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK)]
             head_params = head_idx
-            _grads_for(head_params, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
+            grads_of(head_params, mb == micro - 1)
             if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
                 flush.within(head_reduce)
             for i in head_tmp:
@@ -400,7 +421,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 idx = layer_idx.get(li, [])
                 if unlimited:  # the unit's unsharded gradient, reduce-scattered into its shard
                     pending.append(alloc(unit))
-                _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
+                grads_of(idx, mb == micro - 1)
                 for i in tmp:
                     free(i)
                 for i in recast:
@@ -414,7 +435,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             vocab_grad = dt.grad * shape.vocab * shape.hidden
             add = (grads or (shape.task == "causal-lm" and shape.tied)) and vocab_grad > 0
             t = [alloc(vocab_grad), alloc(vocab_grad)] if add else []
-            _grads_for(emb, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
+            grads_of(emb, mb == micro - 1)
             for i in t:
                 free(i)
             # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient

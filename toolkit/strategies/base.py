@@ -112,6 +112,10 @@ class ModelStates:
     grads_end_with_backward: bool = False
     """the device grads are freed at the backward's end, before the step (FSDP1 under CPU offload keeps each unit's
     gradient shard until its final callback hands the optimizer the host copy)"""
+    accumulated_grads_bytes: float = 0.0
+    """gradients held unsharded across the micro-batches of an accumulation that skip the gradient sync (FSDP's
+    ``no_sync``: ``Runtime.fsdp_no_sync``): the whole model's, from the first micro-batch's backward until each
+    unit's reduce-scatter in the last micro-batch's backward turns it into its shard (``grads_bytes``)"""
     step_order: tuple[tuple[str, float | None], ...] = ()
     """the step's first transients on the compute stream, as a recipe (``recipe_sizes``), before its own
     (``step_flatten_bytes``, ``step_temp_bytes``): DeepSpeed ZeRO without offload checks (ZeRO-1/2 fp16) and

@@ -23,6 +23,8 @@ policy's param dtype). The wrapping unit is the model's transformer block (HF ``
 
 from __future__ import annotations
 
+import copy
+import json
 from math import prod
 from typing import Any
 
@@ -65,6 +67,15 @@ def optimizer_tensors(shape, world: int, flat: bool = False, orig_params: bool =
             out.append((piece,))
             left -= piece
     return [dims for dims in out if prod(dims) > 0]
+
+
+SYNC_EACH_BATCH = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+"""How hpcmem asks HF Accelerate (``GradientAccumulationPlugin``) and HF Trainer (``accelerator_config``) to
+reduce-scatter every micro-batch of an accumulation, as its own runtime does: by default both run all but the
+last under ``no_sync``, where FSDP keeps every unit's unsharded gradient until the last (``Runtime.fsdp_no_sync``),
+so that accumulating, a rung the ladder takes to save memory, would cost the whole unsharded gradient under FSDP.
+The field came with transformers PR #29589 (2024); PR #43919 ("Fix sync gradient", merged 2026-02-11) made the
+Trainer's accumulation loop check it before it enters ``no_sync`` (read in the installed 5.24)."""
 PREFETCHED_UNITS = 2
 """Blocks whose weights are gathered at once when resharding after the forward: the one being computed and
 the next, which FSDP2's implicit prefetching all-gathers in advance."""
@@ -148,13 +159,18 @@ class FSDP(Strategy):
         if plan.offload_params == "cpu":
             words.append("offload")
         flags = ["--fsdp", " ".join(words)]
-        return flags + (["--fsdp_config", config_path] if config_path else [])
+        if config_path:
+            flags += ["--fsdp_config", config_path]
+        if plan.grad_accum > 1:
+            flags += ["--accelerator_config", json.dumps(SYNC_EACH_BATCH)]
+        return flags
 
     def training_args(self, plan, config_path: str | None) -> dict[str, Any]:
-        flags = self.trainer_flags(plan, config_path)
-        out: dict[str, Any] = {"fsdp": flags[1]}
+        out: dict[str, Any] = {"fsdp": self.trainer_flags(plan, config_path)[1]}
         if config_path:
             out["fsdp_config"] = str(config_path)
+        if plan.grad_accum > 1:
+            out["accelerator_config"] = copy.deepcopy(SYNC_EACH_BATCH)
         return out
 
     def accelerate_kwargs(self, plan, config_path: str | None) -> dict[str, Any]:
@@ -164,7 +180,11 @@ class FSDP(Strategy):
             fsdp_version=2, reshard_after_forward=plan.reshard_after_forward, auto_wrap_policy="transformer_based_wrap",
             cpu_offload=plan.offload_params == "cpu", activation_checkpointing=plan.checkpointing,
             state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=self.mixed_precision_policy(plan))
-        return {"fsdp_plugin": plugin, "gradient_accumulation_steps": plan.grad_accum}
+        from accelerate.utils import GradientAccumulationPlugin
+
+        accumulation = GradientAccumulationPlugin(num_steps=plan.grad_accum,
+                                                  **SYNC_EACH_BATCH["gradient_accumulation_kwargs"])
+        return {"fsdp_plugin": plugin, "gradient_accumulation_plugin": accumulation}
 
     def fabric_kwargs(self, plan) -> dict[str, Any]:
         # Lightning's FSDPStrategy speaks FSDP1's sharding strategies; the wrapping and checkpointing policies
@@ -213,6 +233,14 @@ class FSDP(Strategy):
         # copies the unit's gradients into a new flat input (read in torch 2.13's _fsdp_collectives.py); FSDP1
         # reduce-scatters its flat gradient itself, cast only when the dtype differs
         buffers = block * (dt.grad + (reduce if reduce != dt.grad or not flat else 0))
+        # accumulation without the gradient sync (Runtime.fsdp_no_sync): every unit keeps its unsharded gradient
+        # between micro-batches, FSDP1 as its flat parameter's .grad in the unsharded (compute) dtype (the
+        # post-backward hook returns before _reduce_grad; prepare_gradient_for_backward keeps an unsharded .grad);
+        # FSDP2 casts it to its mixed-precision policy's reduce dtype (FSDPParam.to_accumulated_grad_if_needed). Read in
+        # torch 2.13; with CPU offload too ("the gradients will not be offloaded to CPU when inside the context")
+        accumulated = 0.0
+        if getattr(runtime, "fsdp_no_sync", False) and plan.grad_accum > 1 and plan.world_size > 1:
+            accumulated = psi * (reduce if not flat and plan.precision in MIXED else dt.grad)
         host = 0.0
         if plan.offload_params == "cpu":
             host = params + grads + optimizer
@@ -224,7 +252,7 @@ class FSDP(Strategy):
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, persistent_grads=False,
                            grads_end_with_backward=plan.offload_params == "cpu" and grads > 0,
                            buffer_bytes=buffers, gathered_bytes=gathered, step_temp_bytes=step,
-                           host_bytes_per_rank=host)
+                           host_bytes_per_rank=host, accumulated_grads_bytes=accumulated)
 
     def placement(self, plan) -> Placement:
         share = 1.0 / plan.world_size
