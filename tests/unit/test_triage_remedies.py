@@ -306,6 +306,12 @@ def test_script_ds_config_and_trainer_lines_are_the_diff_of_what_hpcmem_writes()
     assert ds_config_changes(old.replace(launcher="torchrun", zero_stage=0), old.replace(launcher="torchrun",
                                                                                          zero_stage=0), A100) == ()
     assert script_changes(old, old, A100) == () and trainer_arg_changes(old, old) == ()
+    # a value a shell would split is quoted; under FSDP, accumulating asks for a gradient sync on every micro-batch
+    fsdp = Plan(launcher="fsdp", gpus_per_node=4, global_batch=32, micro_batch=8)
+    assert trainer_arg_changes(fsdp, fsdp.replace(micro_batch=2, grad_accum=4)) == (
+        "--per_device_train_batch_size 2", "--gradient_accumulation_steps 4",
+        """--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": true}}'""")
+    assert trainer_arg_changes(fsdp, fsdp.replace(reshard_after_forward=False)) == ("--fsdp 'shard_grad_op auto_wrap'",)
 
 
 def test_to_dict_is_json_with_rounded_mib():

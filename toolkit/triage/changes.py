@@ -4,6 +4,7 @@ config and the HF Trainer arguments between two plans (pure; diffs of what hpcme
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any, Mapping
 
 from ..jobspec import hf_trainer_args
@@ -159,9 +160,11 @@ def _value(value: Any) -> str:
 
 
 def trainer_arg_changes(old: Plan, new: Plan) -> tuple[str, ...]:
-    """HF Trainer flags (``jobspec.hf_trainer_args``) that change: the new flag and value, or ``drop FLAG``."""
+    """HF Trainer flags (``jobspec.hf_trainer_args``) that change: the new flag and its value as a shell takes it
+    (``--fsdp 'full_shard auto_wrap'``), or ``drop FLAG``."""
     before, after = _flags(hf_trainer_args(old, DS_CONFIG)), _flags(hf_trainer_args(new, DS_CONFIG))
-    out = [f"{flag} {value}".rstrip() for flag, value in after.items() if before.get(flag) != value]
+    out = [f"{flag} {shlex.quote(value)}" if value else flag
+           for flag, value in after.items() if before.get(flag) != value]
     out += [f"drop {flag}" for flag in before if flag not in after]
     return tuple(out)
 
