@@ -80,3 +80,47 @@ def test_where_to_look_reads_the_cause():
     assert "completed: nothing failed" not in " ".join(where_to_look(teardown))
     seg = classify(None, "Segmentation fault (core dumped)\n")
     assert seg.cause == "segfault" and "PYTHONFAULTHANDLER" in where_to_look(seg)[0]
+
+
+FSDP_ACCUMULATION = """#!/bin/bash
+#SBATCH --partition=a100-40gb
+#SBATCH --gres=gpu:4
+torchrun --nproc_per_node 4 run_clm.py --model_name_or_path llama-7b --per_device_train_batch_size 1 \\
+   --gradient_accumulation_steps 8 --bf16 --gradient_checkpointing --block_size 512 --fsdp "full_shard auto_wrap"
+"""
+
+
+def test_hf_trainer_fsdp_accumulation_is_estimated_with_its_unsharded_gradients_and_told_to_sync(tmp_path):
+    """The HF Trainer accumulates under FSDP with no_sync unless --accelerator_config asks for sync_each_batch
+    (scriptread -> JobFacts.runtime -> KnownPlan.runtime -> Runtime.fsdp_no_sync): the picture holds every unit's
+    unsharded gradient, and the first remedy is the same plan with a gradient sync on every micro-batch, which
+    fits where the job did not (Llama-7B on 4 x A100-40GB)."""
+    from toolkit.estimate import estimate, model_ref
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.triage.sources import cases
+
+    oom = new_oom(tried=1.0, total=39.39, free=0.3, in_use=39.0, allocated=38.6, unallocated=0.2)
+    (tmp_path / "slurm-4412.out").write_text("step 3\n" + oom + "\n")
+    (tmp_path / "train.sbatch").write_text(FSDP_ACCUMULATION)
+    [case] = cases(str(tmp_path / "slurm-4412.out"))
+    assert case.facts.runtime == {"fsdp_no_sync": True}
+    finding = diagnose(case, EX)
+    assert finding.plan.launcher == "fsdp" and finding.plan.grad_accum == 8
+    first = finding.remedies[0]
+    assert first.title.startswith("Reduce the gradients on every micro-batch (sync_each_batch)") and first.fits
+    assert first.plan is None and first.trainer_args == (
+        """--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": true}}'""",)
+    # what it saves: the estimate of the plan as the job ran it, less the same plan syncing every micro-batch (the
+    # unsharded gradients, kept in the assumed plan's fp32 reduce dtype, less the shards syncing keeps instead)
+    then, now = (estimate(model_ref("llama-7b"), finding.plan, EX.partition("a100-40gb"),
+                          runtime=Runtime(fsdp_no_sync=kept)).device_used_mib for kept in (True, False))
+    assert then - now > 4 * 6.7e9 / 2**20 * 0.5 and f"{(then - now) / 1024:.1f} GiB" in first.title
+    # the job that already syncs every micro-batch gets no such advice, and its estimate holds only shards
+    synced = FSDP_ACCUMULATION.replace('auto_wrap"', 'auto_wrap" --accelerator_config '
+                                       '\'{"gradient_accumulation_kwargs": {"sync_each_batch": true}}\'')
+    (tmp_path / "train.sbatch").write_text(synced)
+    [case] = cases(str(tmp_path / "slurm-4412.out"))
+    assert case.facts.runtime == {"fsdp_no_sync": False}
+    again = diagnose(case, EX)
+    assert not any("sync_each_batch" in r.title for r in again.remedies)
+    assert again.picture.estimate.device_used_mib < finding.picture.estimate.device_used_mib - 10 * 1024

@@ -1,5 +1,7 @@
 """Job scripts and DeepSpeed configs read as Plan knobs (toolkit/triage/scriptread.py), on literal text."""
 
+import shlex
+
 import pytest
 
 from toolkit.strategies.deepspeed import deepspeed_config
@@ -185,3 +187,30 @@ def test_hf_trainer_fsdp_flags_are_an_fsdp_job():
     back = read_script("torchrun " + " ".join(f"'{a}'" for a in hf_trainer_args(plan, "fsdp_config.json")) + "\n")
     assert {k: back["knobs"][k] for k in ("launcher", "reshard_after_forward", "offload_params")} == \
         {"launcher": "fsdp", "reshard_after_forward": False, "offload_params": "cpu"}
+
+
+@pytest.mark.parametrize("extra, no_sync", [
+    ("", True),  # the Trainer's default: no_sync on every micro-batch but the last
+    ("""--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": true}}'""", False),
+    ("""--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}'""", True),
+    ("""--accelerator_config '{"split_batches": true}'""", True),
+    ("--accelerator_config accelerator.json", None),  # a file: not read here
+    ("--accelerator_config $ACC", None),
+    ("--accelerator_config '{not json'", None),
+    ("""--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": "yes"}}'""", None),
+])
+def test_hf_trainer_fsdp_accumulation_says_whether_it_syncs_every_micro_batch(extra, no_sync):
+    text = f'torchrun --nproc_per_node 4 run_clm.py --fsdp "full_shard auto_wrap" --gradient_accumulation_steps 4 {extra}\n'
+    assert read_script(text)["runtime"] == ({} if no_sync is None else {"fsdp_no_sync": no_sync})
+    # not FSDP: nothing to say
+    assert read_script(text.replace('--fsdp "full_shard auto_wrap"', "--fsdp no_shard"))["runtime"] == {}
+    assert read_script("python train.py --gradient_accumulation_steps 4\n")["runtime"] == {}
+
+
+def test_what_hpcmem_writes_for_fsdp_accumulation_reads_back_as_syncing_every_micro_batch():
+    from toolkit.jobspec import hf_trainer_args
+    from toolkit.plan import Plan
+
+    plan = Plan(launcher="fsdp", gpus_per_node=2, global_batch=16, micro_batch=2, grad_accum=4)
+    back = read_script("torchrun " + " ".join(shlex.quote(a) for a in hf_trainer_args(plan, "f.json")) + "\n")
+    assert back["runtime"] == {"fsdp_no_sync": False} and back["knobs"]["grad_accum"] == 4

@@ -58,6 +58,8 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
     except HpcmemError as exc:
         notes.append(f"the plan read from the job's files does not hold together ({exc}); defaults assumed")
         known = fill_plan(None, partition)
+    if facts.runtime:
+        known = dataclasses.replace(known, runtime=dict(facts.runtime))
     if known.note and verdict.is_oom:
         notes.append(known.note)
     model, note = load_model(facts)

@@ -83,6 +83,9 @@ class JobFacts:
     """Plan knob -> value (``toolkit/plan.py`` names) as the job ran."""
     knob_sources: dict = field(default_factory=dict)
     """Knob -> where it was read: plan.json, ledger, ds_config.json, trainer args, job script."""
+    runtime: dict = field(default_factory=dict)
+    """``estimate.gpu.Runtime`` fields the job's files state (``scriptread.read_script``'s ``runtime``: the HF
+    Trainer's FSDP accumulation without a sync on every micro-batch, ``fsdp_no_sync``)."""
     model: str | None = None
     task: str | None = None
     script_path: str | None = None
@@ -269,7 +272,7 @@ def add_script(builder: FactsBuilder, text: str, label: str, ds_search: list[Pat
     may lie (the job's working directory, the script's, the log's). Returns ``read_script``'s dict.
     """
     script = scriptread.read_script(text)
-    builder.set(JOB_SCRIPT, script_path=label, model=script["model"])
+    builder.set(JOB_SCRIPT, script_path=label, model=script["model"], runtime=script["runtime"])
     builder.set(JOB_SCRIPT, partition=script["partition"])  # after sacct / scontrol / the ledger: theirs wins
     search = list(ds_search)
     if script["cd"]:  # the launch runs there: relative paths start from it

@@ -25,7 +25,7 @@ Flags
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..classify import Verdict
@@ -63,6 +63,8 @@ class KnownPlan:
     """False when nothing at all was known (the plan is the defaults)."""
     given: frozenset = frozenset()
     """Names of the knobs that were given (``time_min`` in it: the time limit is known)."""
+    runtime: Mapping[str, Any] = field(default_factory=dict)
+    """``estimate.gpu.Runtime`` fields the job's files state about its software (``JobFacts.runtime``)."""
 
     @property
     def note(self) -> str:
@@ -249,16 +251,18 @@ def _estimate(verdict: Verdict, known: KnownPlan | None, partition: Partition | 
         return None
     if not partition.has_gpu and not is_host(verdict):
         notes.append("No GPU estimate: the partition has no GPU.")
-    return estimate(model, known.plan, partition, runtime=job_runtime(verdict))
+    return estimate(model, known.plan, partition, runtime=job_runtime(verdict, known))
 
 
-def job_runtime(verdict: Verdict):
-    """The job's software as its log states it (``Verdict.deepspeed_version``), for the estimator; None when the log
-    names none (the default Runtime: the DeepSpeed installed beside hpcmem)."""
+def job_runtime(verdict: Verdict, known: KnownPlan | None = None):
+    """The job's software as its log states it (``Verdict.deepspeed_version``) and its files do
+    (``KnownPlan.runtime``), for the estimator; None when neither says anything (the default Runtime: the
+    DeepSpeed installed beside hpcmem, a gradient sync on every micro-batch)."""
+    fields = dict(known.runtime) if known is not None else {}
     version = getattr(verdict, "deepspeed_version", None)
-    if not version:
-        return None
-    return Runtime(deepspeed_version=version)
+    if version:
+        fields["deepspeed_version"] = version
+    return Runtime(**fields) if fields else None
 
 
 def _flags(verdict, n, known, est, demand, capacity, partition, max_rss, mem_request) -> list[str]:

@@ -31,9 +31,14 @@ Which failures get which remedies (the family is ``failures.family_of(kind, caus
                                            slowdown), and on every other candidate too.
     the job's own DeepSpeed (``Verdict.deepspeed_version``, from its log): every prediction is made as that version
                                            allocates; where it holds memory that a newer one does not
-                                           (``software_advice``: ZeRO-1/2 with CPU offload before 0.19.8), the
+                                           (``upgrade_advice``: ZeRO-1/2 with CPU offload before 0.19.8), the
                                            same plan on a newer DeepSpeed -- first when it fits, after the plan
                                            moves when it does not.
+    the job's own accumulation (``KnownPlan.runtime``: the HF Trainer's ``--fsdp`` flags without
+    ``sync_each_batch``, read by ``scriptread``): every prediction keeps FSDP's unsharded gradients between
+                                           micro-batches (``Runtime.fsdp_no_sync``), and the same plan with a
+                                           gradient sync on every micro-batch (``sync_advice``) is ranked the
+                                           same way.
 
 Predicted peak (MiB per GPU, as nvidia-smi shows it)
     The one predictor, ``predict.Predictor`` (its docstring has the rules, the same as the ladder's): model known,
@@ -67,6 +72,7 @@ faster may still ask for a little more time: a job killed at its time limit cost
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from dataclasses import dataclass, replace
@@ -82,6 +88,7 @@ from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
 from ..plan import KNOBS, Plan, parse_sets, with_changes
 from ..sites import Partition
+from ..strategies.fsdp import SYNC_EACH_BATCH
 from .changes import ds_config_changes, script_changes, title, trainer_arg_changes
 from .picture import KnownPlan, fill_plan, job_runtime
 
@@ -171,14 +178,14 @@ def remedies(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] | None
         return advice
     if family == "host":
         return advice + _walk(verdict, known, maker, allow, room, host=True)
-    pred = _predictor(verdict, known.plan, partition, model) if known.known else None
+    pred = _predictor(verdict, known, partition, model) if known.known else None
     if pred is None:
         return advice + _walk(verdict, known, maker, allow, room, host=False)
-    upgrade = software_advice(known.plan, maker, pred)
-    if upgrade and upgrade[0].fits:  # the same plan fits on a newer DeepSpeed: first
-        return advice + upgrade + (_gpu(verdict, known, maker, allow, pred, room - 1) if room > 1 else [])
-    moves = _gpu(verdict, known, maker, allow, pred, room)
-    return advice + moves + upgrade[:room - len(moves)]
+    software = software_advice(known.plan, maker, pred)[:room]
+    first = [r for r in software if r.fits]  # the same plan fits with other software or settings: first
+    later = [r for r in software if not r.fits]
+    moves = _gpu(verdict, known, maker, allow, pred, room - len(first)) if room > len(first) else []
+    return advice + first + moves + later[:room - len(first) - len(moves)]
 
 
 LATE_STEP = 50
@@ -243,11 +250,53 @@ def phase_advice(verdict: Verdict, maker: "_Maker") -> list[Remedy]:
 
 
 def software_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Remedy]:
+    """The failed plan unchanged under other software or settings that hold less memory for it: a gradient sync on
+    every micro-batch (``sync_advice``), a newer DeepSpeed (``upgrade_advice``). Each is predicted without that
+    memory and fits only where the estimate without it fits too (ranked first then, after the plan moves
+    otherwise); [] when nothing applies or the model is unknown."""
+    return sync_advice(failed, maker, pred) + upgrade_advice(failed, maker, pred)
+
+
+def _without(failed: Plan, pred: Predictor, runtime: Runtime) -> tuple[float, bool | None]:
+    """(MiB per GPU the failed plan holds under ``pred``'s runtime but not under ``runtime``, whether it then fits)."""
+    other = Predictor(pred.partition, model=pred.model, method=pred.method, runtime=runtime)
+    saved = pred.estimate(failed).device_used_mib - other.estimate(failed).device_used_mib
+    before = pred.peak(failed)
+    if before is None or saved < 1.0:
+        return 0.0, None
+    fits = pred.fits(before - saved, failed)
+    return saved, (fits and bool(other.estimate(failed).fits) if fits is not None else None)
+
+
+def sync_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Remedy]:
+    """A gradient sync on every micro-batch, where the job accumulates under FSDP with the HF Trainer's default
+    ``no_sync`` (``Runtime.fsdp_no_sync``, read from its flags by ``scriptread``): every unit then keeps its whole
+    unsharded gradient until the last micro-batch."""
+    runtime = pred.runtime
+    if runtime is None or not runtime.fsdp_no_sync or pred.model is None or failed.launcher != "fsdp" \
+            or failed.grad_accum < 2:
+        return []
+    saved, fits = _without(failed, pred, replace(runtime, fsdp_no_sync=False))
+    if saved <= 0:
+        return []
+    flag = ("--accelerator_config", json.dumps(SYNC_EACH_BATCH))
+    advice = _advice(
+        f"Reduce the gradients on every micro-batch (sync_each_batch): under FSDP the accumulation holds "
+        f"{saved / 1024:.1f} GiB per GPU of unsharded gradients",
+        (f"{flag[0]} {shlex.quote(flag[1])}",),
+        f"Same plan, same results. The HF Trainer accumulates the first {failed.grad_accum - 1} of every "
+        f"{failed.grad_accum} micro-batches under no_sync, and FSDP then keeps every unit's whole unsharded gradient "
+        "until the last; a reduce-scatter per micro-batch costs communication, not memory. The Trainer honors the "
+        "setting since transformers PR #43919 (2026-02); a custom loop passes "
+        "GradientAccumulationPlugin(sync_each_batch=True) to Accelerator instead. Predicted peak without that memory.",
+        maker)
+    return [replace(advice, predicted_peak_mib=pred.peak(failed) - saved, fits=fits)]
+
+
+def upgrade_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Remedy]:
     """A newer DeepSpeed, where the job's own (its log's ``DeepSpeed info: version=``) holds memory that hpcmem's
     does not for this plan: ZeRO-1/2 with CPU optimizer offload (``estimate.gpu.Runtime``: the overflow check's
-    copies before DeepSpeed PR #8325, the step's fp32 partition on the device from v0.14.1 to v0.17.0).
-    The failed plan unchanged, predicted without that memory and fitting only where the newer estimate fits too
-    (ranked first then, after the plan moves otherwise); [] when nothing applies or the model is unknown."""
+    copies before DeepSpeed PR #8325, the step's fp32 partition on the device from v0.14.1 to v0.17.0)."""
     runtime = pred.runtime
     if runtime is None or pred.model is None or failed.launcher != "deepspeed" or failed.zero_stage not in (1, 2) \
             or failed.offload_optimizer == "none":
@@ -262,15 +311,12 @@ def software_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Reme
     if runtime.zero_offload_step_fp32_copy:
         causes.append("its step copies the whole fp32 partition to the GPU before casting it (DeepSpeed PR #7309, "
                       "in 0.17.0)")
-    before = pred.peak(failed)
-    newer = Predictor(pred.partition, model=pred.model, method=pred.method,
-                      runtime=Runtime(deepspeed_version=CURRENT_DEEPSPEED))
-    saved = pred.estimate(failed).device_used_mib - newer.estimate(failed).device_used_mib
-    if not causes or before is None or saved < 1.0:
+    if not causes:
         return []
-    peak = before - saved
-    fits = pred.fits(peak, failed)
-    fits = fits and bool(newer.estimate(failed).fits) if fits is not None else None
+    saved, fits = _without(failed, pred, replace(runtime, deepspeed_version=CURRENT_DEEPSPEED))
+    if saved <= 0:
+        return []
+    peak = pred.peak(failed) - saved
     advice = _advice(
         f"Upgrade DeepSpeed {runtime.deepspeed_version} -> {CURRENT_DEEPSPEED} or later: with this plan it holds "
         f"{saved / 1024:.1f} GiB per GPU that newer DeepSpeed does not",
@@ -289,10 +335,10 @@ def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Reme
 # --------------------------------------------------------------------------- prediction
 
 
-def _predictor(verdict: Verdict, failed: Plan, partition: Partition, model: ModelRef | None) -> Predictor | None:
-    """The one predictor (toolkit/predict.py) for this failure; None when it can say nothing (neither a model nor
-    enough numbers, or no known GPU capacity)."""
-    pred = Predictor(partition, failed, verdict.numbers, model, runtime=job_runtime(verdict))
+def _predictor(verdict: Verdict, known: KnownPlan, partition: Partition, model: ModelRef | None) -> Predictor | None:
+    """The one predictor (toolkit/predict.py) for this failure, with the job's software as its log and files state
+    it; None when it can say nothing (neither a model nor enough numbers, or no known GPU capacity)."""
+    pred = Predictor(partition, known.plan, verdict.numbers, model, runtime=job_runtime(verdict, known))
     if not pred.predicts or pred.target_mib is None:
         return None
     return pred

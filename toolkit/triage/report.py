@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import __version__
 
-SCHEMA = "hpcmem.triage/4"
+SCHEMA = "hpcmem.triage/5"
 """/2 (issue 12): the verdict gains cause, confidence, confirm, phase, step, total_steps.
 /3 (issue 14): a finding gains ``peaks`` (the data-driven case: toolkit/peaks.py), ``memory_snapshots`` and
 ``inflight_moves`` (what in-job recovery answered before this ending).

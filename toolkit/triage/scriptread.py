@@ -26,6 +26,7 @@ Plan field's Python type (int, bool, str).
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from typing import Any, Mapping
@@ -63,7 +64,10 @@ def read_script(text: str) -> dict[str, Any]:
     directory of the last literal ``cd DIR`` before the launch, where relative paths start, or None),
     ``output``/``error`` (the ``--output``/``--error`` patterns, or None), ``partition``
     (``#SBATCH -p/--partition`` as written, or None when absent or a ``$VARIABLE``), ``launcher_line``
-    (the first command line that starts ranks, or None). Memory knobs in MiB, time in minutes.
+    (the first command line that starts ranks, or None), ``runtime`` (``estimate.gpu.Runtime`` fields the
+    flags state: ``fsdp_no_sync`` for the HF Trainer under ``--fsdp``, whose accumulation runs every micro-batch
+    but the last under ``no_sync`` unless ``--accelerator_config`` asks for ``sync_each_batch``). Memory knobs in
+    MiB, time in minutes.
     """
     text = bounded_script(text)
     directives = read_directives(text)
@@ -74,7 +78,8 @@ def read_script(text: str) -> dict[str, Any]:
         knobs[knob], origin[knob] = value, source
 
     _directive_knobs(directives, put)
-    found: dict[str, Any] = {"model": None, "ds_config": None, "launcher_line": None, "cd": None}
+    found: dict[str, Any] = {"model": None, "ds_config": None, "launcher_line": None, "cd": None,
+                             "hf_fsdp": False, "accelerator_config": None}
     for line in logical_lines(text):
         alloc = _ALLOC_CONF.match(line)
         if alloc:
@@ -91,7 +96,13 @@ def read_script(text: str) -> dict[str, Any]:
             found["launcher_line"] = line
         _trainer_flags(words, put, found)
     partition = directives.get("partition") or None
-    return {"directives": directives, "knobs": knobs, "knob_origin": origin, **found,
+    runtime: dict[str, Any] = {}
+    if found.pop("hf_fsdp"):
+        sync = _sync_each_batch(found["accelerator_config"])
+        if sync is not None:
+            runtime["fsdp_no_sync"] = not sync
+    del found["accelerator_config"]
+    return {"directives": directives, "knobs": knobs, "knob_origin": origin, **found, "runtime": runtime,
             "output": directives.get("output") or None, "error": directives.get("error") or None,
             "partition": partition if partition and "$" not in partition else None}
 
@@ -290,21 +301,43 @@ def _trainer_flags(words: list[str], put, found: dict[str, Any]) -> None:
             found["ds_config"] = value
             put("launcher", "deepspeed", TRAINER_ARGS)
         elif name == "fsdp" and value and "$" not in value:
-            _fsdp_words(value, put)
+            found["hf_fsdp"] = _fsdp_words(value, put) or found["hf_fsdp"]
+        elif name == "accelerator_config" and value:
+            found["accelerator_config"] = value
         elif name in _MODEL_FLAGS and value and found["model"] is None and "$" not in value:
             found["model"] = value
 
 
-def _fsdp_words(value: str, put) -> None:
+def _fsdp_words(value: str, put) -> bool:
     """HF Trainer ``--fsdp "full_shard auto_wrap offload"``: FSDP, resharded after the forward (full_shard) or
-    not (shard_grad_op), CPU offload. ``no_shard`` is plain data parallelism; other words say nothing more."""
+    not (shard_grad_op), CPU offload; True when it shards. ``no_shard`` is plain data parallelism; other words say
+    nothing more."""
     words = set(value.lower().replace(",", " ").split())
     if not words & {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"}:
-        return
+        return False
     put("launcher", "fsdp", TRAINER_ARGS)
     put("reshard_after_forward", not words & {"shard_grad_op", "hybrid_shard_zero2"}, TRAINER_ARGS)
     if "offload" in words:
         put("offload_params", "cpu", TRAINER_ARGS)
+    return True
+
+
+def _sync_each_batch(value: str | None) -> bool | None:
+    """Whether HF Trainer's ``--accelerator_config`` asks for a gradient sync on every micro-batch
+    (``{"gradient_accumulation_kwargs": {"sync_each_batch": true}}``): False when the flag is absent or says
+    nothing of it (the Trainer's default), None when it cannot be read here (a file path, a ``$VARIABLE``, JSON
+    that does not parse)."""
+    if value is None:
+        return False
+    if not value.lstrip().startswith("{"):
+        return None
+    try:
+        config = json.loads(value)
+    except ValueError:
+        return None
+    kwargs = config.get("gradient_accumulation_kwargs") if isinstance(config, dict) else None
+    sync = kwargs.get("sync_each_batch", False) if isinstance(kwargs, dict) else False
+    return sync if isinstance(sync, bool) else None
 
 
 def _int(value: str | None) -> int | None:
