@@ -40,9 +40,11 @@ def env_number(name: str, default: float, *, minimum: float = 0.0, integer: bool
         return default
     try:
         value = int(raw) if integer else float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < minimum:
+        ok = math.isfinite(value) and value >= minimum
+    except (ValueError, OverflowError):  # OverflowError: a whole number too large for a float
+        ok = False
+    if not ok:
         kind = "a whole number" if integer else "a number"
-        raise ConfigError(f"environment variable {name}={raw!r} is not {kind} of at least {minimum:g}")
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        raise ConfigError(f"environment variable {name}={shown!r} is not {kind} of at least {minimum:g}")
     return value

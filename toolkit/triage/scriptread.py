@@ -333,7 +333,7 @@ def _sync_each_batch(value: str | None) -> bool | None:
         return None
     try:
         config = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser's stack
         return None
     kwargs = config.get("gradient_accumulation_kwargs") if isinstance(config, dict) else None
     sync = kwargs.get("sync_each_batch", False) if isinstance(kwargs, dict) else False
