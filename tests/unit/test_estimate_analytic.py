@@ -793,6 +793,18 @@ def test_fsdp_no_sync_keeps_the_whole_unsharded_gradient_between_micro_batches()
             return sorted(live.values())
 
         assert alive(kev) == alive(sev)
+    # a zero_grad that keeps the shards allocated (set_to_none=False): the phases hold them beside the unsharded
+    # gradient, as the stream does
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=8, seq_len=197, grad_accum=4,
+             checkpointing=True)
+    dt = an.dtypes_for(p, True)
+    for keep_shards in (False, True):
+        rt = Runtime(fsdp_no_sync=True, grads_set_to_none=not keep_shards)
+        states = an.model_states(VIT_BASE, p, dt, rt)
+        states = dataclasses.replace(states, persistent_grads=True) if keep_shards else states  # as estimate_analytic
+        ph = {x.name: x for x in an.phases(VIT_BASE, p, dt, states, inv.activations(VIT_BASE, p, dt, rt), rt)}
+        held = states.accumulated_grads_bytes + (states.grads_bytes if keep_shards else 0.0)
+        assert ph["forward end"].grads == ph["backward, first layer"].grads == held, keep_shards
     # nothing to keep without accumulation or on one rank
     for p in (plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=8, seq_len=197),
               plan(launcher="fsdp", gpus_per_node=1, precision="bf16-mixed", micro_batch=8, seq_len=197, grad_accum=4)):

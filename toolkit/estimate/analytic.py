@@ -137,9 +137,10 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     # through the next forwards and backwards, each unit's turned into its shard only by the last micro-batch's
     # reduce-scatter; its peak is the earlier micro-batches' (one unit's new gradient, AccumulateGrad's transient,
     # is the strategy's one-block buffer)
+    # (beside the shards, when zero_grad keeps those allocated between steps)
     accumulated = states.accumulated_grads_bytes
     if accumulated > 0:
-        live = fwd_live = accumulated
+        live = fwd_live = accumulated + (grads if states.persistent_grads else 0.0)
         head_g = layer_g = 0.0
     kept = L * acts.kept_layer_bytes
     pixels = acts.input_bytes  # an image model's input, saved by its first op: kept to the end of the backward
