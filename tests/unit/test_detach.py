@@ -19,7 +19,16 @@ def test_long_limits_are_warned_90_s_ahead_and_short_ones_less():
     assert detach.signal_delay_s(24 * 60) == 90 and detach.signal_delay_s(3) == 90
     # a 2-minute controller: warned 30 s ahead, so no earlier than 30 s after its start
     assert detach.signal_delay_s(2) == 30
-    # a 1-minute limit has no such delay: Slurm's earliest warning could come at the start, so the controller
-    # never asks for one that short
-    assert 60 - detach.signal_delay_s(1) - detach.SLURM_SIGNAL_EARLY_S < detach.HANDLER_START_S
-    assert detach.MIN_CONTROLLER_TIME_MIN >= 2
+
+
+def _earliest_warning_s(limit_min: int) -> int:
+    return limit_min * 60 - detach.signal_delay_s(limit_min) - detach.SLURM_SIGNAL_EARLY_S
+
+
+def test_the_shortest_controller_limit_is_the_shortest_that_is_safe():
+    """MIN_CONTROLLER_TIME_MIN is where the property starts to hold: one minute less and Slurm's earliest warning
+    could come before submitit's handler is up, whatever delay signal_delay_s asks for (a 1-minute limit could be
+    warned at the start)."""
+    shortest = detach.MIN_CONTROLLER_TIME_MIN
+    assert _earliest_warning_s(shortest) >= detach.HANDLER_START_S
+    assert _earliest_warning_s(shortest - 1) < detach.HANDLER_START_S
