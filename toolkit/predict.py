@@ -256,7 +256,9 @@ class Predictor:
     ``model``: what is trained (None: the numbers-only model). ``anchor``: the run's first plan, where the
     activation share is assumed (default ``failed``). ``method``: the estimate's method (model known).
     ``runtime``: the job's software as known (``estimate.gpu.Runtime``; None: the default Runtime, whose
-    DeepSpeed is the one installed beside hpcmem).
+    DeepSpeed is the one installed beside hpcmem). ``changed_runtime``: the software any other plan runs under,
+    where hpcmem's own flags for it change what the job did (None: ``runtime``): a job accumulating under
+    FSDP's ``no_sync`` is the failed plan, and every plan hpcmem writes syncs each micro-batch.
     """
 
     partition: Any
@@ -266,6 +268,7 @@ class Predictor:
     anchor: Plan | None = None
     method: str = "analytic"
     runtime: Any = None
+    changed_runtime: Any = None
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -334,12 +337,21 @@ class Predictor:
         """The estimate of ``plan`` (of ``model``, default the run's) on the partition, remembered."""
         from .estimate import estimate
 
+        runtime = self.runtime_of(plan)
         if model is not None and model is not self.model:
-            return estimate(model, plan, self.partition, self.method, runtime=self.runtime)  # not remembered
+            return estimate(model, plan, self.partition, self.method, runtime=runtime)  # not remembered
         key = ("est", plan)
         if key not in self._memo:
-            self._memo[key] = estimate(self.model, plan, self.partition, self.method, runtime=self.runtime)
+            self._memo[key] = estimate(self.model, plan, self.partition, self.method, runtime=runtime)
         return self._memo[key]
+
+    def runtime_of(self, plan: Plan):
+        """The software ``plan`` runs under: the job's for the failed plan (its time limit aside), else
+        ``changed_runtime`` where set."""
+        if self.changed_runtime is None or self.failed is None \
+                or plan.replace(time_min=self.failed.time_min) == self.failed:
+            return self.runtime
+        return self.changed_runtime
 
     def _scale(self, plan: Plan) -> float:
         """max(1, stated demand / the failed plan's estimate); the idle reserved memory left out for a plan that

@@ -86,7 +86,8 @@ FSDP_ACCUMULATION = """#!/bin/bash
 #SBATCH --partition=a100-40gb
 #SBATCH --gres=gpu:4
 torchrun --nproc_per_node 4 run_clm.py --model_name_or_path llama-7b --per_device_train_batch_size 1 \\
-   --gradient_accumulation_steps 8 --bf16 --gradient_checkpointing --block_size 512 --fsdp "full_shard auto_wrap"
+   --gradient_accumulation_steps 8 --bf16 --gradient_checkpointing --block_size 512 --fsdp "full_shard auto_wrap" \\
+   --fsdp_config '{"mixed_precision_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}'
 """
 
 
@@ -105,13 +106,14 @@ def test_hf_trainer_fsdp_accumulation_is_estimated_with_its_unsharded_gradients_
     [case] = cases(str(tmp_path / "slurm-4412.out"))
     assert case.facts.runtime == {"fsdp_no_sync": True}
     finding = diagnose(case, EX)
-    assert finding.plan.launcher == "fsdp" and finding.plan.grad_accum == 8
+    assert finding.plan.launcher == "fsdp" and finding.plan.grad_accum == 8 and finding.plan.reduce_dtype == "fp32"
+    assert any("unsharded gradient between micro-batches" in n for n in finding.notes)  # the report says why
     first = finding.remedies[0]
     assert first.title.startswith("Reduce the gradients on every micro-batch (sync_each_batch)") and first.fits
     assert first.plan is None and first.trainer_args == (
         """--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": true}}'""",)
     # what it saves: the estimate of the plan as the job ran it, less the same plan syncing every micro-batch (the
-    # unsharded gradients, kept in the assumed plan's fp32 reduce dtype, less the shards syncing keeps instead)
+    # unsharded gradients, kept in the fp32 reduce dtype its fsdp_config states, less the shards syncing keeps)
     then, now = (estimate(model_ref("llama-7b"), finding.plan, EX.partition("a100-40gb"),
                           runtime=Runtime(fsdp_no_sync=kept)).device_used_mib for kept in (True, False))
     assert then - now > 4 * 6.7e9 / 2**20 * 0.5 and f"{(then - now) / 1024:.1f} GiB" in first.title
@@ -123,4 +125,68 @@ def test_hf_trainer_fsdp_accumulation_is_estimated_with_its_unsharded_gradients_
     assert case.facts.runtime == {"fsdp_no_sync": False}
     again = diagnose(case, EX)
     assert not any("sync_each_batch" in r.title for r in again.remedies)
+    assert not any("unsharded gradient between micro-batches" in n for n in again.notes)
     assert again.picture.estimate.device_used_mib < finding.picture.estimate.device_used_mib - 10 * 1024
+
+
+def _fsdp_job(tmp_path, script: str):
+    from toolkit.triage.sources import cases
+
+    oom = new_oom(tried=1.0, total=39.39, free=0.3, in_use=39.0, allocated=38.6, unallocated=0.2)
+    (tmp_path / "slurm-4412.out").write_text("step 3\n" + oom + "\n")
+    (tmp_path / "train.sbatch").write_text(script)
+    [case] = cases(str(tmp_path / "slurm-4412.out"))
+    return case, diagnose(case, EX)
+
+
+def test_hf_trainer_fsdp_in_mixed_precision_reduces_in_the_16_bit_dtype_unless_its_fsdp_config_says_otherwise(
+        tmp_path):
+    """Accelerate builds FSDP's mixed-precision policy from --bf16 with reduce_dtype bf16 when the fsdp_config names
+    none (FullyShardedDataParallelPlugin.set_mixed_precision): the plan read from the flags says so, and the
+    unsharded gradients no_sync keeps are bf16, half the fp32 ones."""
+    default = FSDP_ACCUMULATION.split(" \\\n   --fsdp_config")[0] + "\n"
+    case, ran = _fsdp_job(tmp_path, default)
+    _, fp32 = _fsdp_job(tmp_path, FSDP_ACCUMULATION)
+    assert (ran.plan.reduce_dtype, fp32.plan.reduce_dtype) == ("param", "fp32")
+    assert case.facts.knob_sources["reduce_dtype"].startswith("trainer args")
+    held = {f.plan.reduce_dtype: f.picture.estimate.components["grads"] for f in (ran, fp32)}
+    assert held["fp32"] > 1.9 * held["param"] > 1.9 * 6.7e9 * 2 / 2**20
+    _, config_file = _fsdp_job(tmp_path, default.replace("--block_size 512", "--block_size 512 --fsdp_config f.json"))
+    assert config_file.plan.reduce_dtype == "param"  # a file is not read here: Accelerate's default
+
+
+def test_remedies_of_an_fsdp_accumulation_without_sync_are_predicted_and_flagged_as_hpcmem_writes_them(tmp_path):
+    """Every plan hpcmem offers for such a job syncs each micro-batch (its Trainer flags carry sync_each_batch), so
+    each move is predicted under that runtime (Predictor.changed_runtime) and says the flag; the flag is merged into
+    the job's own --accelerator_config (the Trainer takes the last one given) and never dropped."""
+    from toolkit.estimate import estimate, model_ref
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.triage.changes import trainer_arg_changes
+    from toolkit.triage.remedies import _Maker
+    from toolkit.triage.picture import fill_plan
+
+    own = """--accelerator_config '{"split_batches": true}'"""
+    case, finding = _fsdp_job(tmp_path, FSDP_ACCUMULATION.replace("--block_size 512", "--block_size 512 " + own))
+    assert case.facts.runtime == {"fsdp_no_sync": True} and case.facts.accelerator_config == '{"split_batches": true}'
+    merged = ("--accelerator_config "
+              """'{"split_batches": true, "gradient_accumulation_kwargs": {"sync_each_batch": true}}'""")
+    moves = [r for r in finding.remedies if r.plan is not None]
+    assert moves and all(merged in r.trainer_args for r in moves if r.plan.grad_accum > 1)
+    synced = Runtime(fsdp_no_sync=False)
+    for r in moves:  # predicted as they will run: with a sync on every micro-batch (not scaled: no stated demand
+        est = estimate(model_ref("llama-7b"), r.plan, EX.partition("a100-40gb"), runtime=synced)  # above it)
+        assert abs(r.predicted_peak_mib - est.device_used_mib) < 1.0, r.title
+    assert any(r.trainer_args == (merged,) for r in finding.remedies if r.plan is None)  # the sync advice
+    # a move to no accumulation keeps the job's own flag; a file is set, not replaced
+    failed = finding.plan
+    known = fill_plan(failed)
+    one = failed.replace(micro_batch=1, grad_accum=1, global_batch=4)
+    assert not any("accelerator_config" in a for a in trainer_arg_changes(failed, one, accelerator_config=own))
+    assert trainer_arg_changes(failed, one) == ("--gradient_accumulation_steps 1", "drop --accelerator_config")
+    maker = _Maker(EX.partition("a100-40gb"), type(known)(known.plan, accelerator_config="acc.json"), None, None,
+                   None, failed)
+    assert maker.trainer_args(failed, failed) == (
+        """set {"gradient_accumulation_kwargs": {"sync_each_batch": true}} in the job's --accelerator_config acc.json""",)
+    # a job whose own config already syncs is told nothing of it
+    asks = '{"gradient_accumulation_kwargs": {"sync_each_batch": true}}'
+    assert trainer_arg_changes(failed, failed, accelerator_config=asks) == ()

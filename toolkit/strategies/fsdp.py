@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import json
 from math import prod
-from typing import Any
+from typing import Any, Mapping
 
 from .. import optimizers
 from ..errors import PlanError
@@ -76,6 +76,19 @@ last under ``no_sync``, where FSDP keeps every unit's unsharded gradient until t
 so that accumulating, a rung the ladder takes to save memory, would cost the whole unsharded gradient under FSDP.
 The field came with transformers PR #29589 (2024); PR #43919 ("Fix sync gradient", merged 2026-02-11) made the
 Trainer's accumulation loop check it before it enters ``no_sync`` (read in the installed 5.24)."""
+
+
+def with_sync_each_batch(accelerator_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``accelerator_config`` (the HF Trainer's, as a dict) with ``SYNC_EACH_BATCH`` merged in, its other settings
+    kept: the Trainer takes only the last ``--accelerator_config`` given, so the sync is asked for inside the
+    job's own one. None: ``SYNC_EACH_BATCH`` alone."""
+    merged = copy.deepcopy(dict(accelerator_config or {}))
+    kwargs = merged.get("gradient_accumulation_kwargs")
+    merged["gradient_accumulation_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}),
+                                              **SYNC_EACH_BATCH["gradient_accumulation_kwargs"]}
+    return merged
+
+
 PREFETCHED_UNITS = 2
 """Blocks whose weights are gathered at once when resharding after the forward: the one being computed and
 the next, which FSDP2's implicit prefetching all-gathers in advance."""
@@ -162,7 +175,7 @@ class FSDP(Strategy):
         if config_path:
             flags += ["--fsdp_config", config_path]
         if plan.grad_accum > 1:
-            flags += ["--accelerator_config", json.dumps(SYNC_EACH_BATCH)]
+            flags += ["--accelerator_config", json.dumps(with_sync_each_batch())]
         return flags
 
     def training_args(self, plan, config_path: str | None) -> dict[str, Any]:
@@ -170,7 +183,7 @@ class FSDP(Strategy):
         if config_path:
             out["fsdp_config"] = str(config_path)
         if plan.grad_accum > 1:
-            out["accelerator_config"] = copy.deepcopy(SYNC_EACH_BATCH)
+            out["accelerator_config"] = with_sync_each_batch()
         return out
 
     def accelerate_kwargs(self, plan, config_path: str | None) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from ..jobspec import hf_trainer_args
 from ..plan import Plan
 from ..render import cpus_per_task
 from ..sites import Partition, format_minutes
+from ..strategies.fsdp import with_sync_each_batch
+from .scriptread import json_object, sync_each_batch
 
 DS_CONFIG = "ds_config.json"
 """The path hpcmem's Trainer flags name when showing what changes (the engine's own file name otherwise)."""
@@ -159,14 +161,34 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def trainer_arg_changes(old: Plan, new: Plan) -> tuple[str, ...]:
+AS_HPCMEM_WRITES = object()
+"""``trainer_arg_changes``'s default: the job's flags are the ones hpcmem writes for the old plan."""
+ACCELERATOR_CONFIG = "--accelerator_config"
+
+
+def trainer_arg_changes(old: Plan, new: Plan, *, accelerator_config: Any = AS_HPCMEM_WRITES) -> tuple[str, ...]:
     """HF Trainer flags (``jobspec.hf_trainer_args``) that change: the new flag and its value as a shell takes it
-    (``--fsdp 'full_shard auto_wrap'``), or ``drop FLAG``."""
+    (``--fsdp 'full_shard auto_wrap'``), or ``drop FLAG``.
+
+    ``accelerator_config``: the job's own ``--accelerator_config`` as written (None: it gave none), where its flags
+    were read (``KnownPlan.accelerator_config``). The Trainer takes only the last one given, so the gradient sync
+    hpcmem asks for with accumulation under FSDP is merged into the job's JSON (said as a setting where the job's is
+    a file), nothing is said where the job's already asks for it, and the job's own is never dropped."""
     before, after = _flags(hf_trainer_args(old, DS_CONFIG)), _flags(hf_trainer_args(new, DS_CONFIG))
+    extra = []
+    if accelerator_config is not AS_HPCMEM_WRITES:
+        before.pop(ACCELERATOR_CONFIG, None)
+        if after.pop(ACCELERATOR_CONFIG, None) is not None and not sync_each_batch(accelerator_config):
+            written = {} if accelerator_config is None else json_object(accelerator_config)
+            if written is not None:
+                after[ACCELERATOR_CONFIG] = json.dumps(with_sync_each_batch(written))
+            else:
+                extra.append(f"set {json.dumps(with_sync_each_batch())} in the job's {ACCELERATOR_CONFIG} "
+                             f"{shlex.quote(accelerator_config)}")
     out = [f"{flag} {shlex.quote(value)}" if value else flag
            for flag, value in after.items() if before.get(flag) != value]
     out += [f"drop {flag}" for flag in before if flag not in after]
-    return tuple(out)
+    return tuple(out + extra)
 
 
 def _flags(args: list[str]) -> dict[str, str]:

@@ -86,6 +86,9 @@ class JobFacts:
     runtime: dict = field(default_factory=dict)
     """``estimate.gpu.Runtime`` fields the job's files state (``scriptread.read_script``'s ``runtime``: the HF
     Trainer's FSDP accumulation without a sync on every micro-batch, ``fsdp_no_sync``)."""
+    accelerator_config: str | None = None
+    """The HF Trainer's ``--accelerator_config`` as the job script wrote it (inline JSON or a file), or None: a
+    remedy that asks for ``sync_each_batch`` merges into it, since the Trainer takes only the last one given."""
     model: str | None = None
     task: str | None = None
     script_path: str | None = None
@@ -272,7 +275,8 @@ def add_script(builder: FactsBuilder, text: str, label: str, ds_search: list[Pat
     may lie (the job's working directory, the script's, the log's). Returns ``read_script``'s dict.
     """
     script = scriptread.read_script(text)
-    builder.set(JOB_SCRIPT, script_path=label, model=script["model"], runtime=script["runtime"])
+    builder.set(JOB_SCRIPT, script_path=label, model=script["model"], runtime=script["runtime"],
+                accelerator_config=script["accelerator_config"])
     builder.set(JOB_SCRIPT, partition=script["partition"])  # after sacct / scontrol / the ledger: theirs wins
     search = list(ds_search)
     if script["cd"]:  # the launch runs there: relative paths start from it

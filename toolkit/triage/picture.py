@@ -65,6 +65,8 @@ class KnownPlan:
     """Names of the knobs that were given (``time_min`` in it: the time limit is known)."""
     runtime: Mapping[str, Any] = field(default_factory=dict)
     """``estimate.gpu.Runtime`` fields the job's files state about its software (``JobFacts.runtime``)."""
+    accelerator_config: str | None = None
+    """The HF Trainer's ``--accelerator_config`` as the job wrote it (``JobFacts.accelerator_config``), or None."""
 
     @property
     def note(self) -> str:

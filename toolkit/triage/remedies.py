@@ -72,7 +72,6 @@ faster may still ask for a little more time: a job killed at its time limit cost
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import dataclass, replace
@@ -88,7 +87,6 @@ from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
 from ..plan import KNOBS, Plan, parse_sets, with_changes
 from ..sites import Partition
-from ..strategies.fsdp import SYNC_EACH_BATCH
 from .changes import ds_config_changes, script_changes, title, trainer_arg_changes
 from .picture import KnownPlan, fill_plan, job_runtime
 
@@ -279,11 +277,10 @@ def sync_advice(failed: Plan, maker: "_Maker", pred: Predictor) -> list[Remedy]:
     saved, fits = _without(failed, pred, replace(runtime, fsdp_no_sync=False))
     if saved <= 0:
         return []
-    flag = ("--accelerator_config", json.dumps(SYNC_EACH_BATCH))
     advice = _advice(
         f"Reduce the gradients on every micro-batch (sync_each_batch): under FSDP the accumulation holds "
         f"{saved / 1024:.1f} GiB per GPU of unsharded gradients",
-        (f"{flag[0]} {shlex.quote(flag[1])}",),
+        maker.trainer_args(failed, failed),
         f"Same plan, same results. The HF Trainer accumulates the first {failed.grad_accum - 1} of every "
         f"{failed.grad_accum} micro-batches under no_sync, and FSDP then keeps every unit's whole unsharded gradient "
         "until the last; a reduce-scatter per micro-batch costs communication, not memory. The Trainer honors the "
@@ -338,7 +335,10 @@ def _advice(title: str, trainer_args: tuple, note: str, maker: "_Maker") -> Reme
 def _predictor(verdict: Verdict, known: KnownPlan, partition: Partition, model: ModelRef | None) -> Predictor | None:
     """The one predictor (toolkit/predict.py) for this failure, with the job's software as its log and files state
     it; None when it can say nothing (neither a model nor enough numbers, or no known GPU capacity)."""
-    pred = Predictor(partition, known.plan, verdict.numbers, model, runtime=job_runtime(verdict, known))
+    runtime = job_runtime(verdict, known)
+    # every plan hpcmem writes for an FSDP accumulation syncs each micro-batch (SYNC_EACH_BATCH in its flags)
+    changed = replace(runtime, fsdp_no_sync=False) if runtime is not None and runtime.fsdp_no_sync else None
+    pred = Predictor(partition, known.plan, verdict.numbers, model, runtime=runtime, changed_runtime=changed)
     if not pred.predicts or pred.target_mib is None:
         return None
     return pred
@@ -618,7 +618,14 @@ class _Maker:
             set_args=sets, submit_command=shlex.join(self.submit_argv(sets)),
             script_changes=script_changes(failed, plan, self.partition),
             ds_config_changes=ds_config_changes(failed, plan, self.partition, self._largest_param()),
-            trainer_args=trainer_arg_changes(failed, plan), changes_result=changes_result, note=note)
+            trainer_args=self.trainer_args(failed, plan), changes_result=changes_result, note=note)
+
+    def trainer_args(self, failed: Plan, plan: Plan) -> tuple[str, ...]:
+        """The HF Trainer flags to change, against the job's own ``--accelerator_config`` where its flags were read."""
+        known = self.known
+        if known.accelerator_config is None and "fsdp_no_sync" not in known.runtime:
+            return trainer_arg_changes(failed, plan)
+        return trainer_arg_changes(failed, plan, accelerator_config=known.accelerator_config)
 
     def submit_argv(self, sets: Iterable[str]) -> list[str]:
         argv = ["hpcmem", "submit", self.spec or "SPEC", "--site", self.site or self.partition.site,

@@ -13,12 +13,15 @@ from typing import Any
 
 from .. import __version__
 
-SCHEMA = "hpcmem.triage/5"
+SCHEMA = "hpcmem.triage/6"
 """/2 (issue 12): the verdict gains cause, confidence, confirm, phase, step, total_steps.
 /3 (issue 14): a finding gains ``peaks`` (the data-driven case: toolkit/peaks.py), ``memory_snapshots`` and
 ``inflight_moves`` (what in-job recovery answered before this ending).
 /4 (issue 11): the verdict gains ``deepspeed_version`` (the DeepSpeed the log names, under which the memory
-picture and the remedies are estimated)."""
+picture and the remedies are estimated).
+/5 (issue 11): the job gains ``runtime`` (``estimate.gpu.Runtime`` fields its files state: ``fsdp_no_sync``).
+/6 (issue 11): the job gains ``accelerator_config`` (the HF Trainer's flag as written, which the sync_each_batch
+remedy merges into)."""
 SINCE_SCHEMA = "hpcmem.triage-since/2"
 """/2 (issue 12): a group gains hint and phases; each job its cause, confidence, phase, step, total_steps."""
 

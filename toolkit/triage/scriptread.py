@@ -15,7 +15,8 @@ Understood on command lines (``\\``-continued lines joined, quotes as the shell 
 - Hugging Face Trainer flags on any line: ``--per_device_train_batch_size``,
   ``--gradient_accumulation_steps``, ``--bf16``, ``--fp16``, ``--gradient_checkpointing``,
   ``--optim``, ``--deepspeed CFG``, ``--fsdp "full_shard|shard_grad_op [auto_wrap] [offload]"``,
-  ``--max_seq_length`` / ``--block_size`` /
+  ``--fsdp_config`` (inline JSON: its ``mixed_precision_policy``), ``--accelerator_config`` (as written, and
+  whether it asks for ``sync_each_batch``), ``--max_seq_length`` / ``--block_size`` /
   ``--model_max_length`` / ``--max_length``, ``--attn_implementation``, ``--model_name_or_path``;
 - ``PYTORCH_CUDA_ALLOC_CONF=...`` set in the script (the allocator knob).
 
@@ -66,8 +67,15 @@ def read_script(text: str) -> dict[str, Any]:
     (``#SBATCH -p/--partition`` as written, or None when absent or a ``$VARIABLE``), ``launcher_line``
     (the first command line that starts ranks, or None), ``runtime`` (``estimate.gpu.Runtime`` fields the
     flags state: ``fsdp_no_sync`` for the HF Trainer under ``--fsdp``, whose accumulation runs every micro-batch
-    but the last under ``no_sync`` unless ``--accelerator_config`` asks for ``sync_each_batch``). Memory knobs in
-    MiB, time in minutes.
+    but the last under ``no_sync`` unless ``--accelerator_config`` asks for ``sync_each_batch``),
+    ``accelerator_config`` (the Trainer's ``--accelerator_config`` as written, or None). Memory knobs in MiB,
+    time in minutes.
+
+    Under the HF Trainer's ``--fsdp`` with ``--bf16``/``--fp16``, Accelerate builds FSDP's mixed-precision
+    policy with the gradients reduced in that 16-bit dtype (``FullyShardedDataParallelPlugin.set_mixed_precision``:
+    ``reduce_dtype=dtype``) unless the ``fsdp_config`` names a ``mixed_precision_policy``: the ``reduce_dtype``
+    knob is ``param``, or ``fp32`` where an inline ``--fsdp_config`` JSON names a policy reducing in float32 (a
+    config file is not read here, so Accelerate's default is taken).
     """
     text = bounded_script(text)
     directives = read_directives(text)
@@ -79,7 +87,7 @@ def read_script(text: str) -> dict[str, Any]:
 
     _directive_knobs(directives, put)
     found: dict[str, Any] = {"model": None, "ds_config": None, "launcher_line": None, "cd": None,
-                             "hf_fsdp": False, "accelerator_config": None}
+                             "hf_fsdp": False, "accelerator_config": None, "fsdp_config": None}
     for line in logical_lines(text):
         alloc = _ALLOC_CONF.match(line)
         if alloc:
@@ -97,11 +105,13 @@ def read_script(text: str) -> dict[str, Any]:
         _trainer_flags(words, put, found)
     partition = directives.get("partition") or None
     runtime: dict[str, Any] = {}
+    fsdp_config = found.pop("fsdp_config")
     if found.pop("hf_fsdp"):
-        sync = _sync_each_batch(found["accelerator_config"])
+        sync = sync_each_batch(found["accelerator_config"])
         if sync is not None:
             runtime["fsdp_no_sync"] = not sync
-    del found["accelerator_config"]
+        if origin.get("precision") == TRAINER_ARGS and knobs["precision"] in ("bf16-mixed", "fp16-mixed"):
+            put("reduce_dtype", _fsdp_reduce_dtype(fsdp_config), TRAINER_ARGS)
     return {"directives": directives, "knobs": knobs, "knob_origin": origin, **found, "runtime": runtime,
             "output": directives.get("output") or None, "error": directives.get("error") or None,
             "partition": partition if partition and "$" not in partition else None}
@@ -304,6 +314,8 @@ def _trainer_flags(words: list[str], put, found: dict[str, Any]) -> None:
             found["hf_fsdp"] = _fsdp_words(value, put) or found["hf_fsdp"]
         elif name == "accelerator_config" and value:
             found["accelerator_config"] = value
+        elif name == "fsdp_config" and value:
+            found["fsdp_config"] = value
         elif name in _MODEL_FLAGS and value and found["model"] is None and "$" not in value:
             found["model"] = value
 
@@ -322,22 +334,40 @@ def _fsdp_words(value: str, put) -> bool:
     return True
 
 
-def _sync_each_batch(value: str | None) -> bool | None:
+def sync_each_batch(value: str | None) -> bool | None:
     """Whether HF Trainer's ``--accelerator_config`` asks for a gradient sync on every micro-batch
     (``{"gradient_accumulation_kwargs": {"sync_each_batch": true}}``): False when the flag is absent or says
     nothing of it (the Trainer's default), None when it cannot be read here (a file path, a ``$VARIABLE``, JSON
     that does not parse)."""
     if value is None:
         return False
+    config = json_object(value)
+    if config is None:
+        return None
+    kwargs = config.get("gradient_accumulation_kwargs")
+    sync = kwargs.get("sync_each_batch", False) if isinstance(kwargs, dict) else False
+    return sync if isinstance(sync, bool) else None
+
+
+def json_object(value: str) -> dict | None:
+    """An inline JSON object as a flag's value, else None (a file path, a ``$VARIABLE``, JSON that does not parse,
+    or nests deeper than the parser's stack)."""
     if not value.lstrip().startswith("{"):
         return None
     try:
         config = json.loads(value)
-    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser's stack
+    except (ValueError, RecursionError):
         return None
-    kwargs = config.get("gradient_accumulation_kwargs") if isinstance(config, dict) else None
-    sync = kwargs.get("sync_each_batch", False) if isinstance(kwargs, dict) else False
-    return sync if isinstance(sync, bool) else None
+    return config if isinstance(config, dict) else None
+
+
+def _fsdp_reduce_dtype(fsdp_config: str | None) -> str:
+    """The Plan's ``reduce_dtype`` of an HF Trainer FSDP job in mixed precision: ``fp32`` where an inline
+    ``--fsdp_config`` names a ``mixed_precision_policy`` reducing in float32, else ``param`` (Accelerate's own
+    policy reduces in the 16-bit dtype)."""
+    policy = (json_object(fsdp_config) or {}).get("mixed_precision_policy") if fsdp_config else None
+    reduce = policy.get("reduce_dtype") if isinstance(policy, dict) else None
+    return "fp32" if isinstance(reduce, str) and reduce.lower() in ("float32", "fp32", "torch.float32") else "param"
 
 
 def _int(value: str | None) -> int | None:
