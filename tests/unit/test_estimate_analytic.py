@@ -204,6 +204,53 @@ def test_ddp_keeps_a_second_copy_of_the_grads():
     assert (one.buffer_bytes, two.buffer_bytes) == (0, 4 * PSI)
 
 
+def test_ddp_buckets_close_once_they_reach_their_cap_as_torch_assigns_them():
+    """c10d's compute_bucket_assignment_by_size adds a tensor, then closes the bucket once it has reached its limit,
+    so a bucket overshoots by up to its last tensor; the limits are taken in turn (hand-worked, MiB)."""
+    from toolkit.estimate.gpu import MIB, buckets_by_size, ddp_broadcast_sizes, ddp_bucket_sizes
+
+    assert buckets_by_size([10, 10, 10, 10, 10], (15,)) == [20, 20, 10]
+    assert buckets_by_size([1, 30, 2, 2], (1, 25)) == [1, 30, 4]  # the first limit, then the second for the rest
+    assert buckets_by_size([40], (25,)) == [40] and buckets_by_size([], (25,)) == []
+    # the rebuilt buckets run over the gradients as the backward makes them (reverse registration): 1 MiB, then 25
+    assert ddp_bucket_sizes([MIB * x for x in (20, 20, 20, 0.5, 0.75)]) == [MIB * x for x in (1.25, 40, 20)]
+    # the construction's broadcast goes over the parameters in order, 250 MiB buckets
+    assert ddp_broadcast_sizes([MIB * x for x in (200, 100, 30)]) == [MIB * 300, MIB * 30]
+
+
+def test_ddp_is_built_with_one_bucket_rebuilt_at_the_second_forward_and_lightning_builds_it_on_a_stream_of_its_own():
+    """DDP's construction broadcasts the parameters through flat copies and makes one bucket of every gradient,
+    rebuilt into the capped buckets at the second forward (estimate.gpu's DDP notes). On the default stream the
+    allocator reuses those blocks; Lightning builds DDP on a stream of its own (Runtime.ddp_side_stream), whose
+    blocks training never reuses: the reserved peak then holds the broadcast's copies and the first bucket on top,
+    the allocated peak is unchanged (ViT-B on 4 ranks, fp32 weights: a 327 MiB bucket, copies of 253 + 74 MiB)."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime, ddp_broadcast_sizes
+    from toolkit.estimate.stream import DDP_BUILD_STREAM, step_events, param_order
+
+    p = plan(gpus_per_node=4, precision="bf16-mixed", micro_batch=16, seq_len=197)
+    dt = an.dtypes_for(p, True)
+    states, acts = an.model_states(VIT_BASE, p, dt), inv.activations(VIT_BASE, p, dt)
+    runs = {}
+    for side in (False, True):
+        events = step_events(VIT_BASE, p, dt, states, acts, runtime=Runtime(ddp_side_stream=side), steps=2)
+        runs[side] = (events, replay(events))
+    (plain, r0), (lightning, r1) = runs[False], runs[True]
+    grads = 4 * VIT_BASE.n_params
+    built = [e for e in lightning if e[0] == "alloc" and len(e) == 4 and e[3] == DDP_BUILD_STREAM]
+    copies = ddp_broadcast_sizes([4 * math.prod(e[1]) for e in param_order(VIT_BASE)])
+    assert [e[2] for e in built] == [*copies, grads] and len(copies) == 2
+    assert not any(len(e) == 4 and e[3] == DDP_BUILD_STREAM for e in plain)
+    # the first bucket is freed at the second step, before its first forward allocation
+    first = built[-1][1]
+    at = next(i for i, e in enumerate(lightning) if e[0] == "free" and e[1] == first)
+    step2 = next(i for i, e in enumerate(lightning) if e[0] == "mark" and e[1] == "step 2")
+    assert at == step2 + 1
+    assert r1.peak_requested == r0.peak_requested  # the same tensors (allocated differs by where blocks split)
+    extra = r1.peak_reserved - r0.peak_reserved
+    assert 0.9 * (grads + sum(copies)) <= extra <= 1.1 * (grads + sum(copies)) + 64 * 2**20, extra / 2**20
+
+
 # -- activations --------------------------------------------------------------------------------------------
 
 

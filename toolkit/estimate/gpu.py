@@ -47,10 +47,17 @@ NCCL_MIN_CHANNELS = 2
 
 # DDP: torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25); the first bucket is capped at
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB (torch/nn/parallel/distributed.py). With
-# gradient_as_bucket_view=False (the default) the buckets are a second copy of the gradients,
-# allocated when the Reducer is built; with True the grads are views into them (no second copy).
+# gradient_as_bucket_view=False (the default) the buckets are a second copy of the gradients; with True the
+# grads are views into them (no second copy). Built without find_unused_parameters or static_graph, the Reducer
+# starts with one bucket of every gradient (bucket_size_limits = [sys.maxsize], DDPBucketConfig
+# .compute_bucket_size_limits) and rebuilds it into the capped buckets, in the order the first backward made the
+# gradients, at the second iteration's forward (_rebuild_buckets; Reducer::initialize_buckets clears the old
+# buckets first). Its construction first broadcasts rank 0's parameters and buffers (_sync_module_states) through
+# flat copies of up to 250 MiB buckets, two in flight (c10d comm.cpp broadcast_coalesced).
 DDP_BUCKET_CAP = 25 * MIB
 DDP_FIRST_BUCKET = 1 * MIB
+DDP_BROADCAST_BUCKET = 250 * MIB
+DDP_BROADCASTS_IN_FLIGHT = 2
 
 
 def cublas_workspace_bytes(gpu_model: str | None, config: str | None = None) -> int:
@@ -146,6 +153,15 @@ class Runtime:
     passes True): the optimizer steps over each original parameter's piece of the rank's shard instead of one
     flat parameter per unit (``strategies.fsdp.optimizer_tensors``)"""
 
+    ddp_side_stream: bool = False
+    """DistributedDataParallel is built inside a stream of its own: Lightning's ``DDPStrategy`` (Fabric's and the
+    Trainer's, since Lightning 2.1, PR #17334; read in the 2.1.0 and 2.6.6 wheels: ``setup_module`` / ``_setup_model``
+    under ``torch.cuda.stream(torch.cuda.Stream())``). The blocks its construction makes, the broadcast's flat
+    copies and the Reducer's first all-gradient bucket, then belong to that stream's pool, which the training's
+    stream never reuses (``get_free_block`` matches the stream): they stay reserved, on top of the rebuilt buckets,
+    until ``empty_cache`` or an allocation that would otherwise fail releases them. False: built on the default
+    stream (torch's own examples, hpcmem's runtime)"""
+
     fsdp_no_sync: bool = False
     """gradient accumulation under FSDP skips the gradient sync on every micro-batch but the last: FSDP1's
     ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``, which HF Accelerate's ``accumulate``/``no_sync``,
@@ -202,7 +218,7 @@ class Runtime:
 
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
-                     "fsdp_no_sync"):
+                     "fsdp_no_sync", "ddp_side_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:
@@ -357,20 +373,31 @@ def nccl_buffer_bytes(world_size: int) -> int:
     return NCCL_MIN_CHANNELS * 2 * (NCCL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE)
 
 
-def ddp_bucket_sizes(grad_bytes_in_order: list[int]) -> list[int]:
-    """DDP's gradient buckets (bytes) over the parameters in reverse order of registration, as the
-    Reducer forms them: the first bucket up to 1 MiB, then up to 25 MiB each (a tensor larger than the
-    cap gets a bucket of its own)."""
+def buckets_by_size(sizes, limits: tuple[int, ...]) -> list[int]:
+    """torch's ``compute_bucket_assignment_by_size`` (c10d ``reducer.cpp``) for tensors of one dtype and device, in
+    bytes: each tensor joins the open bucket, which closes once it has reached its limit (so it overshoots by up to
+    its last tensor); the limits are taken in turn, the last for the rest."""
     out: list[int] = []
-    cap, cur = DDP_FIRST_BUCKET, 0
-    for g in reversed(grad_bytes_in_order):
-        if cur and cur + g > cap:
+    cur, k = 0, 0
+    for size in sizes:
+        cur += size
+        if cur >= limits[k]:
             out.append(cur)
-            cur, cap = 0, DDP_BUCKET_CAP
-        cur += g
+            cur, k = 0, min(k + 1, len(limits) - 1)
     if cur:
         out.append(cur)
     return out
+
+
+def ddp_bucket_sizes(grad_bytes_in_order: list[int]) -> list[int]:
+    """DDP's gradient buckets (bytes) as the Reducer rebuilds them, over the gradients in the order the backward
+    makes them (the parameters' reverse order of registration): the first closed at 1 MiB, the others at 25 MiB."""
+    return buckets_by_size(reversed(grad_bytes_in_order), (DDP_FIRST_BUCKET, DDP_BUCKET_CAP))
+
+
+def ddp_broadcast_sizes(state_bytes_in_order: list[int]) -> list[int]:
+    """The flat copies DDP's construction broadcasts rank 0's parameters and buffers through (bytes, in order)."""
+    return buckets_by_size(state_bytes_in_order, (DDP_BROADCAST_BUCKET,))
 
 
 def gpu_extras_mib(world_size: int, gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, float]:

@@ -37,7 +37,8 @@ from .. import optimizers
 from ..modelshape import ModelShape
 from ..strategies.base import AUTOGRAD_GRADIENT
 from ..strategies.fsdp import optimizer_tensors as fsdp_optimizer_tensors
-from .gpu import DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD, ddp_bucket_sizes
+from .gpu import (DDP_BROADCASTS_IN_FLIGHT, DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD,
+                  ddp_broadcast_sizes, ddp_bucket_sizes)
 
 Event = tuple
 
@@ -286,10 +287,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     g_stream = GATHER_STREAM if states.side_streams else DEFAULT_STREAM
     if states.gathered_moments is not None and unit > 0:
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
+    ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
         if per_tensor and plan.world_size > 1:
-            for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
-                alloc(bucket)
+            ddp_first_bucket = _ddp_construction(params, dt, alloc, free,
+                                                 DDP_BUILD_STREAM if runtime.ddp_side_stream else DEFAULT_STREAM)
         else:
             alloc(states.buffer_bytes)
     if dt.gpu:  # cuBLAS (and in torch 2.0-2.4 cuBLASLt) workspaces: the first GEMM, kept for the process
@@ -343,6 +345,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
 
     for step in range(1, steps + 1):
         A(("mark", f"step {step}"))
+        if step == 2 and ddp_first_bucket is not None:  # the Reducer's rebuild, at the second forward
+            free(ddp_first_bucket)
+            for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
+                alloc(bucket)
         for mb in range(micro):
             # forward
             out_ids = [alloc(x) for x in outside]
@@ -504,6 +510,20 @@ default sub_group_size is 1e9 elements; torch pads each FSDP shard): chunks only
 segments they make."""
 
 
+def _ddp_construction(params, dt, alloc, free, stream) -> int:
+    """DistributedDataParallel's construction on ``stream`` (estimate.gpu, the DDP notes): the broadcast of the
+    parameters through flat copies, two in flight, then the Reducer's one bucket of every gradient, whose id is
+    returned (it lives until the rebuild)."""
+    in_flight: list[int] = []
+    for size in ddp_broadcast_sizes([dt.param * prod(e[1]) for e in params]):
+        if len(in_flight) >= DDP_BROADCASTS_IN_FLIGHT:
+            free(in_flight.pop(0))
+        in_flight.append(alloc(size, stream))
+    for i in in_flight:
+        free(i)
+    return alloc(sum(dt.grad * prod(e[1]) for e in params), stream)
+
+
 def _follow(order, alloc, free, stream_of=None) -> dict[str, int]:
     """Replay a recipe of ``(name, bytes)`` (make a tensor) and ``(name, None)`` (free the one made under that
     name) steps; the ids still alive, by name. ``stream_of(name)``: the stream each tensor is made on (None: the
@@ -549,6 +569,8 @@ def _first_layer_index(params) -> int:
 DEFAULT_STREAM = 0
 GATHER_STREAM = "all-gather"
 """the stream DeepSpeed's parameter coordinator gathers on with ``overlap_comm``"""
+DDP_BUILD_STREAM = "ddp-build"
+"""the stream Lightning builds DistributedDataParallel on (``Runtime.ddp_side_stream``)"""
 REDUCE_STREAM = "reduce"
 """the stream DeepSpeed reduces gradients on with ``overlap_comm`` (ZeRO-3's ``reduce_and_partition_stream``,
 ZeRO-1/2's ``reduction_stream``)"""
