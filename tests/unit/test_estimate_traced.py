@@ -531,6 +531,27 @@ def test_the_recorded_stream_replays_to_a_reserved_peak_at_least_the_allocated_o
     assert est.peak_reserved_mib >= est.peak_allocated_mib and est.fits_allocated
 
 
+def test_the_recorded_ddp_stream_builds_one_bucket_and_rebuilds_it_at_the_second_step():
+    """Over several ranks the recorded stream holds DDP's construction (the broadcast's flat copy, the Reducer's one
+    bucket of every gradient) and its rebuild at the second step, the analytic stream's recipe
+    (stream.ddp_construction); on Lightning's own stream with Runtime.ddp_side_stream."""
+    from toolkit.estimate.stream import DDP_BUILD_STREAM
+    from toolkit.estimate.traced import record_training
+
+    p = plan(gpus_per_node=2)
+    for side in (False, True):
+        events = record_training(config("tiny-gpt2"), "causal-lm", p, steps=2, ddp_side_stream=side)
+        step1, step2 = events.index(("mark", "step 1")), events.index(("mark", "step 2"))
+        copy, bucket = [e for e in events[:step1] if e[0] == "alloc"][-2:]  # a tiny model: one broadcast copy
+        assert copy[2] == bucket[2] and ("free", copy[1]) in events[:step1]  # fp32 weights and grads: one size
+        assert all((len(e) == 4 and e[3] == DDP_BUILD_STREAM) == side for e in (copy, bucket))
+        assert events[step2 + 1] == ("free", bucket[1])  # the rebuild frees it before the second forward
+        rebuilt = [e for e in events[step2 + 2:] if e[0] == "alloc"]
+        assert sum(e[2] for e in rebuilt[:2]) <= bucket[2] <= sum(e[2] for e in rebuilt[:40])
+    one = record_training(config("tiny-gpt2"), "causal-lm", plan(), steps=2)
+    assert not any(len(e) == 4 for e in one)
+
+
 def test_an_older_runtime_keeps_the_gradients_in_the_trace():
     from toolkit.estimate.gpu import Runtime
 

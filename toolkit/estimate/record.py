@@ -57,6 +57,21 @@ class StorageRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._storage(t.untyped_storage())
 
+    def external(self, nbytes: int, stream: Any = 0) -> int:
+        """An allocation made outside the dispatcher (a C++ component's own buffer, e.g. DDP's Reducer); its id,
+        for ``release``. ``stream``: the allocator stream it belongs to (0: the default)."""
+        self._next += 1
+        self.events.append(("alloc", self._next, int(nbytes)) if stream == 0
+                           else ("alloc", self._next, int(nbytes), stream))
+        self.live += int(nbytes)
+        self.peak = max(self.peak, self.live)
+        return self._next
+
+    def release(self, sid: int) -> None:
+        """Free an ``external`` allocation."""
+        size = next(e[2] for e in self.events if e[0] == "alloc" and e[1] == sid)
+        self._free(sid, size)
+
     def mark(self, label: str) -> None:
         self.events.append(("mark", label))
 

@@ -290,8 +290,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
         if per_tensor and plan.world_size > 1:
-            ddp_first_bucket = _ddp_construction(params, dt, alloc, free,
-                                                 DDP_BUILD_STREAM if runtime.ddp_side_stream else DEFAULT_STREAM)
+            ddp_first_bucket = ddp_construction([dt.param * prod(e[1]) for e in params],
+                                                [dt.grad * prod(e[1]) for e in params], alloc, free,
+                                                runtime.ddp_side_stream)
         else:
             alloc(states.buffer_bytes)
     if dt.gpu:  # cuBLAS (and in torch 2.0-2.4 cuBLASLt) workspaces: the first GEMM, kept for the process
@@ -346,9 +347,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     for step in range(1, steps + 1):
         A(("mark", f"step {step}"))
         if step == 2 and ddp_first_bucket is not None:  # the Reducer's rebuild, at the second forward
-            free(ddp_first_bucket)
-            for bucket in ddp_bucket_sizes([dt.grad * prod(e[1]) for e in params]):
-                alloc(bucket)
+            ddp_rebuild(ddp_first_bucket, [dt.grad * prod(e[1]) for e in params], alloc, free)
         for mb in range(micro):
             # forward
             out_ids = [alloc(x) for x in outside]
@@ -510,18 +509,28 @@ default sub_group_size is 1e9 elements; torch pads each FSDP shard): chunks only
 segments they make."""
 
 
-def _ddp_construction(params, dt, alloc, free, stream) -> int:
-    """DistributedDataParallel's construction on ``stream`` (estimate.gpu, the DDP notes): the broadcast of the
-    parameters through flat copies, two in flight, then the Reducer's one bucket of every gradient, whose id is
-    returned (it lives until the rebuild)."""
+def ddp_construction(param_bytes: list[int], grad_bytes: list[int], alloc, free, side_stream: bool) -> int:
+    """DistributedDataParallel's construction (estimate.gpu, the DDP notes), the parameters' and their gradients'
+    bytes in registration order: the broadcast of the parameters through flat copies, two in flight, then the
+    Reducer's one bucket of every gradient, whose id is returned (it lives until ``ddp_rebuild``). On Lightning's
+    own stream with ``side_stream`` (``Runtime.ddp_side_stream``). Used by both methods' streams."""
+    stream = DDP_BUILD_STREAM if side_stream else DEFAULT_STREAM
     in_flight: list[int] = []
-    for size in ddp_broadcast_sizes([dt.param * prod(e[1]) for e in params]):
+    for size in ddp_broadcast_sizes(param_bytes):
         if len(in_flight) >= DDP_BROADCASTS_IN_FLIGHT:
             free(in_flight.pop(0))
         in_flight.append(alloc(size, stream))
     for i in in_flight:
         free(i)
-    return alloc(sum(dt.grad * prod(e[1]) for e in params), stream)
+    return alloc(sum(grad_bytes), stream)
+
+
+def ddp_rebuild(first_bucket: int, grad_bytes: list[int], alloc, free) -> None:
+    """The Reducer's rebuild at the second forward: the first bucket freed, then the capped buckets in the order
+    the backward made the gradients (``ddp_bucket_sizes``), on the training's stream."""
+    free(first_bucket)
+    for bucket in ddp_bucket_sizes(grad_bytes):
+        alloc(bucket)
 
 
 def _follow(order, alloc, free, stream_of=None) -> dict[str, int]:

@@ -231,7 +231,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
                                  set_to_none=runtime is None or runtime.frees_grads,
                                  zero_before_backward=runtime is not None and runtime.grads_through_forward,
                                  logits_fp32=runtime is None or runtime.logits_fp32,
-                                 softmax_saves_input=runtime is not None and runtime.softmax_saves_input)
+                                 softmax_saves_input=runtime is not None and runtime.softmax_saves_input,
+                                 ddp_side_stream=runtime is not None and runtime.ddp_side_stream)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -1043,12 +1044,16 @@ def _quiet() -> Iterator[None]:
 
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
                     steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False,
-                    logits_fp32: bool = True, softmax_saves_input: bool = False) -> list[tuple]:
+                    logits_fp32: bool = True, softmax_saves_input: bool = False,
+                    ddp_side_stream: bool = False) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
-    rounds them as CUDA's allocator does)."""
+    rounds them as CUDA's allocator does). Over several torchrun ranks DDP's construction and its buckets'
+    rebuild at the second step are the analytic stream's (``stream.ddp_construction``; on Lightning's own
+    stream with ``ddp_side_stream``)."""
     from .record import StorageRecorder
+    from .stream import ddp_construction, ddp_rebuild
 
     layout = _layout(plan)
     notes: list[str] = []
@@ -1061,13 +1066,16 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             rec.adopt(traced.module.buffers())
             params = [p for p in traced.module.parameters() if p.requires_grad]
             optimizer = _make_optimizer(plan, params, layout, target, notes)
-            buckets = _ddp_buckets(plan, params, notes)
-            rec.adopt(buckets)
+            ddp = plan.strategy.name == "torchrun" and plan.world_size > 1
+            sizes = [p.numel() * p.element_size() for p in params]
+            first = ddp_construction(sizes, sizes, rec.external, rec.release, ddp_side_stream) if ddp else None
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
+                if step == 1 and first is not None:
+                    ddp_rebuild(first, sizes, rec.external, rec.release)
                 with _softmax_saving_input(softmax_saves_input):
                     _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward)
                 gc.collect(0)
         events = rec.closed()
-        del traced, params, optimizer, buckets
+        del traced, params, optimizer
     return events
