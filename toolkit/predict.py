@@ -337,17 +337,18 @@ class Predictor:
         """The estimate of ``plan`` (of ``model``, default the run's) on the partition, remembered."""
         from .estimate import estimate
 
-        runtime = self.runtime_of(plan)
-        if model is not None and model is not self.model:
+        if model is not None and model is not self.model:  # another model is another job, run as hpcmem writes it
+            runtime = self.runtime if self.changed_runtime is None else self.changed_runtime
             return estimate(model, plan, self.partition, self.method, runtime=runtime)  # not remembered
+        runtime = self.runtime_of(plan)
         key = ("est", plan)
         if key not in self._memo:
             self._memo[key] = estimate(self.model, plan, self.partition, self.method, runtime=runtime)
         return self._memo[key]
 
     def runtime_of(self, plan: Plan):
-        """The software ``plan`` runs under: the job's for the failed plan (its time limit aside), else
-        ``changed_runtime`` where set."""
+        """The software ``plan`` of the run's model runs under: the job's for the failed plan (its time limit
+        aside), else ``changed_runtime`` where set."""
         if self.changed_runtime is None or self.failed is None \
                 or plan.replace(time_min=self.failed.time_min) == self.failed:
             return self.runtime

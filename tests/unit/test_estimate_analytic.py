@@ -214,8 +214,10 @@ def test_ddp_buckets_close_once_they_reach_their_cap_as_torch_assigns_them():
     assert buckets_by_size([40], (25,)) == [40] and buckets_by_size([], (25,)) == []
     # the rebuilt buckets run over the gradients as the backward makes them (reverse registration): 1 MiB, then 25
     assert ddp_bucket_sizes([MIB * x for x in (20, 20, 20, 0.5, 0.75)]) == [MIB * x for x in (1.25, 40, 20)]
-    # the construction's broadcast goes over the parameters in order, 250 MiB buckets
-    assert ddp_broadcast_sizes([MIB * x for x in (200, 100, 30)]) == [MIB * 300, MIB * 30]
+    # the construction's broadcast goes over the parameters in order, 250 MiB buckets, each bucket of more than one
+    # tensor through a flat copy (a lone tensor is broadcast in place: flatten_dense_tensors returns its view)
+    assert ddp_broadcast_sizes([MIB * x for x in (200, 100, 30, 20)]) == [MIB * 300, MIB * 50]
+    assert ddp_broadcast_sizes([MIB * x for x in (300, 100, 30)]) == [MIB * 130]
 
 
 def test_ddp_is_built_with_one_bucket_rebuilt_at_the_second_forward_and_lightning_builds_it_on_a_stream_of_its_own():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -449,6 +450,23 @@ def test_json_evidence_is_cut_around_its_error_too(tmp_path):
     out = run_cli("triage", str(log), "--format", "json", home=tmp_path, check=True)
     (line,) = json.loads(out.stdout)["findings"][0]["verdict"]["evidence"]
     assert len(line["text"]) < 1200 and "CUDA out of memory" in line["text"] and "characters]..." in line["text"]
+
+
+# ---------------------------------------------------------------- a job's own --accelerator_config
+
+
+def test_a_deeply_nested_accelerator_config_is_merged_without_recursion():
+    """JSON that parses (under json's own depth limit) but nests deeper than deepcopy's recursion: the sync remedy
+    merges into it shallowly, never a RecursionError out of triage."""
+    from toolkit.plan import Plan
+    from toolkit.triage.changes import trainer_arg_changes
+
+    deep = '{"a":' * 500 + "1" + "}" * 500
+    failed = Plan(launcher="fsdp", gpus_per_node=2, global_batch=16, micro_batch=2, grad_accum=4)
+    (line,) = trainer_arg_changes(failed, failed, accelerator_config=deep)
+    assert line.startswith("--accelerator_config ") and '"sync_each_batch": true' in line
+    merged = json.loads(shlex.split(line)[1])
+    assert merged["gradient_accumulation_kwargs"] == {"sync_each_batch": True} and "a" in merged
 
 
 # ---------------------------------------------------------------- numbers hpcmem reads from the environment

@@ -52,8 +52,9 @@ NCCL_MIN_CHANNELS = 2
 # starts with one bucket of every gradient (bucket_size_limits = [sys.maxsize], DDPBucketConfig
 # .compute_bucket_size_limits) and rebuilds it into the capped buckets, in the order the first backward made the
 # gradients, at the second iteration's forward (_rebuild_buckets; Reducer::initialize_buckets clears the old
-# buckets first). Its construction first broadcasts rank 0's parameters and buffers (_sync_module_states) through
-# flat copies of up to 250 MiB buckets, two in flight (c10d comm.cpp broadcast_coalesced).
+# buckets first). Its construction first broadcasts rank 0's parameters (and buffers, not modelled: the models here
+# have none of size) through flat copies of 250 MiB buckets, two in flight (_sync_module_states; c10d comm.cpp
+# broadcast_coalesced); a bucket of one tensor is broadcast in place (flatten_dense_tensors returns its view).
 DDP_BUCKET_CAP = 25 * MIB
 DDP_FIRST_BUCKET = 1 * MIB
 DDP_BROADCAST_BUCKET = 250 * MIB
@@ -373,20 +374,26 @@ def nccl_buffer_bytes(world_size: int) -> int:
     return NCCL_MIN_CHANNELS * 2 * (NCCL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE)
 
 
-def buckets_by_size(sizes, limits: tuple[int, ...]) -> list[int]:
+def bucket_members(sizes, limits: tuple[int, ...]) -> list[list[int]]:
     """torch's ``compute_bucket_assignment_by_size`` (c10d ``reducer.cpp``) for tensors of one dtype and device, in
     bytes: each tensor joins the open bucket, which closes once it has reached its limit (so it overshoots by up to
-    its last tensor); the limits are taken in turn, the last for the rest."""
-    out: list[int] = []
-    cur, k = 0, 0
+    its last tensor); the limits are taken in turn, the last for the rest. Each bucket as its tensors' sizes."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    k = 0
     for size in sizes:
-        cur += size
-        if cur >= limits[k]:
+        cur.append(size)
+        if sum(cur) >= limits[k]:
             out.append(cur)
-            cur, k = 0, min(k + 1, len(limits) - 1)
+            cur, k = [], min(k + 1, len(limits) - 1)
     if cur:
         out.append(cur)
     return out
+
+
+def buckets_by_size(sizes, limits: tuple[int, ...]) -> list[int]:
+    """The bytes of each bucket ``bucket_members`` forms."""
+    return [sum(m) for m in bucket_members(sizes, limits)]
 
 
 def ddp_bucket_sizes(grad_bytes_in_order: list[int]) -> list[int]:
@@ -396,8 +403,9 @@ def ddp_bucket_sizes(grad_bytes_in_order: list[int]) -> list[int]:
 
 
 def ddp_broadcast_sizes(state_bytes_in_order: list[int]) -> list[int]:
-    """The flat copies DDP's construction broadcasts rank 0's parameters and buffers through (bytes, in order)."""
-    return buckets_by_size(state_bytes_in_order, (DDP_BROADCAST_BUCKET,))
+    """The flat copies DDP's construction broadcasts rank 0's parameters through (bytes, in order): one per bucket
+    of more than one tensor (a lone tensor is broadcast in place)."""
+    return [sum(m) for m in bucket_members(state_bytes_in_order, (DDP_BROADCAST_BUCKET,)) if len(m) > 1]
 
 
 def gpu_extras_mib(world_size: int, gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, float]:

@@ -31,6 +31,7 @@ class StorageRecorder(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.round_to = round_to
+        self._external: dict[int, int] = {}
 
     def _storage(self, st) -> None:
         if st in self._seen:
@@ -63,14 +64,14 @@ class StorageRecorder(TorchDispatchMode):
         self._next += 1
         self.events.append(("alloc", self._next, int(nbytes)) if stream == 0
                            else ("alloc", self._next, int(nbytes), stream))
+        self._external[self._next] = int(nbytes)
         self.live += int(nbytes)
         self.peak = max(self.peak, self.live)
         return self._next
 
     def release(self, sid: int) -> None:
-        """Free an ``external`` allocation."""
-        size = next(e[2] for e in self.events if e[0] == "alloc" and e[1] == sid)
-        self._free(sid, size)
+        """Free an ``external`` allocation (once: a second release of one id is a KeyError)."""
+        self._free(sid, self._external.pop(sid))
 
     def mark(self, label: str) -> None:
         self.events.append(("mark", label))

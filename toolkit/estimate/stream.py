@@ -36,6 +36,7 @@ from typing import Iterator
 from .. import optimizers
 from ..modelshape import ModelShape
 from ..strategies.base import AUTOGRAD_GRADIENT
+from ..strategies.ddp import builds_ddp
 from ..strategies.fsdp import optimizer_tensors as fsdp_optimizer_tensors
 from .gpu import (DDP_BROADCASTS_IN_FLIGHT, DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD,
                   ddp_broadcast_sizes, ddp_bucket_sizes)
@@ -289,7 +290,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
     ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
-        if per_tensor and plan.world_size > 1:
+        if per_tensor and builds_ddp(plan):
             ddp_first_bucket = ddp_construction([dt.param * prod(e[1]) for e in params],
                                                 [dt.grad * prod(e[1]) for e in params], alloc, free,
                                                 runtime.ddp_side_stream)
@@ -346,7 +347,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
 
     for step in range(1, steps + 1):
         A(("mark", f"step {step}"))
-        if step == 2 and ddp_first_bucket is not None:  # the Reducer's rebuild, at the second forward
+        # the Reducer's rebuild, at the forward after the first backward that recorded the gradients' order: step 2
+        # without accumulation or under DDP's no_sync (whose micro-batches record nothing but the last)
+        if step == 2 and ddp_first_bucket is not None:
             ddp_rebuild(ddp_first_bucket, [dt.grad * prod(e[1]) for e in params], alloc, free)
         for mb in range(micro):
             # forward

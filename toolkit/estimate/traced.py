@@ -570,7 +570,9 @@ def _ddp_buckets(plan: Plan, params: list, notes: list[str]) -> list:
     the buckets hold one more copy of every gradient for the all-reduce, from the start.
     MemTracker files them under "Other"; the estimate counts them as gradients.
     """
-    if plan.strategy.name != "torchrun" or plan.world_size == 1:
+    from ..strategies.ddp import builds_ddp
+
+    if not builds_ddp(plan):
         return []
     sizes: dict[Any, int] = {}
     for p in params:
@@ -1052,6 +1054,7 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
     rounds them as CUDA's allocator does). Over several torchrun ranks DDP's construction and its buckets'
     rebuild at the second step are the analytic stream's (``stream.ddp_construction``; on Lightning's own
     stream with ``ddp_side_stream``)."""
+    from ..strategies.ddp import builds_ddp
     from .record import StorageRecorder
     from .stream import ddp_construction, ddp_rebuild
 
@@ -1066,9 +1069,9 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             rec.adopt(traced.module.buffers())
             params = [p for p in traced.module.parameters() if p.requires_grad]
             optimizer = _make_optimizer(plan, params, layout, target, notes)
-            ddp = plan.strategy.name == "torchrun" and plan.world_size > 1
             sizes = [p.numel() * p.element_size() for p in params]
-            first = ddp_construction(sizes, sizes, rec.external, rec.release, ddp_side_stream) if ddp else None
+            first = (ddp_construction(sizes, sizes, rec.external, rec.release, ddp_side_stream)
+                     if builds_ddp(plan) else None)
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
                 if step == 1 and first is not None:

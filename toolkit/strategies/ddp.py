@@ -10,6 +10,12 @@ from .. import optimizers
 from .base import ModelStates, Strategy, register
 
 
+def builds_ddp(plan) -> bool:
+    """Whether the plan's ranks are DistributedDataParallel replicas (torchrun over more than one rank), whose
+    construction and buckets the estimates add (``estimate.stream.ddp_construction``)."""
+    return plan.strategy.name == DDP.name and plan.world_size > 1
+
+
 @register
 class DDP(Strategy):
     name = "torchrun"

@@ -23,7 +23,6 @@ policy's param dtype). The wrapping unit is the model's transformer block (HF ``
 
 from __future__ import annotations
 
-import copy
 import json
 from math import prod
 from typing import Any, Mapping
@@ -82,11 +81,10 @@ def with_sync_each_batch(accelerator_config: Mapping[str, Any] | None = None) ->
     """``accelerator_config`` (the HF Trainer's, as a dict) with ``SYNC_EACH_BATCH`` merged in, its other settings
     kept: the Trainer takes only the last ``--accelerator_config`` given, so the sync is asked for inside the
     job's own one. None: ``SYNC_EACH_BATCH`` alone."""
-    merged = copy.deepcopy(dict(accelerator_config or {}))
-    kwargs = merged.get("gradient_accumulation_kwargs")
-    merged["gradient_accumulation_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}),
-                                              **SYNC_EACH_BATCH["gradient_accumulation_kwargs"]}
-    return merged
+    config = dict(accelerator_config or {})  # shallow: a job's JSON may nest deeper than deepcopy's recursion
+    kwargs = config.get("gradient_accumulation_kwargs")
+    return {**config, "gradient_accumulation_kwargs": {**(kwargs if isinstance(kwargs, dict) else {}),
+                                                       **SYNC_EACH_BATCH["gradient_accumulation_kwargs"]}}
 
 
 PREFETCHED_UNITS = 2
@@ -137,7 +135,10 @@ class FSDP(Strategy):
     def config(self, plan, *, nvme_path: str | None = None, gpu: bool = True,
                largest_param: int | None = None) -> dict[str, Any]:
         """fsdp_config.json, in the keys of HF TrainingArguments' ``fsdp_config`` (version 2) and accelerate's
-        FullyShardedDataParallelPlugin, which hpcmem's runtime reads too."""
+        FullyShardedDataParallelPlugin, which hpcmem's runtime reads too. Its ``mixed_precision_policy`` reaches
+        hpcmem's reference trainer and Accelerate (``accelerate_kwargs``); the HF Trainer does not pass it on to
+        its plugin (transformers 5.24's ``TrainingArguments``), so a Trainer job reduces in the 16-bit dtype
+        whatever the plan's ``reduce_dtype``: less than an fp32-reduce plan is estimated to hold."""
         cfg: dict[str, Any] = {"version": 2, "reshard_after_forward": plan.reshard_after_forward,
                                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                                "cpu_offload": plan.offload_params == "cpu",

@@ -62,7 +62,8 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
         known = dataclasses.replace(known, runtime=dict(facts.runtime), accelerator_config=facts.accelerator_config)
     if known.note and verdict.is_oom:
         notes.append(known.note)
-    if known.runtime.get("fsdp_no_sync") and known.plan.grad_accum > 1 and verdict.is_oom:
+    if known.runtime.get("fsdp_no_sync") and known.plan.launcher == "fsdp" and known.plan.world_size > 1 \
+            and known.plan.grad_accum > 1 and verdict.is_oom:
         notes.append("the estimate holds every FSDP unit's whole unsharded gradient between micro-batches: the job "
                      "accumulates under no_sync (its --accelerator_config does not ask for sync_each_batch)")
     model, note = load_model(facts)

@@ -15,8 +15,7 @@ Understood on command lines (``\\``-continued lines joined, quotes as the shell 
 - Hugging Face Trainer flags on any line: ``--per_device_train_batch_size``,
   ``--gradient_accumulation_steps``, ``--bf16``, ``--fp16``, ``--gradient_checkpointing``,
   ``--optim``, ``--deepspeed CFG``, ``--fsdp "full_shard|shard_grad_op [auto_wrap] [offload]"``,
-  ``--fsdp_config`` (inline JSON: its ``mixed_precision_policy``), ``--accelerator_config`` (as written, and
-  whether it asks for ``sync_each_batch``), ``--max_seq_length`` / ``--block_size`` /
+  ``--accelerator_config`` (as written, and whether it asks for ``sync_each_batch``), ``--max_seq_length`` / ``--block_size`` /
   ``--model_max_length`` / ``--max_length``, ``--attn_implementation``, ``--model_name_or_path``;
 - ``PYTORCH_CUDA_ALLOC_CONF=...`` set in the script (the allocator knob).
 
@@ -73,9 +72,9 @@ def read_script(text: str) -> dict[str, Any]:
 
     Under the HF Trainer's ``--fsdp`` with ``--bf16``/``--fp16``, Accelerate builds FSDP's mixed-precision
     policy with the gradients reduced in that 16-bit dtype (``FullyShardedDataParallelPlugin.set_mixed_precision``:
-    ``reduce_dtype=dtype``) unless the ``fsdp_config`` names a ``mixed_precision_policy``: the ``reduce_dtype``
-    knob is ``param``, or ``fp32`` where an inline ``--fsdp_config`` JSON names a policy reducing in float32 (a
-    config file is not read here, so Accelerate's default is taken).
+    ``reduce_dtype=dtype``), and the Trainer hands it no other (``TrainingArguments`` does not pass an
+    ``fsdp_config``'s ``mixed_precision_policy`` on to the plugin: read in transformers 5.24): the ``reduce_dtype``
+    knob is ``param``.
     """
     text = bounded_script(text)
     directives = read_directives(text)
@@ -87,7 +86,7 @@ def read_script(text: str) -> dict[str, Any]:
 
     _directive_knobs(directives, put)
     found: dict[str, Any] = {"model": None, "ds_config": None, "launcher_line": None, "cd": None,
-                             "hf_fsdp": False, "accelerator_config": None, "fsdp_config": None}
+                             "hf_fsdp": False, "accelerator_config": None}
     for line in logical_lines(text):
         alloc = _ALLOC_CONF.match(line)
         if alloc:
@@ -105,13 +104,12 @@ def read_script(text: str) -> dict[str, Any]:
         _trainer_flags(words, put, found)
     partition = directives.get("partition") or None
     runtime: dict[str, Any] = {}
-    fsdp_config = found.pop("fsdp_config")
     if found.pop("hf_fsdp"):
         sync = sync_each_batch(found["accelerator_config"])
         if sync is not None:
             runtime["fsdp_no_sync"] = not sync
         if origin.get("precision") == TRAINER_ARGS and knobs["precision"] in ("bf16-mixed", "fp16-mixed"):
-            put("reduce_dtype", _fsdp_reduce_dtype(fsdp_config), TRAINER_ARGS)
+            put("reduce_dtype", "param", TRAINER_ARGS)
     return {"directives": directives, "knobs": knobs, "knob_origin": origin, **found, "runtime": runtime,
             "output": directives.get("output") or None, "error": directives.get("error") or None,
             "partition": partition if partition and "$" not in partition else None}
@@ -314,8 +312,6 @@ def _trainer_flags(words: list[str], put, found: dict[str, Any]) -> None:
             found["hf_fsdp"] = _fsdp_words(value, put) or found["hf_fsdp"]
         elif name == "accelerator_config" and value:
             found["accelerator_config"] = value
-        elif name == "fsdp_config" and value:
-            found["fsdp_config"] = value
         elif name in _MODEL_FLAGS and value and found["model"] is None and "$" not in value:
             found["model"] = value
 
@@ -359,15 +355,6 @@ def json_object(value: str) -> dict | None:
     except (ValueError, RecursionError):
         return None
     return config if isinstance(config, dict) else None
-
-
-def _fsdp_reduce_dtype(fsdp_config: str | None) -> str:
-    """The Plan's ``reduce_dtype`` of an HF Trainer FSDP job in mixed precision: ``fp32`` where an inline
-    ``--fsdp_config`` names a ``mixed_precision_policy`` reducing in float32, else ``param`` (Accelerate's own
-    policy reduces in the 16-bit dtype)."""
-    policy = (json_object(fsdp_config) or {}).get("mixed_precision_policy") if fsdp_config else None
-    reduce = policy.get("reduce_dtype") if isinstance(policy, dict) else None
-    return "fp32" if isinstance(reduce, str) and reduce.lower() in ("float32", "fp32", "torch.float32") else "param"
 
 
 def _int(value: str | None) -> int | None:
