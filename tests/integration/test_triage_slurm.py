@@ -8,6 +8,7 @@ submitted together so their waits overlap (the time limit takes 1-1.5 minutes).
 import json
 import textwrap
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,9 @@ def _submit_raw(directory: Path, name: str, directive: str, body: str) -> str:
 
 @pytest.fixture(scope="module")
 def failed(slurm_cluster, tmp_path_factory):
-    """{name: job id} of the raw jobs, plus the hpcmem run ("run", "run_job") and its home."""
+    """{name: job id} of the raw jobs, plus the hpcmem run ("run", "run_job"), its home, and "since": a moment
+    just before they were submitted (an ISO time for --since)."""
+    since = (datetime.now().astimezone() - timedelta(seconds=5)).replace(microsecond=0).isoformat()
     base = tmp_path_factory.mktemp("triage")
     backend = SlurmBackend()
     jobs = {name: _submit_raw(base, name, *body) for name, body in BODIES.items()}
@@ -77,7 +80,7 @@ def failed(slurm_cluster, tmp_path_factory):
         time.sleep(3)
     time.sleep(4)  # sacct lags the end of a job by a few seconds
     return {**jobs, "run": view["run_id"], "run_job": view["attempts"][0]["job_id"], "home": home,
-            "dir": base}
+            "dir": base, "since": since}
 
 
 def triage(*args, home, fmt="json"):
@@ -148,7 +151,11 @@ def test_hpcmem_run_by_run_id_and_by_its_job_id(failed):
 
 @pytest.mark.slurm
 def test_since_groups_the_windows_failed_jobs_by_kind(failed):
-    result = run_cli("triage", "--since", "30m", "--site", "testcluster", "--format", "json", home=failed["home"])
+    """The window starts when this module's jobs were submitted (an ISO time), so the JSON and the text report
+    below count the same jobs: a span like 30m moves with the clock, and a job of an earlier test can leave it
+    between two calls."""
+    result = run_cli("triage", "--since", failed["since"], "--site", "testcluster", "--format", "json",
+                     home=failed["home"])
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     validate(data, SINCE_SCHEMA, "triage --since --format json")
@@ -161,7 +168,7 @@ def test_since_groups_the_windows_failed_jobs_by_kind(failed):
     only_cpu = json.loads(run_cli("triage", "--since", "30m", "--partition", "v100", "--format", "json",
                                   home=failed["home"]).stdout)
     assert failed["oom"] not in {j["job_id"] for g in only_cpu["groups"] for j in g["jobs"]}
-    text = run_cli("triage", "--since", "30m", "--site", "testcluster", home=failed["home"]).stdout
+    text = run_cli("triage", "--since", failed["since"], "--site", "testcluster", home=failed["home"]).stdout
     assert any(line.startswith("host_oom") and f" {host['count']} jobs" in line for line in text.splitlines())
 
 
