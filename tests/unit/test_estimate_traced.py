@@ -20,6 +20,7 @@ Accuracy, and why these tolerances:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -547,7 +548,8 @@ def test_the_recorded_ddp_stream_builds_one_bucket_and_rebuilds_it_at_the_second
         assert all((len(e) == 4 and e[3] == DDP_BUILD_STREAM) == side for e in (copy, bucket))
         assert events[step2 + 1] == ("free", bucket[1])  # the rebuild frees it before the second forward
         rebuilt = [e for e in events[step2 + 2:] if e[0] == "alloc"]
-        assert sum(e[2] for e in rebuilt[:2]) <= bucket[2] <= sum(e[2] for e in rebuilt[:40])
+        sums = list(itertools.accumulate(e[2] for e in rebuilt))
+        assert bucket[2] in sums[:64]  # the rebuilt buckets, first after the free, hold every gradient again
     one = record_training(config("tiny-gpt2"), "causal-lm", plan(), steps=2)
     assert not any(len(e) == 4 for e in one)
 

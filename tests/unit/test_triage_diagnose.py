@@ -184,6 +184,8 @@ def test_remedies_of_an_fsdp_accumulation_without_sync_are_predicted_and_flagged
                      runtime=Runtime(fsdp_no_sync=True)).device_used_mib for p in plans]
     scales = [r.predicted_peak_mib / e for r, e in zip(moves, synced)]
     assert max(scales) - min(scales) < 1e-6 and scales[0] >= 1.0
+    as_ran = [r.predicted_peak_mib / e for r, e in zip(moves, kept)]  # under no_sync the ratios would not agree
+    assert max(as_ran) - min(as_ran) > 1e-3
     assert any(k > s + 1024 for k, s, p in zip(kept, synced, plans) if p.grad_accum > 1)  # it matters
     assert any(r.trainer_args == (merged,) for r in finding.remedies if r.plan is None)  # the sync advice
     # a move to no accumulation keeps the job's own flag; a file is set, not replaced

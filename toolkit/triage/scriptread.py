@@ -15,8 +15,9 @@ Understood on command lines (``\\``-continued lines joined, quotes as the shell 
 - Hugging Face Trainer flags on any line: ``--per_device_train_batch_size``,
   ``--gradient_accumulation_steps``, ``--bf16``, ``--fp16``, ``--gradient_checkpointing``,
   ``--optim``, ``--deepspeed CFG``, ``--fsdp "full_shard|shard_grad_op [auto_wrap] [offload]"``,
-  ``--accelerator_config`` (as written, and whether it asks for ``sync_each_batch``), ``--max_seq_length`` / ``--block_size`` /
-  ``--model_max_length`` / ``--max_length``, ``--attn_implementation``, ``--model_name_or_path``;
+  ``--accelerator_config`` (as written, and whether it asks for ``sync_each_batch``), ``--max_seq_length`` /
+  ``--block_size`` / ``--model_max_length`` / ``--max_length``, ``--attn_implementation``,
+  ``--model_name_or_path``;
 - ``PYTORCH_CUDA_ALLOC_CONF=...`` set in the script (the allocator knob).
 
 Numbers are ASCII digits only (``isascii() and isdigit()``): ``²`` or ``٣`` in a script is not a
