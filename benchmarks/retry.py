@@ -348,12 +348,7 @@ def main_resume(opts, argv) -> int:
     text, data = resume_report(results, scenarios, meta)
     print(text)
     if not opts.no_save:
-        out = REPO / "benchmarks" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"resume-{started.strftime('%Y%m%d-%H%M%S')}"
-        stem.with_suffix(".txt").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-        print(f"saved {stem}.txt and .json", file=sys.stderr)
+        save_report("resume", started, text, data)
     return 0
 
 
@@ -683,6 +678,17 @@ def explain_misses(results: dict, scenarios: list[Scenario]) -> list[str]:
     return lines
 
 
+def save_report(kind: str, started: dt.datetime, text: str, data: dict) -> Path:
+    """benchmarks/results/KIND-<start time>.txt and .json; returns the stem."""
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{kind}-{started.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".txt").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"saved {stem}.txt and .json", file=sys.stderr)
+    return stem
+
+
 def git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
@@ -767,12 +773,7 @@ def main(argv=None) -> int:
     text, data = report(results, scenarios, meta)
     print(text)
     if not opts.no_save:
-        out = REPO / "benchmarks" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"retry-{started.strftime('%Y%m%d-%H%M%S')}"
-        stem.with_suffix(".txt").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-        print(f"saved {stem}.txt and .json", file=sys.stderr)
+        save_report("retry", started, text, data)
     return 0
 
 
