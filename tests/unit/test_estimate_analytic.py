@@ -541,6 +541,33 @@ def test_an_older_runtime_keeps_gradients_and_a_16bit_loss_keeps_no_fp32_logits(
     assert lean.peak_allocated_mib < today.peak_allocated_mib
 
 
+def test_a_training_step_keeps_a_cublas_workspace_for_each_thread_that_runs_gemms():
+    """cuBLAS keeps a workspace per (handle, stream), handles are per thread, and the autograd engine runs a CUDA
+    backward on its device thread: the forward's first GEMM makes one, the first backward's a second, both kept.
+    torch 2.0-2.4 add the forward's separate 1 MiB cuBLASLt workspace; before 1.11 none is the allocator's."""
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import gemm_workspaces, step_events
+
+    ws = 2 * 4096 * 1024 + 8 * 16 * 1024
+    assert gemm_workspaces("NVIDIA A100-SXM4-40GB", Runtime(torch_version="2.6")) == ((ws,), (ws,))
+    assert gemm_workspaces("NVIDIA H100 80GB HBM3", Runtime(torch_version="2.6")) == ((32 * MIB,), (32 * MIB,))
+    assert gemm_workspaces("NVIDIA A100-SXM4-40GB", Runtime(torch_version="2.1")) == ((ws, MIB), (ws,))
+    assert gemm_workspaces("NVIDIA A100-SXM4-40GB", Runtime(torch_version="1.10")) == ((), ())
+
+    p = plan(precision="bf16-mixed", micro_batch=2, seq_len=128)
+    dt = an.dtypes_for(p, True)
+    states, acts = an.model_states(GPT2, p, dt), inv.activations(GPT2, p, dt)
+    odd = 1234 * 1024  # a workspace size no tensor of the step has
+    events = step_events(GPT2, p, dt, states, acts, gpu_model="NVIDIA A100-SXM4-40GB", steps=2,
+                         runtime=Runtime(cublas_workspace_config=":1234:1"))
+    made = [i for i, e in enumerate(events) if e[0] == "alloc" and e[2] == odd]
+    step1, step2 = events.index(("mark", "step 1")), events.index(("mark", "step 2"))
+    assert len(made) == 2 and made[0] < step1 < made[1] < step2
+    assert not any(e[0] == "free" and e[1] in {events[i][1] for i in made} for e in events)
+    # the backward's comes once the forward has freed its transients (the autocast casts among them)
+    assert any(e[0] == "free" for e in events[step1:made[1]])
+
+
 def test_zero_grad_before_backward_keeps_the_previous_steps_grads_through_the_forward():
     from toolkit.estimate.gpu import Runtime
 

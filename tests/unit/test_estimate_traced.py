@@ -554,6 +554,25 @@ def test_the_recorded_ddp_stream_builds_one_bucket_and_rebuilds_it_at_the_second
     assert not any(len(e) == 4 for e in one)
 
 
+def test_the_recorded_stream_takes_the_cublas_workspaces_where_the_analytic_one_does():
+    """``workspaces`` (stream.gemm_workspaces): the forward thread's before the first step, the autograd thread's
+    before the first backward (after the forward's allocations), each once and kept; the traced estimate replays
+    them for a GPU partition."""
+    from toolkit.estimate.traced import record_training
+
+    fwd, bwd = 1111 * 1024, 2222 * 1024  # sizes no tensor of the tiny model has
+    events = record_training(config("tiny-gpt2"), "causal-lm", plan(), steps=2, workspaces=((fwd,), (bwd,)))
+    step1, step2 = events.index(("mark", "step 1")), events.index(("mark", "step 2"))
+    f = [i for i, e in enumerate(events) if e[0] == "alloc" and e[2] == fwd]
+    b = [i for i, e in enumerate(events) if e[0] == "alloc" and e[2] == bwd]
+    assert len(f) == len(b) == 1 and f[0] < step1 < b[0] < step2
+    assert any(e[0] == "alloc" for e in events[step1 + 1:b[0]])  # the forward ran first
+    kept = {events[f[0]][1], events[b[0]][1]}
+    assert not any(e[0] == "free" and e[1] in kept for e in events)
+    plain = record_training(config("tiny-gpt2"), "causal-lm", plan(), steps=2)
+    assert len(events) == len(plain) + 2
+
+
 def test_an_older_runtime_keeps_the_gradients_in_the_trace():
     from toolkit.estimate.gpu import Runtime
 

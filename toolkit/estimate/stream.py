@@ -213,6 +213,22 @@ def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTI
     return _split(rest, tokens * shape.hidden * dt.param), int(logprobs)
 
 
+def gemm_workspaces(gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The GEMM libraries' workspaces a training step takes from the caching allocator and keeps for the
+    process: (the forward's, the backward's), in bytes, in the order they are made.
+
+    cuBLAS keeps one workspace per (handle, stream) (torch >= 1.11, ``CublasHandlePool.cpp``
+    ``cublas_handle_stream_to_workspace``), and its handles are per thread (a ``thread_local`` PoolWindow of
+    the handle pool). The autograd engine runs a CUDA backward on its own device thread, not the thread that
+    called ``backward()``, so the step's first backward GEMM makes a second workspace beside the forward's.
+    torch 2.0-2.4's separate cuBLASLt workspace is counted once, with the forward's."""
+    if not runtime.cublas_in_allocator:  # torch < 1.11: cuBLAS's own memory, outside the allocator (gpu_extras)
+        return (), ()
+    cublas = cublas_workspace_bytes(gpu_model, runtime.cublas_workspace_config)
+    forward = (cublas, CUBLASLT_WORKSPACE_OLD) if runtime.cublaslt_separate else (cublas,)
+    return forward, (cublas,)
+
+
 def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | None = None,
                 runtime: Runtime = DEFAULT_RUNTIME, steps: int = 2, sharded: bool = False) -> list[Event]:
     """The alloc/free stream of loading the model and running ``steps`` training steps on one rank.
@@ -296,11 +312,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                                                 runtime.ddp_side_stream)
         else:
             alloc(states.buffer_bytes)
-    if dt.gpu:  # cuBLAS (and in torch 2.0-2.4 cuBLASLt) workspaces: the first GEMM, kept for the process
-        if runtime.cublas_in_allocator:
-            alloc(cublas_workspace_bytes(gpu_model, runtime.cublas_workspace_config))
-        if runtime.cublaslt_separate:
-            alloc(CUBLASLT_WORKSPACE_OLD)
+    forward_ws, backward_ws = gemm_workspaces(gpu_model, runtime) if dt.gpu else ((), ())
+    for size in forward_ws:  # the forward's first GEMM; kept for the process
+        alloc(size)
 
     layer = layer_tensors(shape, plan, dt, acts, runtime)
     outside, logprobs = _outside(shape, plan, dt, acts, runtime)
@@ -394,6 +408,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in cast_ids:  # autocast's cache is cleared when the forward's context exits
                 free(i)
             # backward
+            if step == 1 and mb == 0:
+                for size in backward_ws:  # the autograd device thread's first GEMM; kept for the process
+                    alloc(size)
             if late_zero and mb == 0:
                 for i in grads.values():
                     free(i)

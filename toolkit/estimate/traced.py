@@ -223,6 +223,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
     an unsharded (torchrun) step replayed; for a sharded engine the analytic stream's replay (its
     reserved-over-allocated added to the traced peak by ``_estimate``). None when neither can be had."""
     from .device import plan_device_memory
+    from .gpu import DEFAULT_RUNTIME
+    from .stream import gemm_workspaces
 
     capacity = partition.gpu_mem_gib * 1024 - context
     if plan.launcher == "torchrun":
@@ -232,7 +234,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
                                  zero_before_backward=runtime is not None and runtime.grads_through_forward,
                                  logits_fp32=runtime is None or runtime.logits_fp32,
                                  softmax_saves_input=runtime is not None and runtime.softmax_saves_input,
-                                 ddp_side_stream=runtime is not None and runtime.ddp_side_stream)
+                                 ddp_side_stream=runtime is not None and runtime.ddp_side_stream,
+                                 workspaces=gemm_workspaces(partition.gpu_model, runtime or DEFAULT_RUNTIME))
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -663,10 +666,11 @@ class _MasterWeights(torch.optim.Optimizer):
 # -- the training step -------------------------------------------------------------------
 
 def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker, set_to_none: bool = True,
-                zero_before_backward: bool = False) -> None:
+                zero_before_backward: bool = False, before_backward: Callable[[], None] | None = None) -> None:
     """One optimizer step as train.py runs it: micro-batches under autocast, backward, step, zero_grad.
     ``zero_before_backward``: as loops that call ``optimizer.zero_grad()`` between the loss and the
     backward do, the previous step's gradients stay until the first micro-batch's backward.
+    ``before_backward``: called before each micro-batch's ``backward()``.
 
     ``tracker`` (None when nothing watches) learns the phase. Under it, MemTracker's module
     hooks put autograd nodes into reference cycles, so what a plain run frees when the last
@@ -694,6 +698,8 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
         _set_phase(tracker, 1)
         if zero_before_backward and micro == 0:
             optimizer.zero_grad(set_to_none=set_to_none)
+        if before_backward is not None:
+            before_backward()
         loss.backward()
         del loss
         if tracker is not None:
@@ -1047,13 +1053,15 @@ def _quiet() -> Iterator[None]:
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
                     steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False,
                     logits_fp32: bool = True, softmax_saves_input: bool = False,
-                    ddp_side_stream: bool = False) -> list[tuple]:
+                    ddp_side_stream: bool = False, workspaces: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+                    ) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
     rounds them as CUDA's allocator does). Over several torchrun ranks DDP's construction and its buckets'
     rebuild at the second step are the analytic stream's (``stream.ddp_construction``; on Lightning's own
-    stream with ``ddp_side_stream``)."""
+    stream with ``ddp_side_stream``). ``workspaces``: ``stream.gemm_workspaces``, the forward's made before
+    the first step, the backward's before its first backward, as the analytic stream places them."""
     from ..strategies.ddp import builds_ddp
     from .record import StorageRecorder
     from .stream import ddp_construction, ddp_rebuild
@@ -1072,12 +1080,22 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             sizes = [p.numel() * p.element_size() for p in params]
             first = (ddp_construction(sizes, sizes, rec.external, rec.release, ddp_side_stream)
                      if builds_ddp(plan) else None)
+            forward_ws, backward_ws = workspaces
+            for size in forward_ws:
+                rec.external(size)
+            pending_ws = list(backward_ws)
+
+            def backward_workspaces() -> None:
+                while pending_ws:
+                    rec.external(pending_ws.pop(0))
+
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
                 if step == 1 and first is not None:
                     ddp_rebuild(first, sizes, rec.external, rec.release)
                 with _softmax_saving_input(softmax_saves_input):
-                    _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward)
+                    _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward,
+                                backward_workspaces)
                 gc.collect(0)
         events = rec.closed()
         del traced, params, optimizer
