@@ -280,8 +280,9 @@ def build_case(source: Source, index: int) -> Case:
     if alloc_conf:
         knobs["alloc_conf"] = alloc_conf
     plan = None
+    runtime = runtime_of(source.path, doc, row, where)
     if row["launcher"] == "fsdp" and "fsdp" in PLAN_LAUNCHERS:
-        plan, gap = fsdp_plan(row, knobs, where)
+        plan, gap = fsdp_plan(row, knobs, where, flat=runtime is not None and runtime.fsdp_flat_params)
         gaps.extend(gap)
     if plan is None:
         launcher = "deepspeed" if row["launcher"] == "fsdp" else row["launcher"]
@@ -303,7 +304,7 @@ def build_case(source: Source, index: int) -> Case:
         partition.check_plan(plan)
     except HpcmemError as exc:
         raise DataError(f"{where}: the row's plan cannot run on {doc['gpu']}: {exc}") from None
-    return Case(source, index, row, plan, shape, partition, gaps, runtime_of(source.path, doc, row, where))
+    return Case(source, index, row, plan, shape, partition, gaps, runtime)
 
 
 def row_alloc_conf(row: dict, where: str) -> str:
@@ -339,9 +340,10 @@ def plan_optimizer(row: dict) -> tuple[str, str | None]:
     return row["optimizer"], f"optimizer {row['optimizer']} runs as {impl}; the Plan's {row['optimizer']} is {modelled}"
 
 
-def fsdp_plan(row: dict, knobs: dict, where: str) -> tuple[Plan | None, list[str]]:
+def fsdp_plan(row: dict, knobs: dict, where: str, flat: bool = True) -> tuple[Plan | None, list[str]]:
     """A launcher=fsdp Plan (FULL_SHARD: reshard after forward; SHARD_GRAD_OP: keep), or None when the
-    Plan refuses the row (then it is scored as DeepSpeed ZeRO and the refusal is a gap)."""
+    Plan refuses the row (then it is scored as DeepSpeed ZeRO and the refusal is a gap). ``flat``: the row ran
+    FSDP1 (its runtime's ``fsdp_flat_params``: a torch before 2.4), which hpcmem's own launcher is not (a gap)."""
     names = {f.name for f in dataclasses.fields(Plan)}
     extra = {}
     if "reshard_after_forward" in names:
@@ -355,6 +357,8 @@ def fsdp_plan(row: dict, knobs: dict, where: str) -> tuple[Plan | None, list[str
         plan = Plan(launcher="fsdp", offload_params=offload, **knobs, **extra)
     except HpcmemError as exc:
         return None, [f"the Plan refused launcher=fsdp for this row ({exc})"]
+    if not flat:
+        return plan, []
     return plan, ["measured with FSDP1 (flat parameters; estimated as FSDP1 where the row's torch is before 2.4); "
                   "hpcmem's fsdp launcher is FSDP2"]
 

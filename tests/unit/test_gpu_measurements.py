@@ -231,6 +231,19 @@ def test_a_rows_fsdp_reduce_dtype_and_the_jobs_limit_all_gathers_reach_the_estim
         assert len(err) == 1 and field in err[0]
 
 
+def test_only_an_fsdp1_row_carries_the_fsdp1_gap(gpu):
+    """A row whose torch is before 2.4 ran FSDP1 (flat parameters), which hpcmem's launcher is not: a gap. The
+    same row under a later torch ran FSDP2, hpcmem's own: no gap."""
+    doc = json.loads((DATA / "llama-recipes-issue100-llama2-7b-fsdp-a100.json").read_text())
+    assert any("FSDP1" in g for g in gpu.build_case(gpu.Source(Path("x.json"), doc), 0).gaps)
+    later = copy.deepcopy(doc)
+    later["runtime"]["torch_version"] = "2.7"
+    del later["runtime"]["fsdp_limit_all_gathers"]  # an FSDP1 knob
+    case = gpu.build_case(gpu.Source(Path("x.json"), later), 0)
+    assert case.plan.launcher == "fsdp" and not case.runtime.fsdp_flat_params
+    assert not any("FSDP1" in g for g in case.gaps)
+
+
 def test_a_rows_alloc_conf_reaches_the_plan_and_a_bad_one_is_named(gpu, tmp_path, capsys):
     """A row's ``alloc_conf`` (PYTORCH_CUDA_ALLOC_CONF as the job set it) is the Plan's ``alloc_conf``, shows in the
     row's setup label, and the estimate replays under it; a value the Plan or the allocator model refuses is a
