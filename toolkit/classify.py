@@ -115,7 +115,10 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     DistStoreError, SignalException, SystemExit).
     unknown         an abort with nothing before it (``sigabrt_no_context``), a launcher's non -9 exit
                     code alone (``exit_code_only``), a torchrun root cause on another rank
-                    (``child_failed_bare``), an ambiguous cuDNN/cuBLAS error, or nothing recognisable.
+                    (``child_failed_bare``), NCCL losing a peer (``nccl_peer``: "Connection closed by remote
+                    peer", "remote process exited or there was a network error", ``ncclRemoteError``: another
+                    rank died or the network failed, and this rank's error is the consequence), an ambiguous
+                    cuDNN/cuBLAS error, or nothing recognisable.
 
 Where and when (``phase``, ``step``, ``total_steps``)
     phase: from the frames of the traceback that ends at the decisive line (same rank; the one just after
@@ -156,8 +159,9 @@ kills the rest; none of these causes an OOM. So:
        torchrun's root cause is another rank (unknown); an abort -> unknown; ambiguous -> unknown.
     6. Record state TIMEOUT, CANCELLED, PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE -> not_oom.
     7. Record SIGKILL -> host_oom, cause sigkill, medium.
-    8. DeepSpeed's "Killing subprocess" with no Python exception: host_oom (medium) when no other
-       return code follows, else unknown (exit_code_only).
+    8. NCCL losing a peer with no Python exception -> unknown (nccl_peer): the other rank's failure, which an
+       OOM there may be, is not in the log. Then DeepSpeed's "Killing subprocess" with no Python exception:
+       host_oom (medium) when no other return code follows, else unknown (exit_code_only).
     9. The first non-wrapper Python exception line -> not_oom naming it (teardown when its frames are
        in destroy_process_group).
     10. A traceback frame in destroy_process_group -> not_oom teardown; otherwise unknown.
@@ -221,7 +225,8 @@ class Verdict:
     numbers: dict = field(default_factory=dict)
     """MiB floats the message states: tried_to_allocate_mib, total_capacity_mib, free_mib,
     process_in_use_mib, allocated_by_pytorch_mib, reserved_unallocated_mib, already_allocated_mib,
-    reserved_total_mib, other_process_mib."""
+    reserved_total_mib, other_process_mib, allowed_mib (the cap ``set_per_process_memory_fraction`` set: the
+    message's capacity and free memory are still the card's)."""
     gpu: int | None = None
     """GPU (CUDA device) index the message names."""
     rank: int | None = None
@@ -524,6 +529,9 @@ _SIGNATURES = (
         r"\btasks? [\d,\-]+: Killed\b", r"killed by signal: Killed", r"\[\d+\]\s+\d+ killed\s",
         r"\breturn ?code\s*[=:]\s*-9\b", r"^\[\d+\][+-]?\s+Killed\s")),
     ("launcher_kill", "the launcher killed its subprocesses", "", _sig(r"sigkill_handler\] Killing subprocess")),
+    ("peer", "NCCL lost its connection to a peer", "", _sig(
+        r"Connection closed by remote peer", r"remote process exited or there was a network error",
+        r"\bncclRemoteError\b")),
     ("disguised", "CUDNN_STATUS_NOT_SUPPORTED", "", _sig(r"CUDNN_STATUS_NOT_SUPPORTED")),
     ("disguised", "CUDNN_STATUS_INTERNAL_ERROR", "", _sig(r"CUDNN_STATUS_INTERNAL_ERROR")),
     ("disguised", "CUBLAS_STATUS_NOT_INITIALIZED", "", _sig(r"CUBLAS_STATUS_NOT_INITIALIZED")),
@@ -553,7 +561,8 @@ _PREFILTER_WORDS = (
     "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
     "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
     "posix_memalign", "WinError 1455", "MPS backend", "XPU out", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
-    r"exit ?code", "return code", "Signal", "terminate called", "Aborted", "0xC0000005",
+    r"exit ?code", "return code", "Signal", "terminate called", "Aborted", "0xC0000005", "remote peer",
+    "network error",
 )
 
 
@@ -723,6 +732,7 @@ _NEW = {
     "process_in_use_mib": re.compile(r"this process has (" + _SIZE + r") memory in use"),
     "allocated_by_pytorch_mib": re.compile(r"Of the allocated memory (" + _SIZE + r") is allocated by PyTorch"),
     "reserved_unallocated_mib": re.compile(r"(" + _SIZE + r") is reserved by PyTorch but unallocated"),
+    "allowed_mib": re.compile(r"(" + _SIZE + r") allowed;"),  # set_per_process_memory_fraction's cap
 }
 _NEW_GPU = re.compile(r"GPU (\d+) has a total capaci?ty")
 _PROCESS = re.compile(r"Process (\d+) has (" + _SIZE + r") memory in use")
@@ -854,12 +864,35 @@ def _share_floor(numbers: Mapping, share: float) -> float:
     return share * total if total else CAPACITY_UNKNOWN_FLOOR_MIB
 
 
+def usable_capacity_mib(numbers: Mapping) -> float | None:
+    """The GPU memory the failed process could use (MiB): the cap a memory fraction set (``allowed_mib``) when the
+    message states one, else the card's capacity; None when the message states neither."""
+    allowed, total = numbers.get("allowed_mib"), numbers.get("total_capacity_mib")
+    if allowed is not None and (total is None or allowed < total):
+        return allowed
+    return total
+
+
+def _capped_free_mib(numbers: Mapping) -> float | None:
+    """Under a memory-fraction cap the allocator refuses a segment once its reserved memory plus the request would
+    pass the cap, whatever the card has free (``CUDACachingAllocator.cpp``: ``allowed_memory_maximum``): the memory
+    the cap left, when the card itself had room for the request; None otherwise."""
+    allowed, reserved = numbers.get("allowed_mib"), _reserved_mib(numbers)
+    tried, free = numbers.get("tried_to_allocate_mib"), numbers.get("free_mib")
+    if allowed is None or reserved is None or tried is None or (free is not None and free < tried):
+        return None
+    return max(0.0, allowed - reserved)
+
+
 def _gpu_kind(numbers: Mapping, other: float, stated: bool) -> tuple[str, str, str]:
     """(kind, confidence, what would raise it): other_process > fragmentation > gpu_oom (module docstring)."""
     tried = numbers.get("tried_to_allocate_mib")
     if tried is None:
         return "gpu_oom", "medium", "the message's numbers (the whole 'CUDA out of memory. Tried to allocate ...' line)"
     free = numbers.get("free_mib", 0.0)
+    capped = _capped_free_mib(numbers)
+    if capped is not None:  # the cap refused it: other processes did not, and only the cap's room counts as free
+        free, other = capped, 0.0
     if other >= _share_floor(numbers, OTHER_PROCESS_SHARE) and other + free >= tried:
         if stated:
             return "gpu_oom_other_process", "high", ""
@@ -1030,6 +1063,12 @@ def _decide(rec: JobRecord, events: list, log: _Log) -> tuple[_Event | None, Ver
         return None, Verdict("host_oom", cause="sigkill", confidence="medium", confirm=SIGKILL_CONFIRM,
                              reason=f"The job was killed by SIGKILL ({_describe_record(rec)}) with no "
                                     "out-of-memory record: almost always host memory.")
+    peer = _first(events, "peer")
+    if peer and not exc:  # a collective failed because a peer (or the network) went away: the cause is elsewhere
+        return peer, Verdict("unknown", rank=peer.rank, cause="nccl_peer", confidence="low", reason=(
+            f"NCCL lost its connection to a peer{_on(peer.rank)} ({peer.detail}): another rank died or the network "
+            "failed, and that cause is not in this log."), confirm="the log of the first rank to fail (an OOM or "
+            "SIGKILL there is the cause), sacct MaxRSS/State of every node, and NCCL_DEBUG=INFO for the network")
     kill = _first(events, "launcher_kill")
     if kill and not exc:
         code = _launcher_return_code(log, kill.index)
@@ -1170,6 +1209,9 @@ def _gpu_oom_reason(event: _Event, n: Mapping, where: str) -> str:
         parts.append(f"of {_fmt_mib(n['total_capacity_mib'])}")
     if n.get("other_process_mib"):
         parts.append(f"(other processes hold {_fmt_mib(n['other_process_mib'])})")
+    if _capped_free_mib(n) is not None:
+        parts.append(f"-- but a memory-fraction cap allowed {_fmt_mib(n['allowed_mib'])}, which the cache's "
+                     f"{_fmt_mib(_reserved_mib(n))} and the request passed")
     said = ": " + " ".join(parts) if parts else ""
     return f"CUDA out of memory{where}{said}."
 
@@ -1248,11 +1290,13 @@ _PROGRESS = (
     re.compile(r"\[\d+\]\[\s*(\d+)/(\d+)\]"),  # "Epoch: [1][10003/10010]"
     re.compile(r"\b[Ss]tep[:= ]\s*(\d+)\s*/\s*(\d+)\b"),  # "Step 85700/300000"
     re.compile(r"(?<![\d/])(\d+)/(\d+) samples\b"),
-    re.compile(r"(?<![_\w])step (\d+)()\b(?!\s*/)"),  # "during step 1"
+    re.compile(r"(?<![_\w])step (\d+)()\b(?!\s*/|\.(?:batch|extern|\d))"),  # "during step 1", not a Slurm step id
 )
 _NOT_STEPS = re.compile(r"Loading|Map\b|Filter|[Tt]okeniz|Download|Generating|Preprocess|Fetching|Extract|"
                         r"Resolving|Converting|shards|Saving")
 """A progress bar whose description names loading or preprocessing is not a training step."""
+_SCHEDULER_LINES = ("slurmstepd", "srun:", "sbatch:", "salloc:")
+"""Lines of the scheduler's own, whose "step" is a Slurm job step (``step 59137890.batch``), not a training step."""
 PROGRESS_WINDOW = 600
 """Lines before the failure searched for its last progress line."""
 
@@ -1318,7 +1362,7 @@ def _step(log: _Log, i: int) -> tuple[int | None, int | None]:
     """(step, total) from the last progress line at or before line ``i``; (None, None) when none says it."""
     for j in range(i, max(-1, i - PROGRESS_WINDOW), -1):
         body = log.body(j)
-        if not any(c.isdigit() for c in body) or "Traceback" in body:
+        if not any(c.isdigit() for c in body) or "Traceback" in body or body.startswith(_SCHEDULER_LINES):
             continue
         best = None
         for pattern in _PROGRESS:
@@ -1350,7 +1394,8 @@ def _finish(verdict: Verdict, event: _Event | None, events: list, log: _Log) -> 
 
 _RANK_KIND = {"fault": "not_oom", "not_oom": "not_oom", "exception": "not_oom", "sigkill": "host_oom",
               "launcher_kill": "unknown",
-              "ambiguous": "unknown", "segfault": "not_oom", "abort": "unknown"}
+              "ambiguous": "unknown", "segfault": "not_oom", "abort": "unknown",
+              "peer": "unknown"}
 
 
 def _rank_failures(events: list) -> tuple:

@@ -40,7 +40,8 @@ FAILURES: tuple[FailureKind, ...] = (
     FailureKind("gpu_oom_other_process", "gpu", True, "CUDA out of memory: another process holds the GPU",
                 "another process holds the GPU: ask for it exclusively, check nvidia-smi on the node", "exclusive"),
     FailureKind("gpu_driver_oom", "gpu", True, "GPU memory ran out outside PyTorch's allocator",
-                "leave room outside PyTorch: smaller micro-batch or checkpointing", "gpu"),
+                "leave room outside PyTorch's cache (cuBLAS/cuDNN workspaces, NCCL, the CUDA context): check "
+                "nvidia-smi for another process on the GPU, then a smaller micro-batch or checkpointing", "gpu"),
     FailureKind("nccl_oom", "gpu", True, "NCCL ran out of memory",
                 "NCCL buffers: more /dev/shm or GPU headroom (smaller micro-batch)", "gpu"),
     FailureKind("host_oom", "host", True, "Host memory ran out",

@@ -291,8 +291,11 @@ class Predictor:
 
     @property
     def usable_mib(self) -> float | None:
-        """GPU memory this process could have: the message's capacity (else the partition's) less other processes."""
-        total = self.numbers.get("total_capacity_mib")
+        """GPU memory this process could have: the message's capacity, or the memory-fraction cap it states
+        (``classify.usable_capacity_mib``; else the partition's), less other processes."""
+        from .classify import usable_capacity_mib
+
+        total = usable_capacity_mib(self.numbers)
         if total is None:
             if not self.partition.has_gpu:
                 return None

@@ -677,6 +677,53 @@ def test_peer_failure_errors_do_not_hide_the_real_exception():
     assert v.kind == "not_oom" and "ValueError" in v.reason and v.rank == 1
 
 
+def test_nccl_losing_a_peer_is_unknown_with_the_peer_named_unless_the_log_shows_a_cause():
+    """A collective that failed because its peer went away ("Connection closed by remote peer", "remote process
+    exited or there was a network error", ncclRemoteError) shows a consequence: the cause is on the other rank or in
+    the network (unknown, nccl_peer). A cause the log does show still decides: a SIGKILL, an OOM, an exception."""
+    peer = ("GroupNCCL.cpp:1275, internal error, NCCL version 2.14.3\nncclInternalError: Internal check failed.\n"
+            "Last error:\nNet : Connection closed by remote peer node-7<43236>\n")
+    v = classify(None, peer)
+    assert (v.kind, v.cause, v.confidence) == ("unknown", "nccl_peer", "low") and "peer" in v.reason
+    assert v.evidence[0][0] == 4
+    remote = "[rank1]: torch.distributed.DistBackendError: NCCL error: remote process exited or there was a network error\n"
+    assert classify(None, remote).cause == "nccl_peer" and classify(None, remote).rank == 1
+    assert classify(None, peer + "    exitcode  : -9 (pid: 42)\n").kind == "host_oom"
+    assert classify(None, peer + new_oom() + "\n").kind == "gpu_oom"
+    assert classify(None, peer + "ValueError: bad shape\n").cause == "python_error"
+
+
+def test_a_memory_fraction_cap_is_the_capacity_an_oom_is_judged_against():
+    """Under torch.cuda.set_per_process_memory_fraction the message still states the card's capacity and free memory
+    and adds "N allowed;" (CUDACachingAllocator.cpp's allowed_info). The cap is what ran out: a plain gpu_oom against
+    the cap, not fragmentation or another process for the card's free memory."""
+    from toolkit.classify import usable_capacity_mib
+
+    capped = new_oom(tried="2.00 GiB", total="79.19 GiB", free="38.51 GiB", this="40.12 GiB", allocated="38.90 GiB",
+                     unallocated="563.20 MiB").replace("memory in use. ", "memory in use. 40.00 GiB allowed; ", 1)
+    v = classify(None, capped)
+    assert v.kind == "gpu_oom" and v.confidence == "high" and v.numbers["allowed_mib"] == 40960.0
+    assert usable_capacity_mib(v.numbers) == 40960.0 and "cap allowed 40.00 GiB" in v.reason
+    uncapped = classify(None, capped.replace("40.00 GiB allowed; ", ""))
+    assert uncapped.kind == "gpu_oom_fragmentation" and usable_capacity_mib(uncapped.numbers) == 81090.56
+    # the cap's own room covers the request with idle cache: fragmentation under the cap
+    idle = capped.replace("563.20 MiB is reserved", "2.50 GiB is reserved")
+    assert classify(None, idle).kind == "gpu_oom_fragmentation"
+
+
+def test_a_slurm_step_id_is_not_a_training_step_and_names_the_job():
+    from toolkit.triage.logfind import job_id_in_text
+
+    text = ("Epoch 1:  40%|####      | 40/100 [00:10<00:15]\n"
+            "slurmstepd: error: Detected 8 oom-kill event(s) in step 59137890.batch cgroup. Some of your processes "
+            "may have been killed by the cgroup out-of-memory handler.\n")
+    v = classify(None, text)
+    assert v.kind == "host_oom" and v.step == 40
+    assert classify(None, text.split("\n", 1)[1]).step is None
+    assert job_id_in_text(text) == "59137890"
+    assert classify(None, "RuntimeError: boom during step 12\n").step == 12
+
+
 # ------------------------------------------------------------------ ranks and prefixes
 
 

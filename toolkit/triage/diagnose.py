@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..classify import Verdict, classify, classify_paths
+from ..classify import Verdict, classify, classify_paths, usable_capacity_mib
+from ..failures import hint_of
 from ..errors import HpcmemError
 from ..logtail import DEFAULT_MAX_BYTES
 from ..sites import Partition, Site
@@ -91,6 +92,9 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
                                        max_items=max_remedies, base=base))
         except HpcmemError as exc:
             notes.append(f"no remedies: {exc}")
+        hint = hint_of(verdict.kind, verdict.cause)
+        if not found and hint:  # no plan move computed: the kind's direction, in words
+            look = (f"{hint[:1].upper()}{hint[1:]}.",)
     else:
         look = tuple(where_to_look(verdict, facts.state))
     peak, snapshots = (data_peaks(case, known.plan.seq_len if known.known else None)
@@ -220,7 +224,7 @@ def pick_partition(site: Site, slurm_partition: str | None, verdict: Verdict) ->
     the OOM message states, so a remedy is never checked against a smaller card than the job had. Without a
     name, the GPU partition closest to the stated capacity.
     """
-    capacity = verdict.numbers.get("total_capacity_mib")
+    capacity = usable_capacity_mib(verdict.numbers)  # a memory-fraction cap emulates the smaller card
     names = [n.strip() for n in (slurm_partition or "").split(",") if n.strip()]
     for name in names:
         if name in site.partitions:

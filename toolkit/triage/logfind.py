@@ -35,6 +35,7 @@ _NOT_LOGS = (".json", ".sbatch", ".slurm", ".sh", ".py", ".yaml", ".yml", ".lock
 _LOG_JOB_ID = (
     re.compile(r"hpcmem: job (\d+(?:_\d+)?) attempt \d+"),
     re.compile(r"StepId=(\d+(?:_\d+)?)\.(?:batch|extern|\d+)"),
+    re.compile(r"slurmstepd: error: .* in step (\d+(?:_\d+)?)\.(?:batch|extern|\d+)\b"),  # Slurm < 21.08's form
     re.compile(r"\*\*\* JOB (\d+(?:_\d+)?) ON \S+ CANCELLED"),
 )
 _PAD = re.compile(r"%([0-9]+)(?=[%AajJNnstux])")

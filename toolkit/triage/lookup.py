@@ -63,6 +63,9 @@ _BY_CAUSE = {
                         "NCCL_SHM_DISABLE=1."),
     "child_failed_bare": ("The first rank to fail left no error in this log: read that rank's own output (torchrun "
                           "--tee 3, or @record on the entry point) and sacct MaxRSS for a memory kill."),
+    "nccl_peer": ("NCCL lost a peer: find the first rank to fail (its own log; an OOM or a SIGKILL there is the "
+                  "cause, sacct MaxRSS/State per node), and if every rank was alive, the network (NCCL_DEBUG=INFO, "
+                  "NCCL_SOCKET_IFNAME / NCCL_IB_HCA)."),
     "sigabrt_no_context": ("A process aborted (SIGABRT) with nothing before it saying why: read the rank's own log and "
                            "any core dump; if it came after the final metrics, it is a teardown crash."),
 }

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..classify import Verdict
+from ..classify import Verdict, usable_capacity_mib
 from ..errors import UnknownNameError
 from ..estimate import Estimate, ModelRef, estimate
 from ..estimate.gpu import Runtime
@@ -237,8 +237,9 @@ def memory_picture(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] 
 
 
 def _capacity(n: Mapping[str, float], partition: Partition | None) -> float | None:
-    if "total_capacity_mib" in n:
-        return n["total_capacity_mib"]
+    stated = usable_capacity_mib(n)  # a memory-fraction cap, else the card
+    if stated is not None:
+        return stated
     if partition is not None and partition.has_gpu:
         return partition.gpu_mem_gib * 1024
     return None
@@ -281,8 +282,9 @@ def _flags(verdict, n, known, est, demand, capacity, partition, max_rss, mem_req
             flags.append("estimate_low")
         elif capacity is not None and est.device_used_mib > max(capacity, demand * (1 + ESTIMATE_LOW_SHARE)):
             flags.append("estimate_high")
-    if partition is not None and partition.has_gpu and "total_capacity_mib" in n:
-        if abs(n["total_capacity_mib"] - partition.gpu_mem_gib * 1024) > 0.10 * partition.gpu_mem_gib * 1024:
+    stated = usable_capacity_mib(n)
+    if partition is not None and partition.has_gpu and stated is not None:
+        if abs(stated - partition.gpu_mem_gib * 1024) > 0.10 * partition.gpu_mem_gib * 1024:
             flags.append("capacity_mismatch")
     return flags
 
