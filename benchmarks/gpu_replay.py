@@ -51,23 +51,23 @@ from toolkit.estimate.measure import train_setup
 from toolkit.models import load_model_config
 from toolkit.plan import Plan
 case = json.loads(sys.argv[1])
-dev = torch.device("cuda")
+dev = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction calls want an index
 total = torch.cuda.get_device_properties(dev).total_memory
 torch.cuda.set_per_process_memory_fraction(min(1.0, case["cap_bytes"] / total), dev)
-torch.cuda.memory._record_memory_history(max_entries=2_000_000)  # before the model is built
+torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")  # before the model; no C++ stacks
 model, opt, scaler, step = train_setup(load_model_config(case["model"]), case["task"], Plan.from_dict(case["plan"]),
                                        device="cuda")
 for _ in range(case["steps"]):
     step()
 torch.cuda.synchronize()
 snap = torch.cuda.memory._snapshot()
-trace = [{"action": e["action"], "addr": int(e.get("addr", 0)), "size": int(e.get("size", 0))}
-         for e in snap["device_traces"][dev.index or 0]]
+trace = [{"action": e["action"], "addr": int(e.get("addr", 0)), "size": int(e.get("size", 0)),
+          "stream": int(e.get("stream", 0))} for e in snap["device_traces"][dev.index]]
 used = None
 try:
     import pynvml
     pynvml.nvmlInit()
-    used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)).used
+    used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(dev.index)).used
 except Exception:
     pass
 print(json.dumps({"max_allocated": torch.cuda.max_memory_allocated(dev), "max_reserved": torch.cuda.max_memory_reserved(dev),

@@ -417,6 +417,28 @@ def test_in_job_recovery_answers_an_oom_on_two_ranks_without_a_restart(tmp_path)
     assert "in-job move" in result.stdout
 
 
+def test_an_oom_on_one_rank_is_agreed_on_before_the_backward(tmp_path):
+    """--oom-rank 0: only rank 0 runs out of memory, in step 3's forward. Rank 1 reaches the agreement after its
+    forward (Recovery.forward_done: one all-reduce, which rank 0 joins from run_step) instead of DDP's backward
+    all-reduce, drops its try, and both halve the micro-batch and finish in the same process. Without the agreement
+    rank 1's gradient all-reduce meets rank 0's one-element flag (gloo aborts on the size mismatch)."""
+    attempt, plan = write_attempt(tmp_path, micro_batch=4, grad_accum=2)
+    limit = 2000 * 2**20
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = _env(attempt, {"MALLOC_ARENA_MAX": "2"})
+    result = run(torchrun(2, *train_args(steps=4), "--oom-at-step", "3", "--oom-mib", "400", "--oom-rank", "0"),
+                 env, preexec_fn=cap)
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((attempt / "metrics.json").read_text())
+    assert m["status"] == "ok" and m["steps"] == 4
+    (move,) = m["inflight_moves"]
+    assert move["step"] == 3 and move["to"] == {"micro_batch": 2, "grad_accum": 4, "checkpointing": False}
+    assert move["global_batch"] == plan.global_batch
+
+
 def test_a_fixed_oom_is_not_answered_in_the_job(tmp_path):
     """--oom-kind fixed: no micro-batch avoids it; the in-job moves (micro-batch 1, then activation checkpointing,
     really turned on in the model) run out and the allocator's error ends the job."""

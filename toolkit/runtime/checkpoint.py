@@ -450,14 +450,11 @@ class Checkpointer:
             return None
 
     def _any(self, flag: bool) -> bool:
-        dist = self._dist()
-        if dist is None:
+        if self._dist() is None:
             return flag
-        import torch
+        from .inflight import any_rank  # the flag on the device the backend takes (NCCL: the rank's GPU)
 
-        t = torch.tensor([1 if flag else 0], device=self.device if self.device is not None else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return any_rank(flag, self.device)
 
     def _from_rank0(self, value):
         dist = self._dist()

@@ -36,14 +36,8 @@ from ..errors import HpcmemError
 from . import inflight
 
 
-class _PeerOOM(Exception):
-    """Another rank ran out of memory in this micro-batch's forward: this rank drops its try too."""
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+_PeerOOM = inflight.PeerOOM
+_world_size = inflight.world_size
 
 
 def split_inputs(inputs: Any, pieces: int) -> list[Any] | None:

@@ -134,13 +134,27 @@ def move_text(move: Mapping[str, Any]) -> str:
             + (f": {changed}" if changed else ""))
 
 
+class PeerOOM(Exception):
+    """Another rank ran out of memory in this micro-batch's forward: this rank drops its try too."""
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def any_rank(flag: bool, device=None) -> bool:
-    """True when ``flag`` is true on any rank: the one collective that makes every rank take the same move."""
+    """True when ``flag`` is true on any rank: the one collective that makes every rank take the same move (the
+    flag itself without a process group). The flag travels on ``device``, else on the rank's current CUDA device
+    under NCCL (which takes no CPU tensors), else on the CPU."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([1 if flag else 0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
@@ -168,6 +182,20 @@ class Recovery:
         self.enabled = _switch() if enabled is None else enabled
         self.enable_checkpointing, self.on_move, self.log = enable_checkpointing, on_move, log
         self.moves: list[dict[str, Any]] = []
+        self._phase = "forward"
+
+    def forward_done(self) -> None:
+        """Call after each micro-batch's forward, before its backward. Over several ranks this is where they agree
+        whether any ran out of memory in its forward (one all-reduce, which a rank that did joins from
+        ``run_step``): DDP's backward all-reduces then never meet a rank that left the step (a ``PeerOOM``
+        here)."""
+        self._phase = "backward"
+        if self.enabled and world_size() > 1 and any_rank(False, self.device):
+            raise PeerOOM()
+
+    def backward_done(self) -> None:
+        """Call after each micro-batch's backward."""
+        self._phase = "forward"
 
     def capture(self, generator=None) -> tuple:
         """The state to rewind a step to: torch's CPU RNG and the data generator's state."""
@@ -191,19 +219,29 @@ class Recovery:
                  rewind: Callable[[], None] | None = None) -> Any:
         """Run ``step_fn(self.plan)`` (the step's micro-batch loop), answering an OOM: returns its result once a
         try succeeded on every rank. ``discard``: drop the partial step (zero the gradients, free what it held);
-        ``rewind``: put the data position and RNG back to the step's start. Off: one plain call."""
+        ``rewind``: put the data position and RNG back to the step's start. Off: one plain call.
+
+        Over several ranks ``step_fn`` calls ``forward_done`` / ``backward_done`` around each backward: an OOM in
+        a forward is agreed on there and answered; one in a backward is raised (another rank may be waiting in
+        that backward's all-reduce: the controller answers it)."""
         if not self.enabled:
             return step_fn(self.plan)
         while True:
             failed: BaseException | None = None
             result = None
+            peer = False
+            self._phase = "forward"
             try:
                 result = step_fn(self.plan)
+            except PeerOOM:
+                peer = True  # agreed in forward_done: no second all-reduce
             except BaseException as exc:  # noqa: BLE001 - only an OOM is answered; the rest is raised
                 if not is_oom(exc):
                     raise
+                if self._phase == "backward" and world_size() > 1:
+                    raise
                 failed = exc
-            if not any_rank(failed is not None, self.device):
+            if not peer and not any_rank(failed is not None, self.device):
                 return result
             result = None
             self._answer(step, failed, discard, rewind)

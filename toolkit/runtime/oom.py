@@ -77,7 +77,10 @@ def limit_bytes(device) -> int:
     if getattr(device, "type", "cpu") == "cuda":
         import torch
 
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)  # the card's, whatever cap the allocator has
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.5
+        if fraction is not None:
+            return int(total * fraction(device.index if device.index is not None else torch.cuda.current_device()))
         return int(total)
     return host_limit_bytes()
 

@@ -491,8 +491,9 @@ class Trainer:
         import torch
 
         plan = self.plan
-        model.to(device)
         fsdp = plan.strategy.name == "fsdp"
+        if not fsdp:  # fully_shard moves each block's states to the device as it shards them: never the whole
+            model.to(device)  # model on one GPU (the estimate builds it on the host: strategies.fsdp startup)
         if fsdp:  # shard before the optimizer is built: it steps the sharded parameters
             for knob, (value, why) in plan.strategy.shard(model, plan, device).items():
                 self.monitor.note(knob, value, why)
@@ -523,7 +524,9 @@ class Trainer:
                         rehearsal.before_micro(step, plan.micro_batch)
                     with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
                         loss = model(**batches.next()).loss / plan.grad_accum
+                    recovery.forward_done()  # over several ranks: the agreement on a forward's OOM
                     (scaler.scale(loss) if scaler else loss).backward()
+                    recovery.backward_done()
                     if rehearsal:
                         rehearsal.after_micro()
                 total += loss.detach().float()

@@ -49,20 +49,14 @@ def _policy(plan: dict[str, Any], every_steps: int | None, every_min: float | No
 
 
 def _any_rank(flag: bool) -> bool:
-    """True when ``flag`` is true on any rank (one all-reduce; the flag itself without a process group)."""
+    """True when ``flag`` is true on any rank (``inflight.any_rank``)."""
     try:
-        import torch
-        import torch.distributed as dist
+        import torch.distributed  # noqa: F401
     except ImportError:  # pragma: no cover - torch is a job dependency
         return flag
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = f"cuda:{torch.cuda.current_device()}"
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    from .inflight import any_rank
+
+    return any_rank(flag)
 
 
 class _AccelerateEngine:
