@@ -170,3 +170,25 @@ def test_monitor_step_is_cheap():
     for _ in range(10_000):
         mon.step(samples=8, loss=1.0)
     assert (time.perf_counter() - start) / 10_000 < 50e-6
+
+
+class FakeNvml:
+    """A stand-in for pynvml (no GPU here): which lookup the code asked for."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("uuid", uuid)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("index", index)
+
+
+def test_the_nvml_handle_is_the_jobs_gpu_as_cuda_visible_devices_names_it():
+    """NVML numbers every GPU on the node; CUDA numbers the visible ones: device 1 under CUDA_VISIBLE_DEVICES=3,5 is
+    NVML's 5; a UUID entry (GPU-..., MIG-...) is looked up by UUID; without the variable the numbers agree."""
+    from toolkit.runtime.monitor import visible_nvml_handle
+
+    nvml = FakeNvml()
+    assert visible_nvml_handle(nvml, 0, {"CUDA_VISIBLE_DEVICES": "3,5"}) == ("index", 3)
+    assert visible_nvml_handle(nvml, 1, {"CUDA_VISIBLE_DEVICES": "3, 5"}) == ("index", 5)
+    assert visible_nvml_handle(nvml, 0, {"CUDA_VISIBLE_DEVICES": "MIG-1c2d"}) == ("uuid", "MIG-1c2d")
+    assert visible_nvml_handle(nvml, 2, {}) == ("index", 2)

@@ -71,8 +71,11 @@ def is_oom(exc: BaseException) -> bool:
     nothing to catch.)"""
     import torch
 
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(exc, (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)):
         return True
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", ())
+    if dist_error and isinstance(exc, dist_error):
+        return False  # NCCL's own "Cuda failure 'out of memory'": its communicator is broken, no step re-runs
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
@@ -198,12 +201,14 @@ class Recovery:
         self._phase = "forward"
 
     def capture(self, generator=None) -> tuple:
-        """The state to rewind a step to: torch's CPU RNG and the data generator's state."""
+        """The state to rewind a step to: torch's CPU RNG, the CUDA generators' (dropout on a GPU draws from
+        them) and the data generator's state."""
         import torch
 
         if not self.enabled:
             return ()
-        return (torch.get_rng_state(), generator.get_state() if generator is not None else None)
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return (torch.get_rng_state(), generator.get_state() if generator is not None else None, cuda)
 
     @staticmethod
     def restore(state: tuple, generator=None) -> None:
@@ -214,6 +219,8 @@ class Recovery:
         torch.set_rng_state(state[0])
         if generator is not None and state[1] is not None:
             generator.set_state(state[1])
+        if len(state) > 2 and state[2] is not None:
+            torch.cuda.set_rng_state_all(state[2])
 
     def run_step(self, step: int, step_fn: Callable[[Plan], Any], *, discard: Callable[[], None] | None = None,
                  rewind: Callable[[], None] | None = None) -> Any:
