@@ -109,6 +109,9 @@ class Partition:
         if plan.attention == "flash" and not self.flash_attention:
             what = self.gpu_model or "CPU"
             raise PlanError(f"attention=flash: {where} ({what}) has no flash attention; use attention=sdpa")
+        if plan.attention == "flash" and plan.precision == "fp32":
+            raise PlanError("attention=flash with precision=fp32: flash-attn's kernels take fp16/bf16 only (no autocast "
+                            "under fp32); use precision=bf16-mixed or fp16-mixed, or attention=sdpa")
         if self.has_gpu and plan.gpus_per_node > self.gpus_per_node:
             raise PlanError(f"gpus_per_node={plan.gpus_per_node}: {where} has {self.gpus_per_node} GPUs per node")
         if not self.has_gpu and plan.gpus_per_node > self.cpus_per_node:

@@ -121,6 +121,10 @@ def test_partition_refuses_what_it_cannot_do():
     with pytest.raises(PlanError, match="at most"):
         v100.check_plan(Plan(time_min=5000))
     v100.check_plan(Plan(precision="fp16-mixed"))
+    a100 = sites.load_site("example-hpc").partition("a100-40gb")
+    with pytest.raises(PlanError, match="fp16/bf16 only.*attention=sdpa"):  # flash-attn has no fp32 kernels
+        a100.check_plan(Plan(attention="flash", precision="fp32"))
+    a100.check_plan(Plan(attention="flash", precision="bf16-mixed"))
 
 
 def test_a_cpu_partition_measured_without_fp16_refuses_it(tmp_path, monkeypatch):
