@@ -20,6 +20,7 @@ import yaml
 
 from .errors import HpcmemError, SchedulerError
 from .files import write_atomic
+from .devices import gpu_has_bf16, visible_nvml_handle
 from .resources import data_dir
 from .sites import Partition, Site, read_calibration
 
@@ -58,7 +59,7 @@ def _gpu_probe() -> dict[str, Any]:
     out.update({
         "gpus": torch.cuda.device_count(), "gpu_model": props.name,
         "gpu_mem_gib": round(props.total_memory / 2**30, 1),
-        "bf16": _gpu_has_bf16(torch),  # not V100's emulation
+        "bf16": gpu_has_bf16(torch),  # not V100's emulation
         "flash_attention": props.major >= 8,
         "cuda": str(torch.version.cuda),
     })
@@ -77,20 +78,12 @@ def cpu_precisions(torch) -> dict[str, bool]:
     return {"fp16": fp16, "bf16": True}
 
 
-def _gpu_has_bf16(torch) -> bool:
-    from .runtime.train import _gpu_has_bf16 as has
-
-    return has(torch)
-
-
 def _nvml_used_mib() -> float | None:
     try:
         import pynvml
         pynvml.nvmlInit()
         try:
-            from .runtime.monitor import visible_nvml_handle  # the job's GPU, not the node's first
-
-            return pynvml.nvmlDeviceGetMemoryInfo(visible_nvml_handle(pynvml, 0)).used / 2**20
+            return pynvml.nvmlDeviceGetMemoryInfo(visible_nvml_handle(pynvml, 0)).used / 2**20  # the job's GPU
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no NVML: the context is then not measured

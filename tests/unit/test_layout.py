@@ -4,7 +4,7 @@
   the compute node; it never imports a login-side module (sites, the controller, the ladder, triage, ...);
 - the engines, ``toolkit/strategies/``: facts the login side plans with, and a runtime side the job calls; they
   reach the job side only inside functions (lazily), never at import;
-- shared leaves (plan, errors, files, optimizers, models, modelshape, resources, peaks): both sides use them, and
+- shared leaves (plan, errors, files, optimizers, models, modelshape, resources, peaks, devices): both sides use them, and
   they import only each other and the engines;
 - the login side: everything else. Of the job side it reads only the contract between the two, modules that are
   pure and import no torch: the record the job writes (``runtime.metrics``), the checkpoint layout and the
@@ -21,7 +21,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "toolkit"
 
 SHARED = {"toolkit", "toolkit.errors", "toolkit.files", "toolkit.plan", "toolkit.optimizers", "toolkit.models",
-          "toolkit.modelshape", "toolkit.resources", "toolkit.peaks"}
+          "toolkit.modelshape", "toolkit.resources", "toolkit.peaks", "toolkit.devices"}
 LOGIN_READS_OF_JOB = {"toolkit.runtime.metrics", "toolkit.runtime.checkpoint", "toolkit.runtime.inflight"}
 
 

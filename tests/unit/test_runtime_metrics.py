@@ -185,7 +185,7 @@ class FakeNvml:
 def test_the_nvml_handle_is_the_jobs_gpu_as_cuda_visible_devices_names_it():
     """NVML numbers every GPU on the node; CUDA numbers the visible ones: device 1 under CUDA_VISIBLE_DEVICES=3,5 is
     NVML's 5; a UUID entry (GPU-..., MIG-...) is looked up by UUID; without the variable the numbers agree."""
-    from toolkit.runtime.monitor import visible_nvml_handle
+    from toolkit.devices import visible_nvml_handle
 
     nvml = FakeNvml()
     assert visible_nvml_handle(nvml, 0, {"CUDA_VISIBLE_DEVICES": "3,5"}) == ("index", 3)

@@ -394,17 +394,6 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def visible_nvml_handle(pynvml, cuda_index: int, environ=None):
-    """NVML's handle for CUDA device ``cuda_index`` as CUDA_VISIBLE_DEVICES numbers them (an NVML index, or a
-    GPU-/MIG- UUID there), without asking CUDA: NVML numbers every device on the node."""
-    visible = [v.strip() for v in (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "")
-               .split(",") if v.strip()]
-    entry = visible[cuda_index] if cuda_index < len(visible) else None
-    if entry is not None and entry.startswith(("GPU-", "MIG-")):
-        return pynvml.nvmlDeviceGetHandleByUUID(entry)
-    return pynvml.nvmlDeviceGetHandleByIndex(int(entry) if entry is not None and entry.isdigit() else cuda_index)
-
-
 def _nvml_handle(cuda_index: int):
     """(pynvml, handle) for torch's CUDA device ``cuda_index``, or None when pynvml is missing or fails.
 
@@ -425,6 +414,8 @@ def _nvml_handle(cuda_index: int):
                 return pynvml, pynvml.nvmlDeviceGetHandleByUUID(candidate)
             except Exception:  # noqa: BLE001
                 continue
+        from ..devices import visible_nvml_handle
+
         return pynvml, visible_nvml_handle(pynvml, cuda_index)
     except Exception:  # noqa: BLE001
         try:

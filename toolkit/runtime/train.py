@@ -76,6 +76,7 @@ from typing import Any, Sequence
 
 from .. import models, optimizers
 from ..models import HF_ATTENTION
+from ..devices import gpu_has_bf16
 from ..errors import ConfigError, HpcmemError, PlanError
 from ..plan import Plan, apply_overrides, parse_sets, with_changes
 from ..strategies.deepspeed import plan_from_ds_config
@@ -448,7 +449,7 @@ class Trainer:
         import torch
 
         wants_bf16 = self.plan.precision in ("bf16-mixed", "bf16-true")
-        if wants_bf16 and device.type == "cuda" and not _gpu_has_bf16(torch):
+        if wants_bf16 and device.type == "cuda" and not gpu_has_bf16(torch):
             raise PlanError(f"precision={self.plan.precision}: this GPU ({torch.cuda.get_device_name(device)}) "
                             "has no bf16; use fp16-mixed")
         if self.ds_cfg is not None:
@@ -789,14 +790,6 @@ def step_seq_len(step: int, seq_len: int, long_at: int, long_len: int, seed: int
     import random
 
     return random.Random(seed * 1_000_003 + step).randint(max(1, seq_len // 2), seq_len)
-
-
-def _gpu_has_bf16(torch) -> bool:
-    # torch >= 2.3 counts V100's slow emulation as support unless told not to.
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:
-        return torch.cuda.is_bf16_supported()
 
 
 class Terminated(BaseException):
