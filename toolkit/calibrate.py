@@ -20,7 +20,7 @@ import yaml
 
 from .errors import HpcmemError, SchedulerError
 from .files import write_atomic
-from .devices import gpu_has_bf16, visible_nvml_handle
+from .devices import gpu_has_bf16, nvml_process_used_bytes, nvml_used_bytes, visible_nvml_handle
 from .resources import data_dir
 from .sites import Partition, Site, read_calibration
 
@@ -65,11 +65,14 @@ def _gpu_probe() -> dict[str, Any]:
         "flash_attention": props.major >= 8,
         "cuda": str(torch.version.cuda),
     })
-    if before is not None and after is not None:
-        reserved = torch.cuda.memory_reserved() / 2**20
+    reserved = torch.cuda.memory_reserved() / 2**20
+    own = _nvml_used_mib(own=True)  # this process's alone: other jobs on a shared GPU do not count
+    if own is not None:
+        out["cuda_context_mib"] = round(own - reserved, 1)
+    elif before is not None and after is not None:
         out["cuda_context_mib"] = round(after - before - reserved, 1)
-        if bare is not None:
-            out["cuda_context_bare_mib"] = round(bare - before, 1)
+    if before is not None and bare is not None:
+        out["cuda_context_bare_mib"] = round(bare - before, 1)
     if trained:
         out["context_note"] = trained
     return out
@@ -109,12 +112,18 @@ def cpu_precisions(torch) -> dict[str, bool]:
     return {"fp16": fp16, "bf16": True}
 
 
-def _nvml_used_mib() -> float | None:
+def _nvml_used_mib(own: bool = False) -> float | None:
+    """The job's GPU's memory in use as nvidia-smi shows it (MiB); with ``own``, this process's alone (None where
+    NVML does not list it)."""
     try:
         import pynvml
         pynvml.nvmlInit()
         try:
-            return pynvml.nvmlDeviceGetMemoryInfo(visible_nvml_handle(pynvml, 0)).used / 2**20  # the job's GPU
+            handle = visible_nvml_handle(pynvml, 0)
+            if own:
+                used = nvml_process_used_bytes(pynvml, handle, os.getpid())
+                return None if used is None else used / 2**20
+            return nvml_used_bytes(pynvml, handle) / 2**20
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no NVML: the context is then not measured

@@ -876,11 +876,15 @@ def usable_capacity_mib(numbers: Mapping) -> float | None:
 def _capped_free_mib(numbers: Mapping) -> float | None:
     """Under a memory-fraction cap the allocator refuses a segment once its reserved memory plus the request would
     pass the cap, whatever the card has free (``CUDACachingAllocator.cpp``: ``allowed_memory_maximum``): the memory
-    the cap left, when the card itself had room for the request; None otherwise."""
-    allowed, reserved = numbers.get("allowed_mib"), _reserved_mib(numbers)
-    tried, free = numbers.get("tried_to_allocate_mib"), numbers.get("free_mib")
-    if allowed is None or reserved is None or tried is None or (free is not None and free < tried):
+    the cap left, when the card itself had room for the request; None otherwise. Where the message's PyTorch
+    figures are cut off (a log line that shortened it), this process's whole use (``this process has W``, at least
+    what its allocator reserved) bounds the room; with neither, the cap left none that counts."""
+    allowed, tried, free = numbers.get("allowed_mib"), numbers.get("tried_to_allocate_mib"), numbers.get("free_mib")
+    if allowed is None or tried is None or (free is not None and free < tried):
         return None
+    reserved = _reserved_mib(numbers)
+    if reserved is None:
+        reserved = numbers.get("process_in_use_mib", allowed)
     return max(0.0, allowed - reserved)
 
 
@@ -1210,8 +1214,11 @@ def _gpu_oom_reason(event: _Event, n: Mapping, where: str) -> str:
     if n.get("other_process_mib"):
         parts.append(f"(other processes hold {_fmt_mib(n['other_process_mib'])})")
     if _capped_free_mib(n) is not None:
-        parts.append(f"-- but a memory-fraction cap allowed {_fmt_mib(n['allowed_mib'])}, which the cache's "
-                     f"{_fmt_mib(_reserved_mib(n))} and the request passed")
+        reserved = _reserved_mib(n)
+        held = (f"the cache's {_fmt_mib(reserved)}" if reserved is not None else
+                f"this process's {_fmt_mib(n['process_in_use_mib'])}" if "process_in_use_mib" in n else "this process")
+        parts.append(f"-- but a memory-fraction cap allowed {_fmt_mib(n['allowed_mib'])}, which {held} and the "
+                     "request passed")
     said = ": " + " ".join(parts) if parts else ""
     return f"CUDA out of memory{where}{said}."
 

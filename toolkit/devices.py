@@ -1,7 +1,8 @@
 """What a CUDA device is, asked the same way on both sides (a shared leaf: docs/architecture.md).
 
 ``visible_nvml_handle``: NVML's handle for a CUDA device index as ``CUDA_VISIBLE_DEVICES`` numbers it (the job's
-monitor and the login side's calibration probe). ``gpu_has_bf16``: bf16 the card really has (not V100's emulation).
+monitor and the login side's calibration probe). ``nvml_used_bytes``: device memory in use as nvidia-smi shows it.
+``gpu_has_bf16``: bf16 the card really has (not V100's emulation).
 """
 
 from __future__ import annotations
@@ -18,6 +19,37 @@ def visible_nvml_handle(pynvml, cuda_index: int, environ=None):
     if entry is not None and entry.startswith(("GPU-", "MIG-")):
         return pynvml.nvmlDeviceGetHandleByUUID(entry)
     return pynvml.nvmlDeviceGetHandleByIndex(int(entry) if entry is not None and entry.isdigit() else cuda_index)
+
+
+def nvml_used_bytes(pynvml, handle, pid: int | None = None) -> int:
+    """Device memory in use as nvidia-smi shows it: process ``pid``'s own where NVML lists it (a GPU shared with
+    other jobs), else the device's, without the memory the driver reserves for itself.
+
+    NVML's first ``nvmlDeviceGetMemoryInfo`` counts that reservation as used: on an H100 80GB with driver 580 it is
+    about 480 MiB (nvidia-smi's total 81,559 MiB against CUDA's 81,079), there before any process runs, which the
+    ``_v2`` call (driver >= 510) reports apart as ``reserved`` (benchmarks/results/gpu-session-20261127.txt)."""
+    own = nvml_process_used_bytes(pynvml, handle, pid) if pid is not None else None
+    if own is not None:
+        return own
+    version = getattr(pynvml, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(handle, version=version).used
+        except Exception:  # noqa: BLE001 - a driver before 510 or a pynvml without the version argument
+            pass
+    return pynvml.nvmlDeviceGetMemoryInfo(handle).used
+
+
+def nvml_process_used_bytes(pynvml, handle, pid: int) -> int | None:
+    """Process ``pid``'s device memory as NVML lists it; None where it is not listed (no CUDA context yet, a
+    container's own pid space, a driver that cannot tell)."""
+    try:
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == pid and isinstance(process.usedGpuMemory, int):
+                return process.usedGpuMemory
+    except Exception:  # noqa: BLE001 - an old driver or pynvml: not listed
+        pass
+    return None
 
 
 def gpu_has_bf16(torch) -> bool:

@@ -711,6 +711,35 @@ def test_a_memory_fraction_cap_is_the_capacity_an_oom_is_judged_against():
     assert classify(None, idle).kind == "gpu_oom_fragmentation"
 
 
+H100_CAPPED_OOMS = (
+    # benchmarks/results/gpu-session-20261127-logs: one H100 80GB capped at 16 GiB (HPCMEM_GPU_MEM_GIB), four other
+    # jobs on the card. The first as hpcmem's in-job line printed it before REASON_CHARS (cut after "Of the a"),
+    # the second whole, as torch 2.11 raised it.
+    "hpcmem: out of memory in step 1 (OutOfMemoryError: CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has "
+    "a total capacity of 79.18 GiB of which 49.00 GiB is free. Process 1032 has 12.43 GiB memory in use. Process "
+    "1043 has 1.17 GiB memory in use. Including non-PyTorch memory, this process has 16.55 GiB memory in use. 16.00 "
+    "GiB allowed; Of the a); in-job move: micro_batch 32 x grad_accum 1 -> 16 x 2 (global 32), step re-run\n",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.54 GiB. GPU 0 has a total capacity of 79.18 GiB "
+    "of which 48.86 GiB is free. Including non-PyTorch memory, this process has 15.62 GiB memory in use. Process "
+    "1048 has 14.68 GiB memory in use. 16.00 GiB allowed; Of the allocated memory 13.94 GiB is allocated by PyTorch, "
+    "and 965.01 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+    "Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc"
+    "-conf)\n",
+)
+
+
+def test_under_a_memory_fraction_cap_other_jobs_on_the_card_are_not_the_cause():
+    """Real H100 lines: the card had 49 GiB free, so the 16 GiB cap refused the request, not the other jobs' 13.6
+    GiB. Without PyTorch's figures (a line cut short) this process's whole use bounds the cap's room (none left):
+    a plain gpu_oom; with them, the cap's room (1.12 GiB) plus the idle cache (965 MiB) would have served 1.54 GiB:
+    fragmentation under the cap."""
+    cut, whole = (classify(None, text) for text in H100_CAPPED_OOMS)
+    assert cut.kind == "gpu_oom" and cut.numbers["allowed_mib"] == 16384.0
+    assert "other_process_mib" not in cut.numbers or cut.kind != "gpu_oom_other_process"
+    assert whole.kind == "gpu_oom_fragmentation" and whole.confidence == "medium"
+
+
 def test_a_slurm_step_id_is_not_a_training_step_and_names_the_job():
     from toolkit.triage.logfind import job_id_in_text
 

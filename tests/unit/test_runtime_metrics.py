@@ -192,3 +192,95 @@ def test_the_nvml_handle_is_the_jobs_gpu_as_cuda_visible_devices_names_it():
     assert visible_nvml_handle(nvml, 1, {"CUDA_VISIBLE_DEVICES": "3, 5"}) == ("index", 5)
     assert visible_nvml_handle(nvml, 0, {"CUDA_VISIBLE_DEVICES": "MIG-1c2d"}) == ("uuid", "MIG-1c2d")
     assert visible_nvml_handle(nvml, 2, {}) == ("index", 2)
+
+
+class FakeNvmlMemory:
+    """FAKE pynvml (no GPU here) with the figures an H100 80GB on driver 580 gave (benchmarks/results/
+    gpu-session-20261127.txt): the first ``nvmlDeviceGetMemoryInfo`` counts the ~480 MiB the driver reserves as
+    used, ``_v2`` reports it apart; a process list with this job and another."""
+
+    nvmlMemory_v2 = 0x02000028
+
+    class _Process:
+        def __init__(self, pid, used):
+            self.pid, self.usedGpuMemory = pid, used
+
+    def __init__(self, processes=(), v2=True):
+        self.processes = [self._Process(pid, used) for pid, used in processes]
+        self.v2 = v2
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return self.processes
+
+    def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+        class Info:
+            pass
+
+        info = Info()
+        others = sum(p.usedGpuMemory or 0 for p in self.processes)
+        if version is None:
+            info.used = others + 480 * 2**20
+        elif self.v2:
+            info.used, info.reserved = others, 480 * 2**20
+        else:
+            raise RuntimeError("Function Not Found")
+        return info
+
+
+def test_device_memory_in_use_is_what_nvidia_smi_shows():
+    """This process's own use where NVML lists it (another job's 12 GiB on the same GPU is not ours); else the
+    device's without the driver's reservation (_v2); a driver without _v2: the first call's figure."""
+    from toolkit.devices import nvml_process_used_bytes, nvml_used_bytes
+
+    gib = 2**30
+    shared = FakeNvmlMemory([(1032, 12 * gib), (4242, 5 * gib)])
+    assert nvml_used_bytes(shared, "h", pid=4242) == 5 * gib
+    assert nvml_process_used_bytes(shared, "h", 4242) == 5 * gib
+    assert nvml_process_used_bytes(shared, "h", 7) is None
+    assert nvml_used_bytes(shared, "h", pid=7) == 17 * gib  # not listed: the device, reservation left out
+    assert nvml_used_bytes(FakeNvmlMemory([(7, None)]), "h", pid=7) == 0  # NVML cannot tell the process's
+    assert nvml_used_bytes(FakeNvmlMemory([], v2=False), "h") == 480 * 2**20
+
+
+class FakeCudaMemory:
+    """FAKE torch.cuda history and peak calls (no GPU here): records what the monitor asked."""
+
+    def __init__(self):
+        self.history_calls, self.resets = [], []
+
+    def _record_memory_history(self, **kwargs):
+        self.history_calls.append(kwargs)
+
+
+def test_the_allocator_history_has_stacks_only_where_no_checkpointing_runs(monkeypatch):
+    """On an H100 (torch 2.11) a checkpointed backward with dropout died under stack recording, python or all
+    (gpu_session/probe.py): the monitor records stacks only when asked (the reference trainer without
+    checkpointing), drops them before checkpointing is turned on, and a user's script gets none."""
+    import torch
+
+    from toolkit.runtime import monitor as monitor_module
+
+    fake = FakeCudaMemory()
+    monkeypatch.setattr(torch.cuda, "memory", fake, raising=False)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: fake.resets.append(index))
+    monkeypatch.setattr(monitor_module, "_nvml_handle", lambda index: None)
+    monkeypatch.delenv("HPCMEM_MEMORY_HISTORY", raising=False)
+
+    mon = MemoryMonitor(None, rank_info=Ranks(0, 0, 1))
+    mon.attach_device("cuda:0", stacks=True)
+    assert mon.history_recording and mon.history_stacks
+    assert fake.history_calls[-1] == {"max_entries": monitor_module.HISTORY_MAX_ENTRIES, "stacks": "python"}
+    mon.drop_stacks()
+    assert not mon.history_stacks and mon.history_recording
+    assert fake.history_calls[-1] == {"max_entries": monitor_module.HISTORY_MAX_ENTRIES, "context": None}
+    mon.drop_stacks()
+    assert len(fake.history_calls) == 2  # once is enough
+
+    user = MemoryMonitor(None, rank_info=Ranks(0, 0, 1), device="cuda:0")  # runtime.MemoryMonitor in a user script
+    assert user.history_recording and not user.history_stacks
+    assert fake.history_calls[-1] == {"max_entries": monitor_module.HISTORY_MAX_ENTRIES, "context": None}
+
+    user._cuda_run_peaks = [16 * 2**30, 16 * 2**30]  # the failed try's peaks, kept as the run's
+    user._device_used_peak = 17 * 2**30
+    user.restart_peaks()
+    assert user._cuda_run_peaks == [0, 0] and user._device_used_peak == 0 and fake.resets == [0]

@@ -188,6 +188,7 @@ class InflightTrainingStep:
             monitor.note("micro_batch", new_micro, why)
             monitor.note("grad_accum", accum * pieces, why)
             monitor.set_fields(inflight_moves=list(self.inflight_moves))
+            monitor.restart_peaks()  # metrics.json's peaks are the pieces', not the failed micro-batch's
         if self.inflight_log is not None and self.is_world_process_zero():
             self.inflight_log(f"hpcmem: out of memory in step {step} ({reason}); in-job move: micro_batch "
                               f"{old_micro} x grad_accum {accum * pieces // 2} -> {new_micro} x {accum * pieces} "

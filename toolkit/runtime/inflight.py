@@ -80,9 +80,14 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
+REASON_CHARS = 1000
+"""How much of an error's first line an in-job move keeps: all of a CUDA OOM message (about 650 characters with
+torch 2.11's memory-fraction clause and documentation link), whose numbers triage reads back from the log."""
+
+
 def first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+    return f"{type(exc).__name__}: {lines[0][:REASON_CHARS]}" if lines else type(exc).__name__
 
 
 def smaller_micro_batch(plan: Plan) -> int | None:

@@ -15,9 +15,18 @@ sampling thread, and a reading at each step's end). The series is bounded (``pea
 rank record as ``step_peaks``; ``toolkit/peaks.py`` reads it (a long batch, a leak, a first-step failure).
 
 On CUDA the allocator's history is recorded (``torch.cuda.memory._record_memory_history``, at most
-``HISTORY_MAX_ENTRIES`` events, Python stacks; ``HPCMEM_MEMORY_HISTORY=0`` turns it off) and, when training
-ends in an out-of-memory error, the snapshot is written to ``<attempt_dir>/memory-snapshot-rank<r>.pickle``
-(open it at https://pytorch.org/memory_viz; ``toolkit/triage/snapshot.py`` reads it). On a CPU nothing is recorded.
+``HISTORY_MAX_ENTRIES`` events; ``HPCMEM_MEMORY_HISTORY=0`` turns it off) and, when training ends in an
+out-of-memory error, the snapshot is written to ``<attempt_dir>/memory-snapshot-rank<r>.pickle`` (open it at
+https://pytorch.org/memory_viz; ``toolkit/triage/snapshot.py`` reads it). On a CPU nothing is recorded.
+Python stacks go with each event only where the caller says the training runs no non-reentrant activation
+checkpointing (``attach_device(device, stacks=True)``: the reference trainer without checkpointing): on an H100
+with torch 2.11 a checkpointed backward with dropout died under stack recording ("SystemError: ... returned NULL
+without setting an exception"; benchmarks/gpu_session/probe.py, benchmarks/results/gpu-session-20261127.txt), and
+a user's script may checkpoint without saying so. ``drop_stacks()`` turns them off mid-run (before in-job
+recovery turns checkpointing on); the events recorded so far stay.
+
+The device memory NVML sees is sampled as nvidia-smi shows it (``devices.nvml_used_bytes``): this process's own
+use where NVML lists it, else the device's use without the memory the driver reserves for itself.
 
 Files: every rank writes ``<attempt_dir>/metrics/rank-<r>.json`` (also every few
 seconds while running, so a job killed by the host's OOM killer leaves what it saw);
@@ -38,6 +47,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import metrics
+from ..devices import nvml_used_bytes
 from .inflight import is_oom
 from .jobenv import MIB, Ranks, ranks as env_ranks
 from ..peaks import SeriesRecorder
@@ -47,7 +57,7 @@ FLUSH_INTERVAL_S = 5.0
 # A rank file written on another node may show up late on a shared filesystem.
 RANK_FILE_WAIT_S = 10.0
 HISTORY_MAX_ENTRIES = 20000
-"""Allocator events kept for the OOM snapshot (a ring buffer; a few KB each with their stacks)."""
+"""Allocator events kept for the OOM snapshot (a ring buffer; up to a few KB each with their stacks)."""
 SNAPSHOT_FILE = "memory-snapshot-rank{rank}.pickle"
 
 
@@ -80,6 +90,7 @@ class MemoryMonitor:
         self._rss_peak = 0
         self._device_used_peak = 0
         self._proc = _psutil_process()
+        self._pid = os.getpid()
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_mark = time.perf_counter()
@@ -92,6 +103,7 @@ class MemoryMonitor:
         self._step_rss_peak = 0
         self._cuda_run_peaks = [0, 0]  # max_memory_allocated / reserved of the steps already reset
         self.history_recording = False
+        self.history_stacks = False
         self.snapshot_path: Path | None = None
         self._host = socket.gethostname()
         self._package_versions = metrics.versions()  # read once: package metadata costs milliseconds
@@ -154,8 +166,9 @@ class MemoryMonitor:
 
     # -- what training code calls ------------------------------------------------
 
-    def attach_device(self, device: Any) -> None:
-        """The torch device this rank trains on; starts pynvml sampling on a GPU."""
+    def attach_device(self, device: Any, stacks: bool = False) -> None:
+        """The torch device this rank trains on; starts pynvml sampling and the allocator's history on a GPU
+        (with Python stacks only when ``stacks``: the caller knows no non-reentrant checkpointing runs)."""
         import torch
 
         self._device = torch.device(device)
@@ -163,12 +176,37 @@ class MemoryMonitor:
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
             self._cuda_index = index
             self._nvml = _nvml_handle(index)
-            self.history_recording = _start_history(torch)
+            self.history_recording = _start_history(torch, stacks)
+            self.history_stacks = self.history_recording and stacks
             if self._nvml is not None:
                 try:
                     self._driver = _text(self._nvml[0].nvmlSystemGetDriverVersion())
                 except Exception:  # noqa: BLE001 - a missing figure, not a failure
                     self._driver = None
+
+    def drop_stacks(self) -> None:
+        """Record the allocator's history without stacks from now on (before activation checkpointing is turned
+        on: see the module docstring). The events already recorded stay (torch >= 2.3 keeps them)."""
+        if not self.history_stacks:
+            return
+        import torch
+
+        self.history_stacks = False
+        try:
+            torch.cuda.memory._record_memory_history(**history_settings(False))
+        except Exception as exc:  # noqa: BLE001 - without the history there is no snapshot, training goes on
+            self.history_recording = False
+            print(f"hpcmem: warning: the CUDA allocator's history is no longer recorded: {_first_line(exc)}",
+                  file=sys.stderr, flush=True)
+
+    def restart_peaks(self) -> None:
+        """Forget the peaks so far (after an in-job move: the failed try's peak is not the new plan's)."""
+        self._cuda_run_peaks = [0, 0]
+        self._device_used_peak = 0
+        if self._cuda_index is not None:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self._cuda_index)
 
     def begin_steps(self) -> None:
         """Restart the step clock (call right before the training loop)."""
@@ -315,7 +353,7 @@ class MemoryMonitor:
         if self._nvml is not None:
             pynvml, handle = self._nvml
             try:
-                self._device_used_peak = max(self._device_used_peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+                self._device_used_peak = max(self._device_used_peak, nvml_used_bytes(pynvml, handle, self._pid))
             except Exception:  # noqa: BLE001
                 pass
 
@@ -362,17 +400,23 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def _start_history(torch) -> bool:
-    """Record the CUDA allocator's history (bounded) unless HPCMEM_MEMORY_HISTORY=0; True when on."""
+def _start_history(torch, stacks: bool) -> bool:
+    """Record the CUDA allocator's history (bounded; Python stacks when ``stacks``) unless HPCMEM_MEMORY_HISTORY=0;
+    True when on."""
     if os.environ.get("HPCMEM_MEMORY_HISTORY", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     try:
-        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, stacks="python")
+        torch.cuda.memory._record_memory_history(**history_settings(stacks))
         return True
     except Exception as exc:  # noqa: BLE001 - an older torch or a driver without it: no snapshot, training goes on
         print(f"hpcmem: warning: the CUDA allocator's history is not recorded: {_first_line(exc)}",
               file=sys.stderr, flush=True)
         return False
+
+
+def history_settings(stacks: bool) -> dict[str, Any]:
+    """``_record_memory_history``'s arguments: every event, with Python stacks or none (``context=None``)."""
+    return {"max_entries": HISTORY_MAX_ENTRIES, **({"stacks": "python"} if stacks else {"context": None})}
 
 
 def _ru_maxrss_bytes() -> int:

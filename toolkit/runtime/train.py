@@ -378,7 +378,8 @@ class Trainer:
 
         plan, args = self.plan, self.args
         device = self.setup_distributed()
-        self.monitor.attach_device(device)
+        # stacks only without checkpointing: a checkpointed backward died under stack recording (monitor.py)
+        self.monitor.attach_device(device, stacks=not plan.checkpointing)
         cap = jobenv.apply_gpu_memory_cap(device)
         if cap:
             self.monitor.note("gpu_memory_fraction", cap["memory_fraction"],
@@ -656,6 +657,7 @@ class Trainer:
         hf_model = getattr(model, "module", model)
 
         def enable_checkpointing() -> None:
+            self.monitor.drop_stacks()
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             # what the model says, not what was asked: metrics.json applied.checkpointing
             self.monitor.note("checkpointing", bool(getattr(hf_model, "is_gradient_checkpointing", False)),
@@ -673,6 +675,7 @@ class Trainer:
                 if move["from"][knob] != move["to"][knob]:
                     self.monitor.note(knob, move["to"][knob], why)
             self.monitor.set_fields(inflight_moves=list(self.inflight_moves))
+            self.monitor.restart_peaks()  # metrics.json's peaks are the new plan's, not the failed try's
             self.plan = new
             batches.micro_batch = new.micro_batch
 
