@@ -82,10 +82,11 @@ snap = torch.cuda.memory._snapshot()
 trace = [{"action": e["action"], "addr": int(e.get("addr", 0)), "size": int(e.get("size", 0)),
           "stream": int(e.get("stream", 0))} for e in snap["device_traces"][dev.index]]
 used = None
-try:
-    import pynvml
+try:  # as nvidia-smi shows it: this process's own, else the device's without the driver's reservation
+    import os, pynvml
+    from toolkit.devices import nvml_used_bytes, visible_nvml_handle
     pynvml.nvmlInit()
-    used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(dev.index)).used
+    used = nvml_used_bytes(pynvml, visible_nvml_handle(pynvml, dev.index), os.getpid())
 except Exception:
     pass
 print(json.dumps({"max_allocated": torch.cuda.max_memory_allocated(dev), "max_reserved": torch.cuda.max_memory_reserved(dev),
