@@ -41,7 +41,9 @@ activations    what autograd saves in the forward, per transformer layer, tensor
 temporaries    short-lived tensors at the peak: the loss's gradients (2 x 4·b·s·V at the
                start of the backward), one layer's backward, the optimizer's step copies
                (torch's foreach AdamW on a GPU copies exp_avg_sq whole; on a CPU one
-               tensor at a time), autocast's 16-bit weight copies, ZeRO/DDP buckets.
+               tensor at a time), autocast's 16-bit weight copies, ZeRO/DDP buckets; on a GPU
+               the GEMM workspaces (``stream.gemm_workspaces``: the forward thread's and the
+               backward thread's cuBLAS workspace, made by step 1 and kept), in every phase.
 
 Phases, the peak being the largest (model states are not all live at once):
   forward end     params + optimizer + (grads, when accumulating) + activations + logits
@@ -70,7 +72,7 @@ from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
 from .activations import Activations, activations
 from .device import plan_device_memory
-from .stream import foreach_step_copies, zero3_reductions
+from .stream import foreach_step_copies, gemm_workspaces, zero3_reductions
 from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading
 
 MIB = 1024 * 1024
@@ -117,8 +119,12 @@ class Phase:
 
 
 def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts: Activations,
-           runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Phase, ...]:
-    """The moments of a steady-state step (optimizer states exist) where the peak can be."""
+           runtime: Runtime = DEFAULT_RUNTIME, workspaces: float = 0.0) -> tuple[Phase, ...]:
+    """The moments of a steady-state step (optimizer states exist) where the peak can be.
+
+    ``workspaces``: the GEMM libraries' workspaces the allocator holds (bytes; ``stream.gemm_workspaces``, the
+    forward thread's and the backward thread's): made by step 1's first GEMMs and kept for the process, so a
+    temporary of every phase of the steady state."""
     L, ckpt, causal = shape.layers, plan.checkpointing, shape.task == "causal-lm"
     params, opt, buf, grads = states.params_bytes, states.optimizer_bytes, states.buffer_bytes, states.grads_bytes
     fwd_params = params + states.gathered_bytes
@@ -161,7 +167,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     if states.flush_bucket_elements > 0:
         mid, end = zero3_reductions(shape, int(states.flush_bucket_elements))
         flush_mid, flush_end = dt.grad * mid, dt.grad * end
-    return (
+    phases_ = (
         # autocast's cache holds every 16-bit weight copy until the forward returns
         Phase("forward end", moment("forward_end"), fwd_live, opt, kept + acts.outside_bytes,
               buf + L * acts.layer_cast_bytes + acts.head_cast_bytes + acts.loss_forward_temp_bytes),
@@ -182,6 +188,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               buf + max(states.step_check_bytes, recipe_sizes(states.step_order)[1],
                         states.step_temp_bytes * foreach_step_copies(plan, dt, runtime) + states.step_flatten_bytes)),
     )
+    return tuple(replace(ph, temporaries=ph.temporaries + workspaces) for ph in phases_) if workspaces else phases_
 
 
 # -- the estimate ------------------------------------------------------------------------------------
@@ -215,7 +222,8 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     if gpu and not runtime.frees_grads and not states.persistent_grads:
         states = replace(states, persistent_grads=True)  # torch 1.x: zero_grad kept them allocated
     acts = activations(shape, plan, dt, runtime)
-    peak = max(phases(shape, plan, dt, states, acts, runtime), key=lambda ph: ph.total)
+    workspaces = float(sum(map(sum, gemm_workspaces(partition.gpu_model, runtime)))) if gpu else 0.0
+    peak = max(phases(shape, plan, dt, states, acts, runtime, workspaces), key=lambda ph: ph.total)
     context = (partition.cuda_context_mib if cuda_context_mib is None else cuda_context_mib) if gpu else 0.0
     if gpu and cuda_context_mib is None and not getattr(partition, "calibrated", False) \
             and not lazy_loading(runtime.torch_version):
