@@ -595,6 +595,40 @@ def test_the_phases_hold_the_gemm_workspaces_the_stream_makes():
     assert old.gpu_extras_mib["cublas_workspace"] == 8.125
 
 
+def test_a_checkpointed_layer_makes_its_kept_input_once_its_internals_are_gone():
+    """Non-reentrant checkpointing keeps a layer's input and drops every internal tensor as the forward goes on
+    (the H100 trace of gpt2 bf16-mixed mb8 s1024 ckpt: each layer's 24 MiB fp32 output, the next layer's kept
+    input, is made after its FFN temporaries are freed, into their space). The stream had made the kept tensor
+    while all the layer's internals were alive, so each landed in new space; in step 2 those holes took the
+    layers' inputs into a free logits-sized segment, and the fp32 logits then needed a fifth one: 8,728 MiB
+    reserved against the real 6,980 (segments 76 vs 44). Made after the internals, step 2 reserves nothing new
+    (the real allocator made no segment of the large pool after step 1, over three steps)."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.stream import step_events
+
+    p = plan(precision="bf16-mixed", micro_batch=8, seq_len=1024, checkpointing=True)
+    dt = an.dtypes_for(p, True)
+    states, acts = an.model_states(GPT2, p, dt), inv.activations(GPT2, p, dt)
+    events = step_events(GPT2, p, dt, states, acts, gpu_model="NVIDIA H100 80GB HBM3", steps=2)
+    start = events.index(("mark", "step 1"))
+    logits = next(i for i, e in enumerate(events) if i > start and e[0] == "alloc" and e[2] >= 4 * 8 * 1024 * GPT2.vocab)
+    forward = events[start + 1:logits]
+    freed = {e[1] for e in forward if e[0] == "free"}
+    transient: set = set()
+    kept = 0
+    for e in forward:
+        if e[0] == "free":
+            transient.discard(e[1])
+        elif e[1] in freed:
+            transient.add(e[1])
+        elif e[2] == int(acts.kept_layer_bytes):
+            kept += 1
+            assert not transient  # no internal of the layer is alive when its kept tensor is made
+    assert kept >= GPT2.layers  # (and the embeddings' output, made before any layer)
+    marks = {m[0]: m[2] for m in replay(events).marks}
+    assert marks["step 2 optimizer"] - marks["step 1 optimizer"] <= 2 * MIB  # a small-pool segment at most
+
+
 def test_zero_grad_before_backward_keeps_the_previous_steps_grads_through_the_forward():
     from toolkit.estimate.gpu import Runtime
 

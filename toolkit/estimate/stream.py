@@ -388,10 +388,12 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                         free(copy)
                 cast_ids += [alloc(x) for x in layer.casts]
                 if plan.checkpointing:
+                    # the layer's internals, dropped as its forward goes on (the checkpoint keeps none); its output,
+                    # the next layer's input and what the checkpoint keeps, is made once they are gone
                     tmp = [alloc(x) for x in layer.saved]
-                    kept_ids.append([alloc(x) for x in layer.kept])
                     for i in tmp:
                         free(i)
+                    kept_ids.append([alloc(x) for x in layer.kept])
                 else:
                     kept_ids.append([alloc(x) for x in layer.saved])
                 if gathered and len(gathered) > g_depth:
