@@ -184,8 +184,23 @@ def footprint(plan: Plan, numbers: Mapping[str, float], context_mib: float = 0.0
     idle = min(idle, in_use - fixed)
     tensors = max(in_use + tried - fixed - idle, 1.0)
     share = _activation_share(plan, anchor, share)
-    usable = total - other if total is not None else None
-    return Footprint(plan, fixed, idle, tensors * (1.0 - share), tensors * share, usable)
+    return Footprint(plan, fixed, idle, tensors * (1.0 - share), tensors * share, usable_device_mib(n, fixed))
+
+
+def usable_device_mib(numbers: Mapping[str, float], fixed_mib: float = 0.0) -> float | None:
+    """The device memory this process could have had (MiB, as a plan's predicted peak counts it: non-PyTorch
+    memory included): under a memory-fraction cap the message states ("N allowed;"), the cap plus ``fixed_mib``
+    (the cap bounds what the allocator reserves; the CUDA context and libraries are outside it) and other
+    processes do not count (``classify``: the cap refused, the card had room); else the card's capacity less
+    other processes. None when the message states neither."""
+    from .classify import usable_capacity_mib
+
+    capacity = usable_capacity_mib(numbers)
+    if capacity is None:
+        return None
+    if numbers.get("allowed_mib") is not None and capacity == numbers["allowed_mib"]:
+        return capacity + fixed_mib
+    return capacity - float(numbers.get("other_process_mib") or 0.0)
 
 
 def newly_expandable(before: Plan, after: Plan) -> bool:
@@ -291,16 +306,14 @@ class Predictor:
 
     @property
     def usable_mib(self) -> float | None:
-        """GPU memory this process could have: the message's capacity, or the memory-fraction cap it states
-        (``classify.usable_capacity_mib``; else the partition's), less other processes."""
-        from .classify import usable_capacity_mib
-
-        total = usable_capacity_mib(self.numbers)
-        if total is None:
-            if not self.partition.has_gpu:
-                return None
-            total = self.partition.gpu_mem_gib * 1024.0
-        return total - self.numbers.get("other_process_mib", 0.0)
+        """GPU memory this process could have: the message's capacity less other processes, or the memory-fraction
+        cap it states plus the CUDA context (``usable_device_mib``); else the partition's."""
+        usable = usable_device_mib(self.numbers, self.context_mib)
+        if usable is not None:
+            return usable
+        if not self.partition.has_gpu:
+            return None
+        return self.partition.gpu_mem_gib * 1024.0 - self.numbers.get("other_process_mib", 0.0)
 
     @property
     def demand_mib(self) -> float | None:

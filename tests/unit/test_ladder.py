@@ -554,3 +554,22 @@ def test_a_failure_without_numbers_jumps_to_what_fits_under_the_known_limit():
     jump = next_plan(cpu_plan, Verdict("host_oom", {}), CPU, allow=("micro_batch", "checkpointing", "fsdp"))
     assert jump.action == "retry" and jump.predicted_peak_mib <= 6144 / 2 * (1 - MARGIN)
     assert "--mem is the limit" in jump.reason
+
+
+def test_under_a_memory_fraction_cap_the_target_is_the_cap_not_the_card():
+    """A real H100 line (benchmarks/results/gpu-session-20261127-logs): GPT-2 bf16 micro-batch 16 on a card capped
+    at 16 GiB beside another job, 49 GiB of the 79 GiB card free. The target is the cap (plus the CUDA context the
+    cap does not count) less the margin, not the card less the other job: the controller once read its target as
+    the failed demand itself (17.16 GiB)."""
+    from toolkit.predict import footprint
+    from test_classify import H100_CAPPED_OOMS
+
+    verdict = classify(None, H100_CAPPED_OOMS[1])
+    plan = Plan(global_batch=16, micro_batch=16, seq_len=512, precision="bf16-mixed")
+    fp = footprint(plan, verdict.numbers)
+    fixed = 15.62 * 1024 - 13.94 * 1024 - 965.01  # this process's use outside the allocator's figures
+    assert fp.usable_mib == pytest.approx(16 * 1024 + fixed, abs=1)
+    partition = sites.load_site("example-hpc").partition("a100-80gb")
+    d = next_plan(plan, verdict, partition, allow=DEFAULT_ALLOW)
+    assert d.action == "retry"
+    assert d.predicted_peak_mib <= (16 * 1024 + fixed) * (1 - MARGIN)
