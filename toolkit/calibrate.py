@@ -83,8 +83,9 @@ def _train_kernels(torch, precisions: list[str]) -> str:
 
     With lazy loading (CUDA >= 11.7) a kernel's module is loaded, into device memory outside PyTorch's allocator,
     the first time it runs, so the context a training job sees is larger than after a bare matrix product: on
-    an H100 with torch 2.11 / CUDA 13, 682 MiB after the product and about 1,230 MiB after a GPT-2, BERT or ViT
-    step (benchmarks/results/gpu-session-20261127.txt). '' when done; else why not (the bare figure stands)."""
+    an H100 with torch 2.11 / CUDA 13, 685 MiB after the product and 751-773 MiB after steps of the tiny GPT-2,
+    GPT-2, BERT-large or ViT-B (benchmarks/results/gpu-session-20261127.txt: the model's size barely matters, so
+    the tiny one stands for them). '' when done; else why not (the bare figure stands)."""
     try:
         from .estimate.measure import train_setup
         from .models import load_model_config
