@@ -76,6 +76,19 @@ def test_free_blocks_merge_and_are_reused_best_fit():
     assert r.peak_reserved == 20 * MIB and r.segments_end == 1
 
 
+def test_best_fit_ties_go_to_the_newest_segment_as_cuda_hands_addresses_out_top_down():
+    # Blocks compare by (size, address) and cudaMalloc hands out addresses from the top down (seen in every
+    # record of the H100 session: benchmarks/results/gpu-replay-traces-20261127), so of equal free blocks the one
+    # in the newest segment is taken. seg1 (20 MiB) = [1: 3][2: 14][3: 3]; seg2 = 4's own 14 MiB; seg3 (20 MiB) =
+    # [5: 6][14 free]. With 2 and 4 freed, three 14 MiB blocks tie; 6 takes seg3's, so freeing 1 and 3 makes
+    # seg1 whole again and the 20 MiB request reuses it: 54 MiB reserved in 3 segments. Taking the oldest (seg1's)
+    # would leave seg1 split and need a fourth segment: 74 MiB.
+    evs = [A(1, 3 * MIB), A(2, 14 * MIB), A(3, 3 * MIB), A(4, 14 * MIB), A(5, 6 * MIB), F(2), F(4),
+           A(6, 14 * MIB), F(1), F(3), A(7, 20 * MIB)]
+    r = replay(evs)
+    assert r.peak_reserved == 54 * MIB and r.segments_end == 3
+
+
 def test_oversize_blocks_with_max_split_size():
     cfg = "max_split_size_mb:64"
     # a 100 MiB block is oversize: never split, and a small request may not take it
