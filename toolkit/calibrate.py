@@ -55,6 +55,7 @@ def _gpu_probe() -> dict[str, Any]:
     torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # loads cuBLAS and its workspace
     torch.cuda.synchronize()
     bare = _nvml_used_mib()
+    bare_reserved = torch.cuda.memory_reserved() / 2**20
     props = torch.cuda.get_device_properties(0)
     trained = _train_kernels(torch, ["fp32", "fp16-mixed"] + (["bf16-mixed"] if gpu_has_bf16(torch) else []))
     after = _nvml_used_mib()
@@ -72,7 +73,7 @@ def _gpu_probe() -> dict[str, Any]:
     elif before is not None and after is not None:
         out["cuda_context_mib"] = round(after - before - reserved, 1)
     if before is not None and bare is not None:
-        out["cuda_context_bare_mib"] = round(bare - before, 1)
+        out["cuda_context_bare_mib"] = round(bare - before - bare_reserved, 1)
     if trained:
         out["context_note"] = trained
     return out
@@ -85,21 +86,28 @@ def _train_kernels(torch, precisions: list[str]) -> str:
     the first time it runs, so the context a training job sees is larger than after a bare matrix product: on
     an H100 with torch 2.11 / CUDA 13, 685 MiB after the product and 751-773 MiB after steps of the tiny GPT-2,
     GPT-2, BERT-large or ViT-B (benchmarks/results/gpu-session-20261127.txt: the model's size barely matters, so
-    the tiny one stands for them). '' when done; else why not (the bare figure stands)."""
+    the tiny one stands for them). '' when done; else why not (the figure after the product stands): a probe
+    never fails for want of a training step (transformers missing on the node, a kernel the card lacks)."""
+    import gc
+
     try:
         from .estimate.measure import train_setup
         from .models import load_model_config
         from .plan import Plan
-    except ImportError as exc:  # transformers missing on the node
-        return f"context after a bare matrix product only (no training step: {exc})"
-    config = load_model_config("tiny-gpt2")
-    for precision in precisions:
-        plan = Plan(global_batch=2, micro_batch=2, seq_len=128, precision=precision)
-        *_, step = train_setup(config, "causal-lm", plan, device="cuda")
-        for _ in range(2):
-            step()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+
+        config = load_model_config("tiny-gpt2")
+        for precision in precisions:
+            plan = Plan(global_batch=2, micro_batch=2, seq_len=128, precision=precision)
+            *_, step = train_setup(config, "causal-lm", plan, device="cuda")
+            for _ in range(2):
+                step()
+            del step
+    except Exception as exc:  # noqa: BLE001 - the probe's other figures still count
+        return f"context after a bare matrix product only (no training step: {type(exc).__name__}: {exc})"[:300]
+    finally:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     return ""
 
 
@@ -147,7 +155,7 @@ def run_probe(site: Site, partition: Partition, folder: Path, timeout_min: int =
 
     executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
     params: dict[str, Any] = {"slurm_partition": partition.slurm_partition, "timeout_min": timeout_min,
-                              "cpus_per_task": 1, "slurm_mem": "2G", "name": f"hpcmem-calibrate.{partition.name}"}
+                              "cpus_per_task": 1, "slurm_mem": "8G", "name": f"hpcmem-calibrate.{partition.name}"}
     if partition.has_gpu:
         params["slurm_gres"] = f"gpu:{partition.gres_type}:1" if partition.gres_type else "gpu:1"
     for key, value in (("slurm_account", partition.account), ("slurm_qos", partition.qos),

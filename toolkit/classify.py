@@ -864,13 +864,21 @@ def _share_floor(numbers: Mapping, share: float) -> float:
     return share * total if total else CAPACITY_UNKNOWN_FLOOR_MIB
 
 
-def usable_capacity_mib(numbers: Mapping) -> float | None:
-    """The GPU memory the failed process could use (MiB): the cap a memory fraction set (``allowed_mib``) when the
-    message states one, else the card's capacity; None when the message states neither."""
+def binding_cap_mib(numbers: Mapping) -> float | None:
+    """The memory-fraction cap the message states ("N allowed;", MiB) when it is below the card's capacity (a cap
+    at or above it limits nothing); None otherwise. The cap bounds what the caching allocator reserves; the CUDA
+    context and libraries lie outside it."""
     allowed, total = numbers.get("allowed_mib"), numbers.get("total_capacity_mib")
     if allowed is not None and (total is None or allowed < total):
         return allowed
-    return total
+    return None
+
+
+def usable_capacity_mib(numbers: Mapping) -> float | None:
+    """The GPU memory the failed process could use (MiB): the cap a memory fraction set (``binding_cap_mib``) when
+    the message states one, else the card's capacity; None when the message states neither."""
+    cap = binding_cap_mib(numbers)
+    return cap if cap is not None else numbers.get("total_capacity_mib")
 
 
 def _capped_free_mib(numbers: Mapping) -> float | None:
@@ -878,8 +886,9 @@ def _capped_free_mib(numbers: Mapping) -> float | None:
     pass the cap, whatever the card has free (``CUDACachingAllocator.cpp``: ``allowed_memory_maximum``): the memory
     the cap left, when the card itself had room for the request; None otherwise. Where the message's PyTorch
     figures are cut off (a log line that shortened it), this process's whole use (``this process has W``, at least
-    what its allocator reserved) bounds the room; with neither, the cap left none that counts."""
-    allowed, tried, free = numbers.get("allowed_mib"), numbers.get("tried_to_allocate_mib"), numbers.get("free_mib")
+    what its allocator reserved, and more: its CUDA context is outside the cap) bounds the room from below; with
+    neither, the cap left none that counts."""
+    allowed, tried, free = binding_cap_mib(numbers), numbers.get("tried_to_allocate_mib"), numbers.get("free_mib")
     if allowed is None or tried is None or (free is not None and free < tried):
         return None
     reserved = _reserved_mib(numbers)
@@ -1216,7 +1225,8 @@ def _gpu_oom_reason(event: _Event, n: Mapping, where: str) -> str:
     if _capped_free_mib(n) is not None:
         reserved = _reserved_mib(n)
         held = (f"the cache's {_fmt_mib(reserved)}" if reserved is not None else
-                f"this process's {_fmt_mib(n['process_in_use_mib'])}" if "process_in_use_mib" in n else "this process")
+                f"this process's {_fmt_mib(n['process_in_use_mib'])} (its CUDA context with it)"
+                if "process_in_use_mib" in n else "this process")
         parts.append(f"-- but a memory-fraction cap allowed {_fmt_mib(n['allowed_mib'])}, which {held} and the "
                      "request passed")
     said = ": " + " ".join(parts) if parts else ""

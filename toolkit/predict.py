@@ -189,18 +189,16 @@ def footprint(plan: Plan, numbers: Mapping[str, float], context_mib: float = 0.0
 
 def usable_device_mib(numbers: Mapping[str, float], fixed_mib: float = 0.0) -> float | None:
     """The device memory this process could have had (MiB, as a plan's predicted peak counts it: non-PyTorch
-    memory included): under a memory-fraction cap the message states ("N allowed;"), the cap plus ``fixed_mib``
-    (the cap bounds what the allocator reserves; the CUDA context and libraries are outside it) and other
-    processes do not count (``classify``: the cap refused, the card had room); else the card's capacity less
-    other processes. None when the message states neither."""
-    from .classify import usable_capacity_mib
+    memory included): the card's capacity less other processes, and under a memory-fraction cap the message states
+    (``classify.binding_cap_mib``) at most the cap plus ``fixed_mib`` (the cap bounds what the allocator reserves;
+    the CUDA context and libraries are outside it). None when the message states neither."""
+    from .classify import binding_cap_mib
 
-    capacity = usable_capacity_mib(numbers)
-    if capacity is None:
-        return None
-    if numbers.get("allowed_mib") is not None and capacity == numbers["allowed_mib"]:
-        return capacity + fixed_mib
-    return capacity - float(numbers.get("other_process_mib") or 0.0)
+    total, cap = numbers.get("total_capacity_mib"), binding_cap_mib(numbers)
+    card = None if total is None else float(total) - float(numbers.get("other_process_mib") or 0.0)
+    if cap is None:
+        return card
+    return float(cap) + fixed_mib if card is None else min(float(cap) + fixed_mib, card)
 
 
 def newly_expandable(before: Plan, after: Plan) -> bool:

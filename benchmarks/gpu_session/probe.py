@@ -1,4 +1,4 @@
-"""What the first GPU session raised, probed on the card (benchmarks/gpu_session/run2.sh runs it):
+"""What the first GPU session raised, probed on the card (benchmarks/gpu_session/run.sh runs it):
 
     python3 benchmarks/gpu_session/probe.py checkpointing   # activation checkpointing under each history setting
     python3 benchmarks/gpu_session/probe.py context         # NVML used - reserved as a process's kernels load

@@ -734,10 +734,17 @@ def test_under_a_memory_fraction_cap_other_jobs_on_the_card_are_not_the_cause():
     GiB. Without PyTorch's figures (a line cut short) this process's whole use bounds the cap's room (none left):
     a plain gpu_oom; with them, the cap's room (1.12 GiB) plus the idle cache (965 MiB) would have served 1.54 GiB:
     fragmentation under the cap."""
+    from toolkit.classify import _capped_free_mib, binding_cap_mib
+
     cut, whole = (classify(None, text) for text in H100_CAPPED_OOMS)
-    assert cut.kind == "gpu_oom" and cut.numbers["allowed_mib"] == 16384.0
-    assert "other_process_mib" not in cut.numbers or cut.kind != "gpu_oom_other_process"
+    assert cut.kind == "gpu_oom" and cut.numbers["allowed_mib"] == 16384.0 and cut.numbers["other_process_mib"] > 0
+    assert _capped_free_mib(cut.numbers) == 0.0 and "this process's 16.55 GiB" in cut.reason
     assert whole.kind == "gpu_oom_fragmentation" and whole.confidence == "medium"
+    assert _capped_free_mib(whole.numbers) == pytest.approx(16384 - 13.94 * 1024 - 965.01)
+    # a cap at or above the card limits nothing; a card the other jobs left short is their doing
+    assert binding_cap_mib({**whole.numbers, "allowed_mib": 90000.0}) is None
+    short = H100_CAPPED_OOMS[1].replace("48.86 GiB is free", "500.00 MiB is free").replace("14.68 GiB", "66.00 GiB")
+    assert classify(None, short).kind == "gpu_oom_other_process"
 
 
 def test_a_slurm_step_id_is_not_a_training_step_and_names_the_job():

@@ -92,6 +92,7 @@ def test_real_h100_records_replay_to_the_reserved_peak_the_card_reached(path):
     card's to the byte and so is the segment count, on every record (BERT-large fp32 eager under a 40 GiB cap was
     -0.58 %, 7 segments fewer, until the model handed out segment addresses top-down as CUDA does: best fit breaks
     ties between equal blocks by address, so the newest segment's block is taken first)."""
+    assert len(list(H100_TRACES.glob("*.trace.json.gz"))) == 12  # the records are data the test needs
     record = json.loads(gzip.decompress(path.read_bytes()))
     result = compare(record["trace"], record["alloc_conf"], capacity=int(record["cap_gib"] * 2**30))
     assert result["error"] == 0.0

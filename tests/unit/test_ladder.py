@@ -573,3 +573,8 @@ def test_under_a_memory_fraction_cap_the_target_is_the_cap_not_the_card():
     d = next_plan(plan, verdict, partition, allow=DEFAULT_ALLOW)
     assert d.action == "retry"
     assert d.predicted_peak_mib <= (16 * 1024 + fixed) * (1 - MARGIN)
+    # the same cap on a card the other jobs left short (66 GiB theirs, 500 MiB free): the card's room binds
+    short = classify(None, H100_CAPPED_OOMS[1].replace("48.86 GiB is free", "500.00 MiB is free")
+                     .replace("14.68 GiB", "66.00 GiB"))
+    card = short.numbers["total_capacity_mib"] - short.numbers["other_process_mib"]
+    assert footprint(plan, short.numbers).usable_mib == pytest.approx(card) and card < 16 * 1024

@@ -284,3 +284,22 @@ def test_the_allocator_history_has_stacks_only_where_no_checkpointing_runs(monke
     user._device_used_peak = 17 * 2**30
     user.restart_peaks()
     assert user._cuda_run_peaks == [0, 0] and user._device_used_peak == 0 and fake.resets == [0]
+
+
+def test_the_calibration_probe_keeps_its_figures_when_the_training_steps_fail(monkeypatch):
+    """calibrate's probe loads the kernels a training step loads before it reads the context; a node where that
+    step cannot run (transformers missing, a kernel the card lacks) still gets the figure after a bare product,
+    with the reason, instead of a failed calibration. torch.cuda's calls are FAKE here (no GPU)."""
+    import torch
+
+    from toolkit import calibrate
+    from toolkit.estimate import measure
+
+    def broken(*args, **kwargs):
+        raise ImportError("No module named 'transformers'")
+
+    monkeypatch.setattr(measure, "train_setup", broken)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    note = calibrate._train_kernels(torch, ["fp32"])
+    assert note.startswith("context after a bare matrix product only") and "transformers" in note

@@ -146,6 +146,8 @@ class InflightTrainingStep:
                     import torch
 
                     torch.cuda.empty_cache()
+                if self.inflight_monitor is not None:  # once the failed try's memory is back: its peak is not ours
+                    self.inflight_monitor.restart_peaks()
                 continue
             pending.pop(0)
             total = loss if total is None else total + loss
@@ -188,7 +190,6 @@ class InflightTrainingStep:
             monitor.note("micro_batch", new_micro, why)
             monitor.note("grad_accum", accum * pieces, why)
             monitor.set_fields(inflight_moves=list(self.inflight_moves))
-            monitor.restart_peaks()  # metrics.json's peaks are the pieces', not the failed micro-batch's
         if self.inflight_log is not None and self.is_world_process_zero():
             self.inflight_log(f"hpcmem: out of memory in step {step} ({reason}); in-job move: micro_batch "
                               f"{old_micro} x grad_accum {accum * pieces // 2} -> {new_micro} x {accum * pieces} "

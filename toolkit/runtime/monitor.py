@@ -89,6 +89,8 @@ class MemoryMonitor:
         self._driver: str | None = None
         self._rss_peak = 0
         self._device_used_peak = 0
+        self._peak_lock = threading.Lock()
+        self._peak_generation = 0  # restart_peaks() bumps it: a sample taken before then is dropped
         self._proc = _psutil_process()
         self._pid = os.getpid()
         self._stop_event = threading.Event()
@@ -196,13 +198,21 @@ class MemoryMonitor:
             torch.cuda.memory._record_memory_history(**history_settings(False))
         except Exception as exc:  # noqa: BLE001 - without the history there is no snapshot, training goes on
             self.history_recording = False
+            try:  # never stacks under checkpointing: off altogether
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception:  # noqa: BLE001
+                pass
             print(f"hpcmem: warning: the CUDA allocator's history is no longer recorded: {_first_line(exc)}",
                   file=sys.stderr, flush=True)
 
     def restart_peaks(self) -> None:
-        """Forget the peaks so far (after an in-job move: the failed try's peak is not the new plan's)."""
+        """Forget the peaks so far (after an in-job move, once the failed try's memory is freed: its peak is not
+        the new plan's)."""
+        with self._peak_lock:
+            self._peak_generation += 1
+            self._device_used_peak = 0
+            self._step_rss_peak = self._rss_now()
         self._cuda_run_peaks = [0, 0]
-        self._device_used_peak = 0
         if self._cuda_index is not None:
             import torch
 
@@ -347,15 +357,22 @@ class MemoryMonitor:
                     pass
 
     def _sample(self) -> None:
+        generation = self._peak_generation
         rss = self._rss_now()
-        self._rss_peak = max(self._rss_peak, rss)
-        self._step_rss_peak = max(self._step_rss_peak, rss)
+        used = None
         if self._nvml is not None:
             pynvml, handle = self._nvml
             try:
-                self._device_used_peak = max(self._device_used_peak, nvml_used_bytes(pynvml, handle, self._pid))
+                used = nvml_used_bytes(pynvml, handle, self._pid)
             except Exception:  # noqa: BLE001
                 pass
+        with self._peak_lock:  # a reading taken across restart_peaks() belongs to the try that failed
+            if generation != self._peak_generation:
+                return
+            self._rss_peak = max(self._rss_peak, rss)
+            self._step_rss_peak = max(self._step_rss_peak, rss)
+            if used is not None:
+                self._device_used_peak = max(self._device_used_peak, used)
 
     def _rss_now(self) -> int:
         """The process's resident memory now (bytes; 0 without psutil)."""

@@ -34,7 +34,7 @@ from ..estimate import Estimate, ModelRef, estimate
 from ..estimate.gpu import Runtime
 from ..failures import is_host
 from ..ladder import describe
-from ..predict import footprint
+from ..predict import footprint, usable_device_mib
 from ..plan import KNOBS, Plan
 from ..sites import Partition
 from ..strategies import infer_launcher
@@ -219,9 +219,11 @@ def memory_picture(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] 
     if mem_request_mib is None and known is not None:
         mem_request_mib = known.plan.mem_mib or (partition.default_mem_mib if partition else None)
     capacity = _capacity(n, partition)
-    usable = capacity - n.get("other_process_mib", 0.0) if capacity is not None else None
     context = partition.cuda_context_mib if partition is not None else 0.0
     fp = footprint(known.plan if known else Plan(), n, context) if n else None
+    usable = usable_device_mib(n, fp.fixed_mib if fp is not None else context)  # the one rule (predict.py)
+    if usable is None and capacity is not None:  # the message states no capacity: the partition's
+        usable = capacity - n.get("other_process_mib", 0.0)
     demand = fp.demand_mib if fp is not None else None
     est = _estimate(verdict, known, partition, model, notes)
     if est is not None:
