@@ -187,14 +187,16 @@ def footprint(plan: Plan, numbers: Mapping[str, float], context_mib: float = 0.0
     return Footprint(plan, fixed, idle, tensors * (1.0 - share), tensors * share, usable_device_mib(n, fixed))
 
 
-def usable_device_mib(numbers: Mapping[str, float], fixed_mib: float = 0.0) -> float | None:
+def usable_device_mib(numbers: Mapping[str, float], fixed_mib: float = 0.0,
+                      card_mib: float | None = None) -> float | None:
     """The device memory this process could have had (MiB, as a plan's predicted peak counts it: non-PyTorch
     memory included): the card's capacity less other processes, and under a memory-fraction cap the message states
     (``classify.binding_cap_mib``) at most the cap plus ``fixed_mib`` (the cap bounds what the allocator reserves;
-    the CUDA context and libraries are outside it). None when the message states neither."""
+    the CUDA context and libraries are outside it). ``card_mib``: the card's capacity where the message states
+    none (the partition's); None when nothing says."""
     from .classify import binding_cap_mib
 
-    total, cap = numbers.get("total_capacity_mib"), binding_cap_mib(numbers)
+    total, cap = numbers.get("total_capacity_mib", card_mib), binding_cap_mib(numbers)
     card = None if total is None else float(total) - float(numbers.get("other_process_mib") or 0.0)
     if cap is None:
         return card
@@ -306,12 +308,8 @@ class Predictor:
     def usable_mib(self) -> float | None:
         """GPU memory this process could have: the message's capacity less other processes, or the memory-fraction
         cap it states plus the CUDA context (``usable_device_mib``); else the partition's."""
-        usable = usable_device_mib(self.numbers, self.context_mib)
-        if usable is not None:
-            return usable
-        if not self.partition.has_gpu:
-            return None
-        return self.partition.gpu_mem_gib * 1024.0 - self.numbers.get("other_process_mib", 0.0)
+        card = self.partition.gpu_mem_gib * 1024.0 if self.partition.has_gpu else None
+        return usable_device_mib(self.numbers, self.context_mib, card)
 
     @property
     def demand_mib(self) -> float | None:

@@ -221,9 +221,8 @@ def memory_picture(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] 
     capacity = _capacity(n, partition)
     context = partition.cuda_context_mib if partition is not None else 0.0
     fp = footprint(known.plan if known else Plan(), n, context) if n else None
-    usable = usable_device_mib(n, fp.fixed_mib if fp is not None else context)  # the one rule (predict.py)
-    if usable is None and capacity is not None:  # the message states no capacity: the partition's
-        usable = capacity - n.get("other_process_mib", 0.0)
+    card = partition.gpu_mem_gib * 1024.0 if partition is not None and partition.has_gpu else None
+    usable = usable_device_mib(n, fp.fixed_mib if fp is not None else context, card)  # predict.py's rule
     demand = fp.demand_mib if fp is not None else None
     est = _estimate(verdict, known, partition, model, notes)
     if est is not None:
