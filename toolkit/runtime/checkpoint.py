@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from .collectives import any_rank
+
 ENV_CHECKPOINT_DIR = "HPCMEM_CHECKPOINT_DIR"
 MARKER = "complete"
 PREFIX = "step-"
@@ -452,9 +454,7 @@ class Checkpointer:
     def _any(self, flag: bool) -> bool:
         if self._dist() is None:
             return flag
-        from .inflight import any_rank  # the flag on the device the backend takes (NCCL: the rank's GPU)
-
-        return any_rank(flag, self.device)
+        return any_rank(flag, self.device)  # the flag on the device the backend takes (NCCL: the rank's GPU)
 
     def _from_rank0(self, value):
         dist = self._dist()

@@ -17,7 +17,7 @@ micro-batch is split the same way (the move is kept for the run), recorded like 
 (``self.inflight_moves``; metrics.json ``inflight_moves`` and ``applied`` through the monitor) with one printed line.
 
 Under DDP (world size > 1): the ranks agree after each micro-batch's forward, before its backward (whose
-all-reduce a failed rank would never join): one all-reduce of "I failed" (``inflight.any_rank``), so every rank
+all-reduce a failed rank would never join): one all-reduce of "I failed" (``collectives.any_rank``), so every rank
 splits the same way; the earlier pieces run under ``accelerator.no_sync`` and only the last syncs, if the
 micro-batch was going to. An OOM in the backward under DDP, or in a single process once gradients of earlier
 micro-batches are held (the failed backward may have added part of its gradient to them), is raised: the job ends
@@ -33,11 +33,11 @@ import traceback
 from typing import Any
 
 from ..errors import HpcmemError
-from . import inflight
+from . import collectives, inflight
 
 
 _PeerOOM = inflight.PeerOOM
-_world_size = inflight.world_size
+_world_size = collectives.world_size
 
 
 def split_inputs(inputs: Any, pieces: int) -> list[Any] | None:
@@ -97,7 +97,7 @@ class InflightTrainingStep:
         result = super().compute_loss(model, inputs, *args, **kwargs)
         state = self.__dict__.get("_hpcmem_inflight")
         if state is not None and state["phase"] == "forward":
-            if state["agree"] and inflight.any_rank(False):  # the agreement, before the backward's all-reduce
+            if state["agree"] and collectives.any_rank(False):  # the agreement, before the backward's all-reduce
                 del result
                 raise _PeerOOM()
             state["phase"] = "backward"
@@ -125,7 +125,7 @@ class InflightTrainingStep:
                     # another rank waits in its all-reduce: not answerable here
                     raise
                 if not peer and state["agree"]:
-                    inflight.any_rank(True)  # joins the others' agreement after their forward
+                    collectives.any_rank(True)  # joins the others' agreement after their forward
                 reason = "out of memory on another rank" if peer else inflight.first_line(exc)
                 if exc.__traceback__ is not None:  # the failed try's frames hold its activations
                     traceback.clear_frames(exc.__traceback__)

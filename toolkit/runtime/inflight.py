@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, HpcmemError
 from ..plan import Plan, with_changes
+from .collectives import any_rank, world_size
 
 ENV_INFLIGHT = "HPCMEM_INFLIGHT"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -144,28 +145,6 @@ def move_text(move: Mapping[str, Any]) -> str:
 
 class PeerOOM(Exception):
     """Another rank ran out of memory in this micro-batch's forward: this rank drops its try too."""
-
-
-def world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def any_rank(flag: bool, device=None) -> bool:
-    """True when ``flag`` is true on any rank: the one collective that makes every rank take the same move (the
-    flag itself without a process group). The flag travels on ``device``, else on the rank's current CUDA device
-    under NCCL (which takes no CPU tensors), else on the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    if device is None:
-        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class Recovery:

@@ -49,12 +49,12 @@ def _policy(plan: dict[str, Any], every_steps: int | None, every_min: float | No
 
 
 def _any_rank(flag: bool) -> bool:
-    """True when ``flag`` is true on any rank (``inflight.any_rank``)."""
+    """True when ``flag`` is true on any rank (``collectives.any_rank``)."""
     try:
         import torch.distributed  # noqa: F401
     except ImportError:  # pragma: no cover - torch is a job dependency
         return flag
-    from .inflight import any_rank
+    from .collectives import any_rank
 
     return any_rank(flag)
 
