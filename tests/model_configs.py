@@ -4,3 +4,17 @@ TINY_LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 128, "in
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
               "max_position_embeddings": 512}
 """A LLaMA-like config: grouped-query attention, SwiGLU, untied head (LLaMA's default)."""
+
+TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 64, "tie_word_embeddings": True}
+"""Qwen3's layout: a per-head RMSNorm on queries and keys, head_dim apart from hidden / heads, tied head."""
+
+TINY_GEMMA = {**TINY_LLAMA, "model_type": "gemma", "num_key_value_heads": 1, "head_dim": 64,
+              "hidden_activation": "gelu_pytorch_tanh"}
+"""Gemma's layout: RMSNorms that keep fp32 (1 + weight) products, GeGLU, multi-query attention, tied head (its
+config's default)."""
+
+TINY_ROBERTA = {"model_type": "roberta", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "intermediate_size": 512, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 514, "type_vocab_size": 1,
+                "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
+"""RoBERTa: BERT's layers, one token type, positions offset past the padding index, its own classification head."""

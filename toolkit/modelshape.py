@@ -25,11 +25,47 @@ TASKS = ("causal-lm", "seq-cls", "image-cls")
 TEXT_TASKS = ("causal-lm", "seq-cls")
 IMAGE_TASKS = ("image-cls",)
 
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What sets one LLaMA-layout model type apart, read in transformers' ``modeling_<type>.py``."""
+
+    qkv_bias: bool = False
+    """Q/K/V always carry biases (Qwen2); otherwise the config's ``attention_bias`` decides."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's queries and keys before the rotary embedding (Qwen3's q_norm, k_norm)."""
+    norm_fp32: bool = False
+    """The RMSNorm scales its fp32 normalised tensor by (1 + weight) and keeps it for backward (Gemma);
+    LLaMA's casts it back to the input's dtype first and keeps that."""
+    head_dim: int | None = None
+    """The config class's ``head_dim`` default when config.json states none (None: hidden / heads)."""
+    tied: bool = False
+    """The config class's ``tie_word_embeddings`` default."""
+    o_bias: bool = True
+    """``attention_bias`` also gives o_proj a bias (not Qwen2, whose config has no such field)."""
+    mlp_bias: bool = False
+    """The config's ``mlp_bias`` is honoured (LLaMA)."""
+
+
+LLAMA_VARIANTS = {
+    "llama": LlamaVariant(mlp_bias=True),
+    "mistral": LlamaVariant(),
+    "qwen2": LlamaVariant(qkv_bias=True, o_bias=False),
+    "qwen3": LlamaVariant(qk_norm=True, head_dim=128),
+    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True),
+}
+"""The model types the "llama" layout covers. Not among them, and refused rather than guessed: Gemma 2/3
+(logit soft-capping, four norms per layer), Phi-3 (fused qkv_proj and gate_up_proj, whose shared output buffer
+SDPA's saved views keep alive), mixtures of experts."""
+
 # model_type -> block layout. "gpt2": fused QKV, LayerNorm, plain MLP; "bert": separate
-# Q/K/V, post-LayerNorm, plain MLP; "llama": separate Q/K/V (GQA), RMSNorm, rotary
-# positions, gated (SwiGLU) MLP; "vit": an image encoder, separate Q/K/V, pre-LayerNorm,
-# plain MLP, on patches instead of tokens.
-FAMILIES = {"gpt2": "gpt2", "bert": "bert", "llama": "llama", "mistral": "llama", "qwen2": "llama", "vit": "vit"}
+# Q/K/V, post-LayerNorm, plain MLP (RoBERTa's layers are BERT's; its embeddings and heads hold the
+# same tensors); "llama": separate Q/K/V (GQA), RMSNorm, rotary positions, gated (SwiGLU/GeGLU) MLP,
+# with the variants above; "vit": an image encoder, separate Q/K/V, pre-LayerNorm, plain MLP, on
+# patches instead of tokens.
+FAMILIES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "xlm-roberta": "bert",
+            **{t: "llama" for t in LLAMA_VARIANTS}, "vit": "vit"}
 IMAGE_FAMILIES = ("vit",)
 
 # Parameter kinds: a "linear" weight feeds a matmul (autocast keeps a 16-bit copy of it
@@ -105,6 +141,10 @@ class ModelShape:
     (image_size / patch_size)^2 + 1. None: the plan's seq_len (text models)."""
     image: tuple[int, int, int] | None = None
     """(channels, height, width) of one input image (pixels); None for a text model."""
+    qk_norm: bool = False
+    """Each layer normalises its queries and keys per head (``LlamaVariant.qk_norm``)."""
+    norm_fp32: bool = False
+    """The RMSNorms keep their fp32 normalised tensor (``LlamaVariant.norm_fp32``)."""
 
     # -- constructors --------------------------------------------------------------
 
@@ -279,12 +319,13 @@ def _rate(cfg: Mapping[str, Any], name: str, default: float) -> float:
     return float(default if value is None else value)
 
 
-def _heads(cfg: Mapping[str, Any], hidden: int, heads: int) -> tuple[int, int]:
-    """(kv_heads, head_dim), checking that they divide as transformers needs."""
+def _heads(cfg: Mapping[str, Any], hidden: int, heads: int, default_head_dim: int | None = None) -> tuple[int, int]:
+    """(kv_heads, head_dim), checking that they divide as transformers needs; ``default_head_dim``: the config
+    class's own default when config.json states none (None: hidden / heads)."""
     kv = int(_first(cfg, "num_key_value_heads", default=heads))
     if heads % kv:
         raise ConfigError(f"model config num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    head_dim = _first(cfg, "head_dim")
+    head_dim = _first(cfg, "head_dim", default=default_head_dim)
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(f"model config hidden size {hidden} is not a multiple of num_attention_heads {heads}")
@@ -353,9 +394,11 @@ def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                            ("embeddings.position_embeddings", (positions, h), "embedding"),
                            ("embeddings.token_type_embeddings", (types, h), "embedding"),
                            ("embeddings.LayerNorm.weight", (h,), "norm"), ("embeddings.LayerNorm.bias", (h,), "norm")]
-    if task == "seq-cls":  # BertForSequenceClassification: pooler + classifier
-        other += [("pooler.dense.weight", (h, h), "linear"), ("pooler.dense.bias", (h,), "bias"),
-                  ("classifier.weight", (labels, h), "linear"), ("classifier.bias", (labels,), "bias")]
+    if task == "seq-cls":  # BertForSequenceClassification: pooler + classifier; RoBERTa's head holds the same
+        dense, out = ("classifier.dense", "classifier.out_proj") if cfg["model_type"] != "bert" else \
+            ("pooler.dense", "classifier")
+        other += [(f"{dense}.weight", (h, h), "linear"), (f"{dense}.bias", (h,), "bias"),
+                  (f"{out}.weight", (labels, h), "linear"), (f"{out}.bias", (labels,), "bias")]
     else:  # BertLMHeadModel: no pooler; transform + decoder (+ its own bias)
         other += [("cls.transform.dense.weight", (h, h), "linear"), ("cls.transform.dense.bias", (h,), "bias"),
                   ("cls.transform.LayerNorm.weight", (h,), "norm"), ("cls.transform.LayerNorm.bias", (h,), "norm"),
@@ -374,13 +417,14 @@ def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
 def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     h, layers, heads, vocab, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                                         "intermediate_size")
-    kv, d = _heads(cfg, h, heads)
     model_type = cfg["model_type"]
-    # Qwen2 always has Q/K/V biases; LLaMA has them (and the output bias) with attention_bias.
-    qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
-    o_bias = model_type == "llama" and bool(cfg.get("attention_bias"))
-    mlp_bias = model_type == "llama" and bool(cfg.get("mlp_bias"))
-    tied = bool(_first(cfg, "tie_word_embeddings", default=False))
+    variant = LLAMA_VARIANTS[model_type]
+    kv, d = _heads(cfg, h, heads, variant.head_dim)
+    attention_bias = bool(cfg.get("attention_bias"))
+    qkv_bias = variant.qkv_bias or attention_bias
+    o_bias = variant.o_bias and attention_bias
+    mlp_bias = variant.mlp_bias and bool(cfg.get("mlp_bias"))
+    tied = bool(_first(cfg, "tie_word_embeddings", default=variant.tied))
     q_dim, kv_dim = heads * d, kv * d
     layer: list[Tensor] = []
     for name, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
@@ -390,6 +434,8 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     layer.append(("self_attn.o_proj.weight", (h, q_dim), "linear"))
     if o_bias:
         layer.append(("self_attn.o_proj.bias", (h,), "bias"))
+    if variant.qk_norm:  # registered after o_proj, as transformers' named_parameters() lists them
+        layer += [("self_attn.q_norm.weight", (d,), "norm"), ("self_attn.k_norm.weight", (d,), "norm")]
     for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
         layer.append((f"mlp.{name}.weight", shape, "linear"))
         if mlp_bias:
@@ -400,13 +446,14 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         other.append(("score.weight", (labels, h), "linear"))
     elif not tied:
         other.append(("lm_head.weight", (vocab, h), "linear"))
-    act = str(cfg.get("hidden_act") or "silu")
+    act = str(_first(cfg, "hidden_activation", "hidden_act", default="silu"))  # Gemma names its MLP's so
     return ModelShape(family="llama", model_type=model_type, task=task, hidden=h, layers=layers, heads=heads,
                       kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
                       max_positions=_first(cfg, "max_position_embeddings"), tied=tied, num_labels=labels,
                       attn_dropout=_rate(cfg, "attention_dropout", 0.0), hidden_dropout=0.0, embd_dropout=0.0,
                       kv_cache=_kv_cache(cfg, task),
-                      layer_tensors=tuple(layer), other_tensors=tuple(other))
+                      layer_tensors=tuple(layer), other_tensors=tuple(other),
+                      qk_norm=variant.qk_norm, norm_fp32=variant.norm_fp32)
 
 
 def _vit(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:

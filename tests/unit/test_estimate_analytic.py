@@ -377,10 +377,11 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 from toolkit.estimate.measure import LiveTensorBytes, measured_peak_bytes, train_setup  # noqa: E402
 
-from model_configs import TINY_LLAMA  # noqa: E402
+from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
-          "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit")}
+          "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit"), "tiny-qwen3": TINY_QWEN3,
+          "tiny-gemma": TINY_GEMMA, "tiny-roberta": TINY_ROBERTA}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
@@ -404,7 +405,8 @@ def forward_saved_bytes(cfg, task, p: Plan) -> int:
     return saved
 
 
-@pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit"])
+@pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma",
+                                    "tiny-roberta"])
 @pytest.mark.parametrize("precision, attention", [("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     """The per-layer inventory against the real forward: a 3-layer minus a 2-layer model."""
@@ -433,6 +435,13 @@ CASES = [
     ("tiny-llama", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
     ("tiny-llama", "seq-cls", dict(precision="fp32", attention="eager", micro_batch=8, seq_len=128)),
     ("tiny-llama", "seq-cls", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
+    ("tiny-qwen3", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
+    ("tiny-qwen3", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
+    ("tiny-qwen3", "causal-lm", dict(precision="bf16-true", micro_batch=4, seq_len=128, checkpointing=True)),
+    ("tiny-gemma", "causal-lm", dict(precision="bf16-true", attention="eager", micro_batch=4, seq_len=128)),
+    ("tiny-gemma", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
+    ("tiny-roberta", "seq-cls", dict(precision="bf16-mixed", micro_batch=8, seq_len=128)),
+    ("tiny-roberta", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
 ] + [  # a ViT: every combination of precision, checkpointing and attention, at two micro-batches
     ("tiny-vit", "image-cls", dict(precision=precision, checkpointing=ckpt, attention=attention, micro_batch=micro))
     for precision in ("fp32", "bf16-mixed") for ckpt in (False, True) for attention in ("sdpa", "eager")

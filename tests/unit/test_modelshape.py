@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from model_configs import TINY_LLAMA  # noqa: E402
+from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
 TINY = {
     "tiny-gpt2": load_model_config("tiny-gpt2"),
@@ -26,6 +26,12 @@ TINY = {
     "llama-tied-biases": {**TINY_LLAMA, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
     "mistral-head-dim": {**TINY_LLAMA, "model_type": "mistral", "head_dim": 48},
     "qwen2": {**TINY_LLAMA, "model_type": "qwen2"},
+    "qwen3": TINY_QWEN3,
+    "qwen3-biases-default-head-dim": {**{k: v for k, v in TINY_QWEN3.items() if k != "head_dim"},
+                                      "attention_bias": True},
+    "gemma": TINY_GEMMA,
+    "roberta": TINY_ROBERTA,
+    "xlm-roberta-5-labels": {**TINY_ROBERTA, "model_type": "xlm-roberta", "num_labels": 5},
 }
 TASKS = ("causal-lm", "seq-cls")
 
@@ -58,6 +64,30 @@ def test_n_params_equal_the_real_full_size_model(name, task):
 def test_well_known_counts():
     assert ModelShape.from_config(load_model_config("gpt2")).n_params == 124_439_808
     assert ModelShape.from_config(load_model_config("llama-7b")).n_params == 6_738_415_616
+    # published configs (config.json on the Hub) and their models' published parameter counts
+    qwen3_06b = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+                 "tie_word_embeddings": True}
+    gemma_2b = {"model_type": "gemma", "hidden_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 8,
+                "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 16384, "vocab_size": 256000}
+    roberta_base = {"model_type": "roberta", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                    "intermediate_size": 3072, "vocab_size": 50265, "max_position_embeddings": 514,
+                    "type_vocab_size": 1}
+    assert ModelShape.from_config(qwen3_06b).n_params == 596_049_920
+    assert ModelShape.from_config(gemma_2b).n_params == 2_506_172_416
+    assert ModelShape.from_config(roberta_base, "seq-cls").n_params == 124_647_170
+
+
+def test_llama_variants_take_their_config_classes_defaults():
+    """A field config.json leaves out takes the value of that model type's config class, not LLaMA's."""
+    bare = {k: v for k, v in TINY_QWEN3.items() if k not in ("head_dim", "tie_word_embeddings")}
+    qwen3 = ModelShape.from_config(bare)
+    assert (qwen3.head_dim, qwen3.tied, qwen3.qk_norm, qwen3.norm_fp32) == (128, False, True, False)
+    gemma = ModelShape.from_config({k: v for k, v in TINY_GEMMA.items() if k != "head_dim"})
+    assert (gemma.head_dim, gemma.tied, gemma.qk_norm, gemma.norm_fp32) == (256, True, False, True)
+    assert gemma.activation == "gelu_pytorch_tanh"
+    llama = ModelShape.from_config(TINY_LLAMA)
+    assert (llama.head_dim, llama.tied, llama.qk_norm, llama.norm_fp32) == (32, False, False, False)
 
 
 def test_layer_tensors_are_one_real_layer():
@@ -111,6 +141,9 @@ def test_a_missing_field_is_named_in_one_line(cfg, field):
 def test_bad_configs_are_refused():
     with pytest.raises(ConfigError, match="traced"):
         ModelShape.from_config({"model_type": "t5", "d_model": 512})
+    for near_llama in ("phi3", "gemma2", "mixtral"):  # LLaMA-like, but not in what they keep: named, not guessed
+        with pytest.raises(ConfigError, match=f"'{near_llama}' is not one the analytic estimator knows"):
+            ModelShape.from_config({**TINY_LLAMA, "model_type": near_llama})
     with pytest.raises(ConfigError, match="multiple"):
         ModelShape.from_config({**TINY_LLAMA, "num_key_value_heads": 3})
     with pytest.raises(ConfigError, match="positive integer"):

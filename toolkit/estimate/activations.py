@@ -121,10 +121,22 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Ru
         # stream before attention and before the MLP), the intermediate dense's input
         return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
     # llama: RMSNorm in python keeps its fp32 input, rstd and the normalised tensor
-    rms = 4 * h + 4 + h * p
+    rms = rms_norm_bytes(shape, h, p)
     qkv_in = 3 * h * c if dt.autocast else h * p
     mlp_in = 2 * h * c if dt.autocast else h * p
-    return core + 2 * rms + qkv_in + mlp_in
+    qk = 0
+    if shape.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, whose input is the projection's output
+        qk = (rms_norm_bytes(shape, shape.heads * shape.head_dim, c, shape.heads)
+              + rms_norm_bytes(shape, shape.kv_heads * shape.head_dim, c, shape.kv_heads))
+    return core + 2 * rms + qkv_in + mlp_in + qk
+
+
+def rms_norm_bytes(shape: ModelShape, width: int, elem: int, rows: int = 1) -> float:
+    """Per token, what a python RMSNorm over ``width`` elements (``rows`` normalised groups: heads) keeps for
+    backward when its input has ``elem``-byte elements: the fp32 input, one fp32 rstd per group, and the
+    normalised tensor the weight multiplies, cast back to the input's dtype (LLaMA) or kept in fp32 (Gemma,
+    ``shape.norm_fp32``)."""
+    return 4 * width + 4 * rows + width * (4 if shape.norm_fp32 else elem)
 
 
 def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
@@ -148,7 +160,7 @@ def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
         else:  # the pooler's first-token view keeps the whole last hidden state, unless autocast copied it
             head = 0 if dt.autocast else h * p
         return ids + emb + head + logprobs
-    return ids + (4 * h + 4 + h * p) + h * c + logprobs
+    return ids + rms_norm_bytes(shape, h, p) + h * c + logprobs
 
 
 def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
