@@ -161,7 +161,7 @@ class ModelShape:
         if task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
         model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
             raise ConfigError(f"model_type {model_type!r} is not one the analytic estimator knows "
                               f"({', '.join(sorted(FAMILIES))}); use --method traced")
         image_model = FAMILIES[model_type] in IMAGE_FAMILIES
@@ -269,14 +269,32 @@ class ModelShape:
 
 # -- reading a config --------------------------------------------------------------------
 
+def _optional(cfg: Mapping[str, Any], *names: str, default: int | None) -> int | None:
+    """The first of ``names`` the config has, as a positive int, else ``default``; a ConfigError naming it when
+    it is there but not a positive integer."""
+    value = _first(cfg, *names)
+    return default if value is None else _need(cfg, *names)
+
+
+MOST = {"n_layer": 1024, "num_hidden_layers": 1024}
+"""A size field -> the largest value read (others: ``MOST_SIZE``). Beyond any model trained so far (the deepest
+published transformer, DeepNet, has 1,000 layers; the largest LLMs under 200; hidden sizes, vocabularies and image
+sides stay under a million): they keep an untrusted config.json from driving the estimator's per-layer stream
+(about 120 allocator events a layer, replayed twice) and its arithmetic for minutes."""
+MOST_SIZE = 2**24
+
+
 def _need(cfg: Mapping[str, Any], *names: str) -> int:
-    """The first of ``names`` the config has, as a positive int; a ConfigError naming it otherwise."""
+    """The first of ``names`` the config has, as a positive int within ``MOST``; a ConfigError naming it otherwise."""
     value = _first(cfg, *names)
     spelled = " or ".join(repr(n) for n in names)
     if value is None:
         raise ConfigError(f"model config ({cfg.get('model_type')}) is missing {spelled}")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"model config {spelled} must be a positive integer, got {value!r}")
+    most = min(MOST.get(n, MOST_SIZE) for n in names)
+    if value > most:
+        raise ConfigError(f"model config {spelled} is {value}, more than any model the estimator covers (at most {most})")
     return value
 
 
@@ -288,7 +306,7 @@ def _needs(cfg: Mapping[str, Any], *names: str) -> tuple:
 def _labels(cfg: Mapping[str, Any]) -> int:
     """The config's label count: num_labels, else the length of id2label, else 2 (as transformers)."""
     if cfg.get("num_labels") is not None:
-        return int(cfg["num_labels"])
+        return _need(cfg, "num_labels")
     if isinstance(cfg.get("id2label"), Mapping) and cfg["id2label"]:
         return len(cfg["id2label"])
     return 2
@@ -300,7 +318,7 @@ def _pair(cfg: Mapping[str, Any], name: str) -> tuple[int, int]:
     if value is None:
         raise ConfigError(f"model config ({cfg.get('model_type')}) is missing {name!r}")
     pair = list(value) if isinstance(value, (list, tuple)) else [value, value]
-    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in pair):
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MOST_SIZE for v in pair):
         raise ConfigError(f"model config {name!r} must be a positive integer or two of them, got {value!r}")
     return pair[0], pair[1]
 
@@ -315,17 +333,22 @@ def image_sequence(cfg: Mapping[str, Any]) -> int:
 
 
 def _rate(cfg: Mapping[str, Any], name: str, default: float) -> float:
+    """A dropout probability: a number from 0 to 1, else a ConfigError naming the field."""
     value = cfg.get(name)
-    return float(default if value is None else value)
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"model config {name!r} must be a probability from 0 to 1, got {value!r}")
+    return float(value)
 
 
 def _heads(cfg: Mapping[str, Any], hidden: int, heads: int, default_head_dim: int | None = None) -> tuple[int, int]:
     """(kv_heads, head_dim), checking that they divide as transformers needs; ``default_head_dim``: the config
     class's own default when config.json states none (None: hidden / heads)."""
-    kv = int(_first(cfg, "num_key_value_heads", default=heads))
+    kv = _optional(cfg, "num_key_value_heads", default=heads)
     if heads % kv:
         raise ConfigError(f"model config num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    head_dim = _first(cfg, "head_dim", default=default_head_dim)
+    head_dim = _optional(cfg, "head_dim", default=default_head_dim)
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(f"model config hidden size {hidden} is not a multiple of num_attention_heads {heads}")
@@ -353,12 +376,12 @@ def _gpt2(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     layers = _need(cfg, "n_layer", "num_hidden_layers")
     heads = _need(cfg, "n_head", "num_attention_heads")
     vocab = _need(cfg, "vocab_size")
-    positions = int(_first(cfg, "n_positions", "max_position_embeddings", default=1024))
+    positions = _optional(cfg, "n_positions", "max_position_embeddings", default=1024)
     if h % heads:
         raise ConfigError(f"model config n_embd {h} is not a multiple of n_head {heads}")
     if cfg.get("add_cross_attention"):
         raise ConfigError("model config add_cross_attention: GPT-2 with cross-attention is not covered; use --method traced")
-    f = int(_first(cfg, "n_inner", default=4 * h))
+    f = _optional(cfg, "n_inner", default=4 * h)
     tied = bool(_first(cfg, "tie_word_embeddings", default=True))
     other: list[Tensor] = [("wte", (vocab, h), "embedding"), ("wpe", (positions, h), "embedding"),
                            ("ln_f.weight", (h,), "norm"), ("ln_f.bias", (h,), "norm")]
@@ -377,8 +400,8 @@ def _gpt2(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
 def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     h, layers, heads, vocab, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                                         "intermediate_size")
-    positions = int(_first(cfg, "max_position_embeddings", default=512))
-    types = int(_first(cfg, "type_vocab_size", default=2))
+    positions = _optional(cfg, "max_position_embeddings", default=512)
+    types = _optional(cfg, "type_vocab_size", default=2)
     if h % heads:
         raise ConfigError(f"model config hidden_size {h} is not a multiple of num_attention_heads {heads}")
     tied = bool(_first(cfg, "tie_word_embeddings", default=True))
@@ -449,7 +472,8 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     act = str(_first(cfg, "hidden_activation", "hidden_act", default="silu"))  # Gemma names its MLP's so
     return ModelShape(family="llama", model_type=model_type, task=task, hidden=h, layers=layers, heads=heads,
                       kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
-                      max_positions=_first(cfg, "max_position_embeddings"), tied=tied, num_labels=labels,
+                      max_positions=_optional(cfg, "max_position_embeddings", default=None), tied=tied,
+                      num_labels=labels,
                       attn_dropout=_rate(cfg, "attention_dropout", 0.0), hidden_dropout=0.0, embd_dropout=0.0,
                       kv_cache=_kv_cache(cfg, task),
                       layer_tensors=tuple(layer), other_tensors=tuple(other),
@@ -461,9 +485,9 @@ def _vit(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     LayerNorm, a linear classifier on the CLS token (no pooler)."""
     h, layers, heads, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     (ih, iw), (ph, pw) = _pair(cfg, "image_size"), _pair(cfg, "patch_size")
-    channels = int(_first(cfg, "num_channels", default=3))
+    channels = _optional(cfg, "num_channels", default=3)
     seq = image_sequence(cfg)
-    head_dim = _first(cfg, "head_dim")
+    head_dim = _optional(cfg, "head_dim", default=None)
     if head_dim is None:
         if h % heads:
             raise ConfigError(f"model config hidden_size {h} is not a multiple of num_attention_heads {heads}")

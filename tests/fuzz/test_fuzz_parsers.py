@@ -15,7 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from fuzz_strategies import examples, documents, hostile_text, scalars
 
+from model_configs import TINY_GEMMA, TINY_QWEN3, TINY_ROBERTA
 from toolkit import jobspec, sites
+from toolkit.estimate.analytic import estimate_analytic
+from toolkit.models import load_model_config
+from toolkit.modelshape import ModelShape
 from toolkit.plan import CHOICES, KNOBS, Plan, parse_knob, parse_sets, with_changes
 from toolkit.resources import data_dir
 
@@ -80,6 +84,29 @@ def test_fuzz_job_spec(tmp_path_factory, data):
     if kind == "ok":
         assert isinstance(plan, Plan)
         render_outcome(spec, CPU, plan, tmp, tmp / "INJECTED")
+
+
+MODEL_CONFIGS = [load_model_config(name) for name in ("gpt2", "bert-large", "llama-7b", "tiny-vit")] + [
+    TINY_QWEN3, TINY_GEMMA, TINY_ROBERTA]
+A100 = sites.load_site("example-hpc").partition("a100-40gb")
+
+
+@settings(max_examples=examples(150))
+@given(data=st.data())
+def test_fuzz_model_config(data):
+    """An untrusted config.json (``--model``): its shape and an analytic estimate of it on a GPU, or one
+    HpcmemError, within the time bound (a config of millions of layers, or of heads a million times wider than
+    the hidden size, once made the per-layer stream run for minutes)."""
+    cfg = mutated(data.draw(st.sampled_from(MODEL_CONFIGS), label="config"), data)
+    if not isinstance(cfg, dict):
+        return
+    task = "image-cls" if cfg.get("model_type") == "vit" else data.draw(st.sampled_from(["causal-lm", "seq-cls"]))
+    kind, shape = outcome(lambda: ModelShape.from_config(cfg, task))
+    if kind == "ok":
+        plan = Plan(micro_batch=2, global_batch=2, seq_len=128, precision="bf16-mixed")
+        kind, est = outcome(lambda: estimate_analytic(shape, plan, A100))
+        if kind == "ok":
+            assert est.peak_allocated_mib > 0 and est.peak_reserved_mib >= est.peak_allocated_mib - 1
 
 
 @settings(max_examples=examples(200))

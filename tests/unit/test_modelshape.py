@@ -141,6 +141,14 @@ def test_a_missing_field_is_named_in_one_line(cfg, field):
 def test_bad_configs_are_refused():
     with pytest.raises(ConfigError, match="traced"):
         ModelShape.from_config({"model_type": "t5", "d_model": 512})
+    for field, value in (("head_dim", "128"), ("num_key_value_heads", 0), ("attention_dropout", "0.1"),
+                         ("attention_dropout", 1.5), ("max_position_embeddings", ""), ("num_labels", "two")):
+        with pytest.raises(ConfigError, match=field):
+            ModelShape.from_config({**TINY_QWEN3, field: value}, "seq-cls")
+    with pytest.raises(ConfigError, match="at most 1024"):  # DeepNet's 1,000 layers are the deepest trained
+        ModelShape.from_config({**TINY_LLAMA, "num_hidden_layers": 10_000_000})
+    with pytest.raises(ConfigError, match="model_type"):
+        ModelShape.from_config({**TINY_LLAMA, "model_type": ["llama"]})
     for near_llama in ("phi3", "gemma2", "mixtral"):  # LLaMA-like, but not in what they keep: named, not guessed
         with pytest.raises(ConfigError, match=f"'{near_llama}' is not one the analytic estimator knows"):
             ModelShape.from_config({**TINY_LLAMA, "model_type": near_llama})

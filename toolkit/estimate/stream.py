@@ -53,8 +53,15 @@ class _Ids:
         return self.n
 
 
+MAX_PIECES = 32
+"""The most tensors ``_split`` makes of one total. Real models need at most 16 (all 104 published rows); the bound
+keeps a hostile config (heads a thousand times wider than the hidden size) from making a stream of millions of
+events."""
+
+
 def _split(total: float, unit: float) -> list[int]:
-    """``total`` bytes as tensors of ``unit`` bytes and one remainder (nothing under 1 byte)."""
+    """``total`` bytes as tensors of ``unit`` bytes and one remainder (nothing under 1 byte); beyond
+    ``MAX_PIECES`` tensors, ``MAX_PIECES`` equal ones."""
     total = int(total)
     if total <= 0:
         return []
@@ -62,6 +69,9 @@ def _split(total: float, unit: float) -> list[int]:
     if unit <= 0 or unit >= total:
         return [total]
     n, rest = divmod(total, unit)
+    if n + (1 if rest else 0) > MAX_PIECES:
+        n, rest = divmod(total, MAX_PIECES)
+        return [n + 1] * rest + [n] * (MAX_PIECES - rest)
     return [unit] * n + ([rest] if rest else [])
 
 
