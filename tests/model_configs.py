@@ -9,9 +9,9 @@ TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 64, "tie_word_emb
 """Qwen3's layout: a per-head RMSNorm on queries and keys, head_dim apart from hidden / heads, tied head."""
 
 TINY_GEMMA = {**TINY_LLAMA, "model_type": "gemma", "num_key_value_heads": 1, "head_dim": 64,
-              "hidden_activation": "gelu_pytorch_tanh"}
-"""Gemma's layout: RMSNorms that keep fp32 (1 + weight) products, GeGLU, multi-query attention, tied head (its
-config's default)."""
+              "hidden_act": "gelu_pytorch_tanh"}
+"""Gemma's layout: RMSNorms that keep their fp32 normalised tensor (scaled by 1 + weight after), GeGLU, multi-query
+attention, tied head (its config's default)."""
 
 TINY_ROBERTA = {"model_type": "roberta", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 512, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,

@@ -32,7 +32,9 @@ class LlamaVariant:
     """What sets one LLaMA-layout model type apart, read in transformers' ``modeling_<type>.py``."""
 
     qkv_bias: bool = False
-    """Q/K/V always carry biases (Qwen2); otherwise the config's ``attention_bias`` decides."""
+    """Q/K/V always carry biases (Qwen2); otherwise the config's ``attention_bias`` decides, where honoured."""
+    attention_bias: bool = True
+    """The config's ``attention_bias`` is honoured (Mistral's projections have no bias whatever it says)."""
     qk_norm: bool = False
     """An RMSNorm over each head's queries and keys before the rotary embedding (Qwen3's q_norm, k_norm)."""
     norm_fp32: bool = False
@@ -46,14 +48,17 @@ class LlamaVariant:
     """``attention_bias`` also gives o_proj a bias (not Qwen2, whose config has no such field)."""
     mlp_bias: bool = False
     """The config's ``mlp_bias`` is honoured (LLaMA)."""
+    activation: str = "silu"
+    """The MLP's activation when the config names none. Gemma's default, and what its config turns an exact
+    "gelu" into, is the tanh approximation (transformers' GemmaConfig; older versions read ``hidden_activation``)."""
 
 
 LLAMA_VARIANTS = {
     "llama": LlamaVariant(mlp_bias=True),
-    "mistral": LlamaVariant(),
+    "mistral": LlamaVariant(attention_bias=False),
     "qwen2": LlamaVariant(qkv_bias=True, o_bias=False),
     "qwen3": LlamaVariant(qk_norm=True, head_dim=128),
-    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True),
+    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, activation="gelu_pytorch_tanh"),
 }
 """The model types the "llama" layout covers. Not among them, and refused rather than guessed: Gemma 2/3
 (logit soft-capping, four norms per layer), Phi-3 (fused qkv_proj and gate_up_proj, whose shared output buffer
@@ -84,17 +89,18 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 
 
 def hidden_size(cfg: Mapping[str, Any]) -> int:
-    return int(_first(cfg, "hidden_size", "n_embd", "d_model"))
+    """The hidden size under any of its spellings (a ConfigError naming them when absent or not a size)."""
+    return _need(cfg, "hidden_size", "n_embd", "d_model")
 
 
 def ffn_size(cfg: Mapping[str, Any]) -> int:
-    return int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden_size(cfg)))
+    return _optional(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden_size(cfg))
 
 
 def largest_param_numel(cfg: Mapping[str, Any]) -> int:
     """Elements of the largest single weight: the embedding or an FFN matrix (or fused QKV)."""
     h = hidden_size(cfg)
-    vocab = int(_first(cfg, "vocab_size", default=0))
+    vocab = _optional(cfg, "vocab_size", default=0)
     return max(vocab * h, ffn_size(cfg) * h, 3 * h * h)
 
 
@@ -171,9 +177,7 @@ class ModelShape:
         if not image_model and task in IMAGE_TASKS:
             raise ConfigError(f"task {task!r} needs an image model (model_type {' or '.join(IMAGE_FAMILIES)}); "
                               f"{model_type!r} is a text model: use {' or '.join(TEXT_TASKS)}")
-        labels = int(num_labels if num_labels is not None else _labels(cfg))
-        if labels < 1:
-            raise ConfigError(f"num_labels must be at least 1, got {labels}")
+        labels = _need({"num_labels": num_labels}, "num_labels") if num_labels is not None else _labels(cfg)
         build = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "vit": _vit}[FAMILIES[model_type]]
         return build(cfg, task, labels)
 
@@ -308,7 +312,7 @@ def _labels(cfg: Mapping[str, Any]) -> int:
     if cfg.get("num_labels") is not None:
         return _need(cfg, "num_labels")
     if isinstance(cfg.get("id2label"), Mapping) and cfg["id2label"]:
-        return len(cfg["id2label"])
+        return _need({"id2label": len(cfg["id2label"])}, "id2label")
     return 2
 
 
@@ -319,7 +323,8 @@ def _pair(cfg: Mapping[str, Any], name: str) -> tuple[int, int]:
         raise ConfigError(f"model config ({cfg.get('model_type')}) is missing {name!r}")
     pair = list(value) if isinstance(value, (list, tuple)) else [value, value]
     if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MOST_SIZE for v in pair):
-        raise ConfigError(f"model config {name!r} must be a positive integer or two of them, got {value!r}")
+        raise ConfigError(f"model config {name!r} must be a positive integer (at most {MOST_SIZE}) or two of them, "
+                          f"got {value!r}")
     return pair[0], pair[1]
 
 
@@ -443,7 +448,7 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     model_type = cfg["model_type"]
     variant = LLAMA_VARIANTS[model_type]
     kv, d = _heads(cfg, h, heads, variant.head_dim)
-    attention_bias = bool(cfg.get("attention_bias"))
+    attention_bias = variant.attention_bias and bool(cfg.get("attention_bias"))
     qkv_bias = variant.qkv_bias or attention_bias
     o_bias = variant.o_bias and attention_bias
     mlp_bias = variant.mlp_bias and bool(cfg.get("mlp_bias"))
@@ -469,7 +474,11 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         other.append(("score.weight", (labels, h), "linear"))
     elif not tied:
         other.append(("lm_head.weight", (vocab, h), "linear"))
-    act = str(_first(cfg, "hidden_activation", "hidden_act", default="silu"))  # Gemma names its MLP's so
+    if variant.activation == "gelu_pytorch_tanh":  # Gemma
+        act = str(_first(cfg, "hidden_activation", "hidden_act", default=variant.activation))
+        act = variant.activation if act == "gelu" else act
+    else:
+        act = str(_first(cfg, "hidden_act", default=variant.activation))
     return ModelShape(family="llama", model_type=model_type, task=task, hidden=h, layers=layers, heads=heads,
                       kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
                       max_positions=_optional(cfg, "max_position_embeddings", default=None), tied=tied,

@@ -25,6 +25,7 @@ TINY = {
     "llama-gqa": TINY_LLAMA,
     "llama-tied-biases": {**TINY_LLAMA, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
     "mistral-head-dim": {**TINY_LLAMA, "model_type": "mistral", "head_dim": 48},
+    "mistral-ignores-attention-bias": {**TINY_LLAMA, "model_type": "mistral", "attention_bias": True},
     "qwen2": {**TINY_LLAMA, "model_type": "qwen2"},
     "qwen3": TINY_QWEN3,
     "qwen3-biases-default-head-dim": {**{k: v for k, v in TINY_QWEN3.items() if k != "head_dim"},
@@ -86,6 +87,7 @@ def test_llama_variants_take_their_config_classes_defaults():
     gemma = ModelShape.from_config({k: v for k, v in TINY_GEMMA.items() if k != "head_dim"})
     assert (gemma.head_dim, gemma.tied, gemma.qk_norm, gemma.norm_fp32) == (256, True, False, True)
     assert gemma.activation == "gelu_pytorch_tanh"
+    assert ModelShape.from_config({**TINY_GEMMA, "hidden_act": "gelu"}).activation == "gelu_pytorch_tanh"
     llama = ModelShape.from_config(TINY_LLAMA)
     assert (llama.head_dim, llama.tied, llama.qk_norm, llama.norm_fp32) == (32, False, False, False)
 
@@ -145,6 +147,10 @@ def test_bad_configs_are_refused():
                          ("attention_dropout", 1.5), ("max_position_embeddings", ""), ("num_labels", "two")):
         with pytest.raises(ConfigError, match=field):
             ModelShape.from_config({**TINY_QWEN3, field: value}, "seq-cls")
+    with pytest.raises(ConfigError, match="n_embd"):  # read by the renderer and triage's remedies too
+        largest_param_numel({"model_type": "gpt2", "n_embd": float("inf")})
+    with pytest.raises(ConfigError, match="num_labels"):
+        ModelShape.from_config(TINY_QWEN3, "seq-cls", num_labels=10**12)
     with pytest.raises(ConfigError, match="at most 1024"):  # DeepNet's 1,000 layers are the deepest trained
         ModelShape.from_config({**TINY_LLAMA, "num_hidden_layers": 10_000_000})
     with pytest.raises(ConfigError, match="model_type"):

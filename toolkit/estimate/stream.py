@@ -54,14 +54,17 @@ class _Ids:
 
 
 MAX_PIECES = 32
-"""The most tensors ``_split`` makes of one total. Real models need at most 16 (all 104 published rows); the bound
-keeps a hostile config (heads a thousand times wider than the hidden size) from making a stream of millions of
-events."""
+"""The most tensors ``_split`` makes of an activation total. Real models need at most 16 (all 104 published rows);
+the bound keeps a hostile config (heads a thousand times wider than the hidden size) from making a stream of
+millions of events."""
+MAX_FLAT_CHUNKS = 4096
+"""The most ``_FLAT_CHUNK`` pieces of one flat buffer: 8 TiB, more than any rank holds (a bound for hostile sizes,
+never reached by a plan that could fit a card)."""
 
 
-def _split(total: float, unit: float) -> list[int]:
-    """``total`` bytes as tensors of ``unit`` bytes and one remainder (nothing under 1 byte); beyond
-    ``MAX_PIECES`` tensors, ``MAX_PIECES`` equal ones."""
+def _split(total: float, unit: float, cap: int = MAX_PIECES) -> list[int]:
+    """``total`` bytes as tensors of ``unit`` bytes and one remainder (nothing under 1 byte); beyond ``cap``
+    tensors, ``cap`` equal ones."""
     total = int(total)
     if total <= 0:
         return []
@@ -69,9 +72,9 @@ def _split(total: float, unit: float) -> list[int]:
     if unit <= 0 or unit >= total:
         return [total]
     n, rest = divmod(total, unit)
-    if n + (1 if rest else 0) > MAX_PIECES:
-        n, rest = divmod(total, MAX_PIECES)
-        return [n + 1] * rest + [n] * (MAX_PIECES - rest)
+    if n + (1 if rest else 0) > cap:
+        n, rest = divmod(total, cap)
+        return [n + 1] * rest + [n] * (cap - rest)
     return [unit] * n + ([rest] if rest else [])
 
 
@@ -282,12 +285,12 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for entry in params:
                 alloc(dt.param * prod(entry[1]))
         else:
-            for piece in _split(states.params_bytes, _FLAT_CHUNK):
+            for piece in _split(states.params_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS):
                 alloc(piece)
         if sharded and states.optimizer_bytes > 0 and not fsdp_shards:  # DeepSpeed: master copy and states
-            flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK)]
+            flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
         if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
-            persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK)]
+            persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
     # FSDP1 without its rate limiter (Runtime.fsdp_unlimited_all_gathers; FULL_SHARD): the blocks FSDP
     # frees after record_stream (each unit's gathered flat parameter, forward and backward, and its
     # unsharded gradient) are not reused before the step's end, so each is a block of its own until then;
@@ -434,7 +437,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in loss_bwd:
                 free(i)
             # ZeRO-1/2's gradient buckets, made at the first gradient hook, released in the backward's epilogue
-            grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK)]
+            grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
             head_params = head_idx
             grads_of(head_params, mb == micro - 1)
             if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
@@ -494,8 +497,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             free(alloc(int(states.step_check_bytes), flush.stream))
         _follow(states.step_order, alloc, free)  # ZeRO's overflow scan and fp64 norm of the largest gradient slice
         if sharded and not fsdp_shards:
-            flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK)]
-            tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK)]
+            flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
+            tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
             for i in flat:  # the flattened 16-bit gradients, once cast
                 free(i)
             if step == 1:  # states made lazily by the optimizer's first step, beside the gradient's fp32 copy

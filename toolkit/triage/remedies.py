@@ -639,7 +639,7 @@ class _Maker:
             return None
         try:
             return largest_param_numel(self.model.config)
-        except (KeyError, TypeError, ValueError):
+        except (HpcmemError, KeyError, TypeError, ValueError):
             return None
 
 
