@@ -42,6 +42,9 @@ class LlamaVariant:
     LLaMA's casts it back to the input's dtype first and keeps that."""
     head_dim: int | None = None
     """The config class's ``head_dim`` default when config.json states none (None: hidden / heads)."""
+    kv_heads: int | None = None
+    """The config class's ``num_key_value_heads`` default when config.json states none (None: as many as the
+    query heads). Mistral's is 8, Qwen2's and Qwen3's 32, Gemma's 16, whatever the query heads."""
     tied: bool = False
     """The config class's ``tie_word_embeddings`` default."""
     o_bias: bool = True
@@ -55,10 +58,10 @@ class LlamaVariant:
 
 LLAMA_VARIANTS = {
     "llama": LlamaVariant(mlp_bias=True),
-    "mistral": LlamaVariant(attention_bias=False),
-    "qwen2": LlamaVariant(qkv_bias=True, o_bias=False),
-    "qwen3": LlamaVariant(qk_norm=True, head_dim=128),
-    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, activation="gelu_pytorch_tanh"),
+    "mistral": LlamaVariant(attention_bias=False, kv_heads=8),
+    "qwen2": LlamaVariant(qkv_bias=True, o_bias=False, kv_heads=32),
+    "qwen3": LlamaVariant(qk_norm=True, head_dim=128, kv_heads=32),
+    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, activation="gelu_pytorch_tanh", kv_heads=16),
 }
 """The model types the "llama" layout covers. Not among them, and refused rather than guessed: Gemma 2/3
 (logit soft-capping, four norms per layer), Phi-3 (fused qkv_proj and gate_up_proj, whose shared output buffer
@@ -347,10 +350,12 @@ def _rate(cfg: Mapping[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def _heads(cfg: Mapping[str, Any], hidden: int, heads: int, default_head_dim: int | None = None) -> tuple[int, int]:
-    """(kv_heads, head_dim), checking that they divide as transformers needs; ``default_head_dim``: the config
-    class's own default when config.json states none (None: hidden / heads)."""
-    kv = _optional(cfg, "num_key_value_heads", default=heads)
+def _heads(cfg: Mapping[str, Any], hidden: int, heads: int, default_head_dim: int | None = None,
+           default_kv: int | None = None) -> tuple[int, int]:
+    """(kv_heads, head_dim), checking that they divide as transformers needs; ``default_head_dim`` and
+    ``default_kv``: the config class's own defaults when config.json states none (None: hidden / heads and
+    heads)."""
+    kv = _optional(cfg, "num_key_value_heads", default=default_kv or heads)
     if heads % kv:
         raise ConfigError(f"model config num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     head_dim = _optional(cfg, "head_dim", default=default_head_dim)
@@ -447,7 +452,7 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                                         "intermediate_size")
     model_type = cfg["model_type"]
     variant = LLAMA_VARIANTS[model_type]
-    kv, d = _heads(cfg, h, heads, variant.head_dim)
+    kv, d = _heads(cfg, h, heads, variant.head_dim, variant.kv_heads)
     attention_bias = variant.attention_bias and bool(cfg.get("attention_bias"))
     qkv_bias = variant.qkv_bias or attention_bias
     o_bias = variant.o_bias and attention_bias

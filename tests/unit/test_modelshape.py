@@ -17,6 +17,7 @@ transformers.logging.set_verbosity_error()
 
 from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
+_NO_KV = {k: v for k, v in TINY_LLAMA.items() if k != "num_key_value_heads"}
 TINY = {
     "tiny-gpt2": load_model_config("tiny-gpt2"),
     "tiny-bert": load_model_config("tiny-bert"),
@@ -27,6 +28,10 @@ TINY = {
     "mistral-head-dim": {**TINY_LLAMA, "model_type": "mistral", "head_dim": 48},
     "mistral-ignores-attention-bias": {**TINY_LLAMA, "model_type": "mistral", "attention_bias": True},
     "qwen2": {**TINY_LLAMA, "model_type": "qwen2"},
+    # config.json without num_key_value_heads: each config class's own default (Mistral 8, Qwen2 32, Gemma 16)
+    "mistral-default-kv-heads": {**_NO_KV, "model_type": "mistral", "num_attention_heads": 16},
+    "qwen2-default-kv-heads": {**_NO_KV, "model_type": "qwen2", "num_attention_heads": 64},
+    "gemma-default-kv-heads": {**_NO_KV, "model_type": "gemma", "num_attention_heads": 32, "head_dim": 64},
     "qwen3": TINY_QWEN3,
     "qwen3-biases-default-head-dim": {**{k: v for k, v in TINY_QWEN3.items() if k != "head_dim"},
                                       "attention_bias": True},
