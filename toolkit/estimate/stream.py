@@ -78,6 +78,12 @@ def _split(total: float, unit: float, cap: int = MAX_PIECES) -> list[int]:
     return [unit] * n + ([rest] if rest else [])
 
 
+def _flat_chunks(total: float) -> list[int]:
+    """A flat buffer of ``total`` bytes as the stream allocates it: ``_FLAT_CHUNK`` pieces, at most
+    ``MAX_FLAT_CHUNKS`` of them."""
+    return _split(total, _FLAT_CHUNK, MAX_FLAT_CHUNKS)
+
+
 SMALL_NUMEL = 65536
 """Parameters this small (<= 256 KiB in fp32: biases, norms) are bundled per layer (up to BUNDLE_NUMEL):
 they and their grads and states live in the allocator's small pool (requests <= 1 MiB), which never
@@ -285,12 +291,12 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for entry in params:
                 alloc(dt.param * prod(entry[1]))
         else:
-            for piece in _split(states.params_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS):
+            for piece in _flat_chunks(states.params_bytes):
                 alloc(piece)
         if sharded and states.optimizer_bytes > 0 and not fsdp_shards:  # DeepSpeed: master copy and states
-            flat_states = [alloc(x) for x in _split(states.optimizer_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
+            flat_states = [alloc(x) for x in _flat_chunks(states.optimizer_bytes)]
         if sharded and states.persistent_grads and states.grads_bytes > 0:  # the engine's flat gradient buffers
-            persistent_grads = [alloc(x) for x in _split(states.grads_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
+            persistent_grads = [alloc(x) for x in _flat_chunks(states.grads_bytes)]
     # FSDP1 without its rate limiter (Runtime.fsdp_unlimited_all_gathers; FULL_SHARD): the blocks FSDP
     # frees after record_stream (each unit's gathered flat parameter, forward and backward, and its
     # unsharded gradient) are not reused before the step's end, so each is a block of its own until then;
@@ -437,7 +443,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in loss_bwd:
                 free(i)
             # ZeRO-1/2's gradient buckets, made at the first gradient hook, released in the backward's epilogue
-            grad_buckets = [alloc(x) for x in _split(states.grad_bucket_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
+            grad_buckets = [alloc(x) for x in _flat_chunks(states.grad_bucket_bytes)]
             head_params = head_idx
             grads_of(head_params, mb == micro - 1)
             if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
@@ -497,8 +503,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             free(alloc(int(states.step_check_bytes), flush.stream))
         _follow(states.step_order, alloc, free)  # ZeRO's overflow scan and fp64 norm of the largest gradient slice
         if sharded and not fsdp_shards:
-            flat = [alloc(x) for x in _split(states.step_flatten_bytes, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
-            tmp = [alloc(x) for x in _split(states.step_temp_bytes * copies, _FLAT_CHUNK, MAX_FLAT_CHUNKS)]
+            flat = [alloc(x) for x in _flat_chunks(states.step_flatten_bytes)]
+            tmp = [alloc(x) for x in _flat_chunks(states.step_temp_bytes * copies)]
             for i in flat:  # the flattened 16-bit gradients, once cast
                 free(i)
             if step == 1:  # states made lazily by the optimizer's first step, beside the gradient's fp32 copy
