@@ -52,8 +52,13 @@ class LlamaVariant:
     mlp_bias: bool = False
     """The config's ``mlp_bias`` is honoured (LLaMA)."""
     activation: str = "silu"
-    """The MLP's activation when the config names none. Gemma's default, and what its config turns an exact
-    "gelu" into, is the tanh approximation (transformers' GemmaConfig; older versions read ``hidden_activation``)."""
+    """The MLP's activation when the config names none."""
+    activation_keys: tuple[str, ...] = ("hidden_act",)
+    """The config fields that name the activation, the first present winning (older GemmaConfigs read
+    ``hidden_activation`` before ``hidden_act``)."""
+    gelu_is: str = "gelu"
+    """What an exact "gelu" in the config runs as: Gemma's config turns it into the tanh approximation, its
+    default (transformers' GemmaConfig: "a legacy value of the official releases")."""
 
 
 LLAMA_VARIANTS = {
@@ -61,7 +66,8 @@ LLAMA_VARIANTS = {
     "mistral": LlamaVariant(attention_bias=False, kv_heads=8),
     "qwen2": LlamaVariant(qkv_bias=True, o_bias=False, kv_heads=32),
     "qwen3": LlamaVariant(qk_norm=True, head_dim=128, kv_heads=32),
-    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, activation="gelu_pytorch_tanh", kv_heads=16),
+    "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=16, activation="gelu_pytorch_tanh",
+                          activation_keys=("hidden_activation", "hidden_act"), gelu_is="gelu_pytorch_tanh"),
 }
 """The model types the "llama" layout covers. Not among them, and refused rather than guessed: Gemma 2/3
 (logit soft-capping, four norms per layer), Phi-3 (fused qkv_proj and gate_up_proj, whose shared output buffer
@@ -479,11 +485,8 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         other.append(("score.weight", (labels, h), "linear"))
     elif not tied:
         other.append(("lm_head.weight", (vocab, h), "linear"))
-    if variant.activation == "gelu_pytorch_tanh":  # Gemma
-        act = str(_first(cfg, "hidden_activation", "hidden_act", default=variant.activation))
-        act = variant.activation if act == "gelu" else act
-    else:
-        act = str(_first(cfg, "hidden_act", default=variant.activation))
+    act = str(_first(cfg, *variant.activation_keys, default=variant.activation))
+    act = variant.gelu_is if act == "gelu" else act
     return ModelShape(family="llama", model_type=model_type, task=task, hidden=h, layers=layers, heads=heads,
                       kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
                       max_positions=_optional(cfg, "max_position_embeddings", default=None), tied=tied,

@@ -93,6 +93,8 @@ def test_llama_variants_take_their_config_classes_defaults():
     assert (gemma.head_dim, gemma.tied, gemma.qk_norm, gemma.norm_fp32) == (256, True, False, True)
     assert gemma.activation == "gelu_pytorch_tanh"
     assert ModelShape.from_config({**TINY_GEMMA, "hidden_act": "gelu"}).activation == "gelu_pytorch_tanh"
+    assert ModelShape.from_config({**TINY_GEMMA, "hidden_activation": "gelu_new"}).activation == "gelu_new"
+    assert ModelShape.from_config({**TINY_LLAMA, "hidden_act": "gelu"}).activation == "gelu"
     llama = ModelShape.from_config(TINY_LLAMA)
     assert (llama.head_dim, llama.tied, llama.qk_norm, llama.norm_fp32) == (32, False, False, False)
 
