@@ -68,8 +68,10 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     calloc N bytes`` (cause ``device``; N as ``nccl_bytes``, also from a WARN line just after),
                     ``failed to extend /dev/shm/nccl-*``, ``Error while creating/attaching to shared memory
                     segment`` (cause ``shm``: host memory; even after a "No space left on device": /dev/shm is
-                    memory) -- except that a segment error next to "Permission denied" or "No such file or
-                    directory" is not_oom (``nccl_shm_permission`` / ``nccl_shm_attach``: no memory ran out).
+                    memory) -- except that a segment error next to "Permission denied", "No such file or
+                    directory" or a ``Cuda failure`` other than out of memory (cudaHostRegister refused the
+                    segment) is not_oom (``nccl_shm_permission`` / ``nccl_shm_attach`` / ``nccl_shm_register``:
+                    no memory ran out).
                     A following ``DistBackendError`` line joins the evidence. ``gpu`` is the CUDA device NCCL
                     prints as ``host:pid:tid [N] ... NCCL WARN``.
     host_oom        cause ``cgroup``: ``Detected N oom-kill event(s)`` / ``oom_kill event`` (Slurm cgroup,
@@ -77,7 +79,9 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     ... being killed``, or the record: state ``OUT_OF_MEMORY`` or exit code ``0:125``; cause
                     ``oom_killer``: the kernel's ``Out of memory: Kill(ed) process`` / ``Memory cgroup out of
                     memory`` (its anon-rss as ``host_used_mib``); cause ``shm``: a DataLoader worker's bus
-                    error "insufficient shared memory (shm)" (medium). Confidence high otherwise.
+                    error "insufficient shared memory (shm)", or the main process's "DataLoader worker ...
+                    killed by signal: Bus error ... workers are out of shared memory" (medium). Confidence
+                    high otherwise.
     cpu_alloc_oom   ``DefaultCPUAllocator: can't allocate memory`` / ``not enough memory`` (``you tried
                     to allocate N bytes``, also wrapped), THC's ``Torch: not enough memory``, c10's
                     ``posix_memalign(...) == 0. 12 vs 0`` (ENOMEM), numpy ``Unable to allocate X for an
@@ -107,12 +111,17 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     pressure (``cudnn_not_supported``); a crash after training completed (``teardown``, phase
                     teardown: an abort -- ``terminate called without an active exception``, SIGABRT, exit
                     -6 -- or a segfault after HF Trainer's final metrics, "Training completed", a
-                    Lightning ``Trainer.fit`` stop...; a segfault whose backtrace runs through the exit
+                    Lightning ``Trainer.fit`` stop, a training progress bar at 100 % (N/N; not a loading,
+                    preprocessing or evaluation bar)...; a segfault whose backtrace runs through the exit
                     handlers; an error inside ``destroy_process_group``); record states TIMEOUT, CANCELLED,
                     PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE, COMPLETED (``completed``); any other Python
                     exception line (``python_error``) except the wrappers that only report a failure
                     elsewhere (ChildFailedError, CalledProcessError, DistBackendError, DistNetworkError,
                     DistStoreError, SignalException, SystemExit).
+                    An abort whose ``what():`` line (the next one) states a not-OOM failure is that failure
+                    (c10d's watchdog ends a job with "terminate called after throwing an instance of
+                    'c10::DistBackendError'" and the timeout on its ``what():`` line). A device assert is
+                    also the kernel's own ``block: [..], thread: [..] Assertion `...` failed.`` line.
     unknown         an abort with nothing before it (``sigabrt_no_context``), a launcher's non -9 exit
                     code alone (``exit_code_only``), a torchrun root cause on another rank
                     (``child_failed_bare``), NCCL losing a peer (``nccl_peer``: "Connection closed by remote
@@ -495,9 +504,12 @@ _SIGNATURES = (
      _sig(r"Memory cgroup out of memory: Kill", r"Out of memory: Kill(?:ed)? process", r"invoked oom-killer",
           r"oom-kill:constraint")),
     ("oom", "host_oom", "a DataLoader worker hit a bus error from a full /dev/shm",
-     _sig(r"insufficient shared memory \(shm\)")),
+     _sig(r"insufficient shared memory \(shm\)",  # the worker's own message
+          r"workers are out of shared memory")),  # the main process's RuntimeError about the dead worker
     ("fault", "illegal memory access", "", _sig(r"an illegal memory access was encountered")),
-    ("fault", "device-side assert", "", _sig(r"device-side assert(?:ion)? triggered")),
+    ("fault", "device-side assert", "", _sig(
+        r"device-side assert(?:ion)? triggered",
+        r"block: \[\d+,\s*\d+,\s*\d+\],? thread: \[\d+,\s*\d+,\s*\d+\],? Assertion .* failed")),  # the kernel's line
     ("fault", "misaligned address", "", _sig(r"CUDA error: misaligned address")),
     ("fault", "unspecified launch failure", "", _sig(r"unspecified launch failure")),
     ("fault", "uncorrectable ECC error", "", _sig(r"uncorrectable ECC error")),
@@ -556,7 +568,7 @@ _PRESSURE = re.compile(
 _PREFILTER_WORDS = (
     "out of memory", "Out Of Memory", "Out of memory", "oom", "ALLOC_FAILED", "MemoryAllocation", "OUT_OF_MEMORY",
     "MemoryError", "calloc", "/dev/shm", "shared memory", "Unable to allocate", "DefaultCPUAllocator", "memory limit",
-    "illegal memory", "device-side", "misaligned", "launch failure", "ECC", "DUE TO", "CANCELLED", "Watchdog",
+    "illegal memory", "device-side", "Assertion", "misaligned", "launch failure", "ECC", "DUE TO", "CANCELLED", "Watchdog",
     "Timeout at NCCL", "No space", "Errno", "quota", "not found", "execve", "-9", "137", "SIGKILL", "SIGSEGV",
     "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
     "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
@@ -672,6 +684,11 @@ def _simple_event(log: _Log, i: int, group: str, kind: str, detail: str) -> _Eve
             if "Permission denied" in near:
                 return _Event(i, "not_oom", "NCCL could not create its shared-memory segment: permission denied", rank,
                               gpu, numbers or {}, lines, cause="nccl_shm_permission")
+            failure = re.search(r"Cuda failure '([^']*)'", near)
+            if failure and "out of memory" not in failure.group(1):
+                return _Event(i, "not_oom", f"NCCL could not register its shared-memory segment with CUDA "
+                              f"(cudaHostRegister: '{failure.group(1)}'); no memory ran out", rank, gpu,
+                              numbers or {}, lines, cause="nccl_shm_register")
             if "No such file or directory" in near:
                 return _Event(i, "not_oom", "NCCL could not attach to a shared-memory segment that is not there "
                               "(another process removed it, or /dev/shm is not shared)", rank, gpu, numbers or {},
@@ -1025,6 +1042,8 @@ def _decide(rec: JobRecord, events: list, log: _Log) -> tuple[_Event | None, Ver
     if fault:
         return fault, _not_oom(fault.kind, fault.rank)
     cause = _first(events, "not_oom", "sigkill", "ambiguous", "segfault", "abort")
+    if cause and cause.group == "abort":
+        cause = _abort_told(log, events, cause) or cause
     exc = _first(events, "exception")
     if cause and cause.group in ("segfault", "abort"):  # not a SIGKILL: saving the final model can run out of RAM
         done = _completed_before(log, cause.index)
@@ -1174,10 +1193,36 @@ def _on(rank: int | None) -> str:
     return f" on rank {rank}" if rank is not None else ""
 
 
+_WHAT = re.compile(r"^\s*what\(\):")
+
+
+def _abort_told(log: _Log, events: list, abort: _Event) -> _Event | None:
+    """The not-OOM event on an abort's own ``what():`` line, if any: C++'s terminate prints the uncaught
+    exception's message on the line after "terminate called after throwing an instance of ..." (c10d's watchdog
+    ends a job this way, its timeout stated only there)."""
+    j = abort.index + 1
+    if j >= len(log) or not _WHAT.match(log.body(j)):
+        return None
+    return next((e for e in events if e.index == j and e.group == "not_oom"), None)
+
+
+_BAR_DONE = re.compile(r"(?:^|\r)([^\r|]*?)\b100%\|[^|]*\|\s*(\d+)/(\2)\b")
+"""A tqdm bar at its end ("Train: 100%|####| 74/74 [...]"): its description and the count."""
+_NOT_TRAINING = re.compile(r"[Ee]val|[Vv]alid|[Tt]est|[Pp]redict|[Ii]nfer|[Ss]ampl|[Gg]enerat")
+
+
+def _bar_done(line: str) -> bool:
+    """Whether ``line`` shows a training progress bar at 100 % (not a loading, preprocessing or evaluation bar)."""
+    return any(not _NOT_STEPS.search(m.group(1)) and not _NOT_TRAINING.search(m.group(1))
+               for m in _BAR_DONE.finditer(line))
+
+
 def _completed_before(log: _Log, i: int) -> int | None:
-    """The last line before ``i`` saying training completed, if any."""
+    """The last line before ``i`` saying training completed, if any: a line of ``_COMPLETED`` or a training
+    progress bar at 100 %."""
     for j in range(i - 1, max(-1, i - 400), -1):
-        if _COMPLETED.search(log.raw[j]):
+        raw = log.raw[j]
+        if _COMPLETED.search(raw) or ("100%|" in raw and _bar_done(raw)):
             return j
     return None
 
@@ -1310,7 +1355,7 @@ _PROGRESS = (
     re.compile(r"(?<![_\w])step (\d+)()\b(?!\s*/|\.(?:batch|extern|\d))"),  # "during step 1", not a Slurm step id
 )
 _NOT_STEPS = re.compile(r"Loading|Map\b|Filter|[Tt]okeniz|Download|Generating|Preprocess|Fetching|Extract|"
-                        r"Resolving|Converting|shards|Saving")
+                        r"Resolving|Converting|shards|Saving|Prepar")
 """A progress bar whose description names loading or preprocessing is not a training step."""
 _SCHEDULER_LINES = ("slurmstepd", "srun:", "sbatch:", "salloc:")
 """Lines of the scheduler's own, whose "step" is a Slurm job step (``step 59137890.batch``), not a training step."""

@@ -1032,6 +1032,67 @@ def test_abort_after_the_final_metrics_is_a_teardown_crash():
     assert "Training completed" in v.reason and v.step == 500 and v.total_steps == 500
 
 
+@pytest.mark.parametrize("text, cause", [
+    # an abort whose what(): line states the failure (c10d's watchdog ends a job this way)
+    ("terminate called after throwing an instance of 'c10::DistBackendError'\n"
+     "  what():  [PG 1 Rank 7] Process group watchdog thread terminated with exception: [Rank 7] Watchdog caught "
+     "collective operation timeout: WorkNCCL(SeqNum=199, OpType=_REDUCE_SCATTER_BASE, Timeout(ms)=600000) ran for "
+     "882725 milliseconds before timing out.\n", "nccl_timeout"),
+    # a device assert as the kernel prints it, without the later "device-side assert triggered"
+    ("/pytorch/aten/src/THCUNN/generic/SpatialClassNLLCriterion.cu:103: nll_loss2d_forward_kernel: block: [5,0,0], "
+     "thread: [996,0,0] Assertion `t >= 0 && t < n_classes` failed.\n", "device_assert"),
+    # NCCL made and mapped its /dev/shm segment, then cudaHostRegister refused it: nothing ran out
+    ("[1] misc/shmutils.cc:103 NCCL WARN Cuda failure 'invalid argument'\n\n"
+     "[1] misc/shmutils.cc:114 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-NzwJ7O "
+     "(size 9637888)\n", "nccl_shm_register"),
+])
+def test_endings_named_on_a_neighbouring_line(text, cause):
+    v = classify(None, text)
+    assert v.kind == "not_oom" and v.cause == cause
+
+
+def test_the_watchdog_abort_names_its_rank():
+    text = ("terminate called after throwing an instance of 'c10::DistBackendError'\n"
+            "  what():  [PG 3 Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9141)\n")
+    assert classify(None, text).rank == 1
+
+
+def test_an_abort_whose_what_line_is_not_a_known_ending_stays_an_abort():
+    text = ("terminate called after throwing an instance of 'std::runtime_error'\n  what():  bad thing\n")
+    assert classify(None, text).cause == "sigabrt_no_context"
+
+
+def test_dataloader_bus_error_in_the_main_process_is_shm():
+    text = ("RuntimeError: DataLoader worker (pid 56811) is killed by signal: Bus error. It is possible that "
+            "dataloader's workers are out of shared memory. Please try to raise your shared memory limit.\n")
+    v = classify(None, text)
+    assert (v.kind, v.cause, v.confidence, v.phase) == ("host_oom", "shm", "medium", "data")
+
+
+TRAIN_DONE_BAR = "Train: 100%|##########| 74/74 [32:09<00:00, 26.08s/it]\n"
+
+
+@pytest.mark.parametrize("bar, teardown", [
+    (TRAIN_DONE_BAR, True),
+    ("100%|##########| 74/74 [32:09<00:00, 26.08s/it]\n", True),  # an unnamed bar: training's
+    ("Train:  99%|#########9| 73/74 [32:09<00:26, 26.08s/it]\n", False),
+    ("Loading checkpoint shards: 100%|##########| 2/2 [00:09<00:00,  4.5s/it]\n", False),
+    ("Evaluating: 100%|##########| 10/10 [00:09<00:00,  1.1it/s]\n", False),
+])
+def test_an_abort_after_a_finished_training_bar_is_teardown(bar, teardown):
+    text = bar + ("E0911 16:21:58.831000 325 torch/distributed/elastic/multiprocessing/api.py:869] failed "
+                  "(exitcode: -6) local_rank: 0 (pid: 470) of binary: /opt/conda/bin/python\n")
+    v = classify(None, text)
+    assert (v.cause == "teardown") is teardown, v
+
+
+def test_a_preparing_bar_is_not_a_training_step():
+    text = ("Preparing test set...:  46%|####6     | 31/67 [00:02<00:02, 14.1it/s]\n"
+            "slurmstepd: error: *** STEP 6053.0 ON node12 CANCELLED AT 2024-05-02T10:00:00 ***\n")
+    v = classify(None, text)
+    assert v.cause == "cancelled" and v.step is None
+
+
 def test_abort_with_no_context_is_unknown():
     v = classify(None, "step 3 loss 2.1\nterminate called without an active exception\nAborted (core dumped)\n")
     assert v.kind == "unknown" and v.cause == "sigabrt_no_context" and v.confidence == "low"

@@ -61,6 +61,9 @@ _BY_CAUSE = {
     "nccl_shm_attach": ("NCCL could not attach to a peer's shared-memory segment: the processes do not share "
                         "/dev/shm (separate containers or IPC namespaces) or one removed it; share it, or set "
                         "NCCL_SHM_DISABLE=1."),
+    "nccl_shm_register": ("NCCL could not register its /dev/shm segment with CUDA (cudaHostRegister failed, not for "
+                          "lack of memory): often a container or driver that refuses host registration; set "
+                          "NCCL_SHM_DISABLE=1, or check the driver and the container's /dev/shm mount."),
     "child_failed_bare": ("The first rank to fail left no error in this log: read that rank's own output (torchrun "
                           "--tee 3, or @record on the entry point) and sacct MaxRSS for a memory kill."),
     "nccl_peer": ("NCCL lost a peer: find the first rank to fail (its own log; an OOM or a SIGKILL there is the "
