@@ -179,6 +179,7 @@ kills the rest; none of these causes an OOM. So:
 from __future__ import annotations
 
 import os
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -325,7 +326,23 @@ def parse_size_to_mib(text: str) -> float:
     m = _SIZE_PARTS.match(text)
     if not m:
         raise ValueError(f"not a size: {text!r}")
-    return float(m.group(1)) * _UNIT_MIB[(m.group(2) or "").upper()]
+    mib = float(m.group(1)) * _UNIT_MIB[(m.group(2) or "").upper()]
+    if not math.isfinite(mib):  # 300 digits read as a float: no memory is that size
+        raise ValueError(f"not a size: {text[:40]!r}")
+    return mib
+
+
+MOST_STATED_MIB = 2.0**40
+"""A size a message states above this (an exbibyte) is no memory's: read as not stated."""
+
+
+def _stated_mib(text: str) -> float | None:
+    """A size a message states, in MiB; None for one no memory can be (a 300-digit number, an overflow)."""
+    try:
+        mib = parse_size_to_mib(text)
+    except ValueError:
+        return None
+    return mib if mib <= MOST_STATED_MIB else None
 
 
 def _fmt_mib(mib: float) -> str:
@@ -704,7 +721,7 @@ def _simple_event(log: _Log, i: int, group: str, kind: str, detail: str) -> _Eve
             numbers = {"tried_to_allocate_mib": float(m.group(1)) * 1024}
         m = re.search(r"Unable to allocate (" + _SIZE + ")", body)
         if m:
-            numbers = {"tried_to_allocate_mib": parse_size_to_mib(m.group(1))}
+            numbers = {"tried_to_allocate_mib": _stated_mib(m.group(1))} if _stated_mib(m.group(1)) else {}
     return _Event(i, group, kind, rank, gpu, numbers or {}, lines, detail, cause, confidence, confirm)
 
 
@@ -825,16 +842,16 @@ def _oom_numbers(message: str) -> tuple[dict, int | None, list, bool]:
             m = _CLAUSE.match(clause)
             if m:
                 name = next((n for n, label in _OLD_CLAUSES if m.group(2).startswith(label)), None)
-                if name and name not in numbers:
-                    numbers[name] = parse_size_to_mib(m.group(1))
+                if name and name not in numbers and _stated_mib(m.group(1)) is not None:
+                    numbers[name] = _stated_mib(m.group(1))
     m = _NEW_GPU.search(message)
     if m:
         gpu = int(m.group(1))
     for name, pattern in _NEW.items():
         m = pattern.search(message)
-        if m and name not in numbers:
-            numbers[name] = parse_size_to_mib(m.group(1))
-    processes = [parse_size_to_mib(m.group(2)) for m in _PROCESS.finditer(message)]
+        if m and name not in numbers and _stated_mib(m.group(1)) is not None:
+            numbers[name] = _stated_mib(m.group(1))
+    processes = [x for x in (_stated_mib(m.group(2)) for m in _PROCESS.finditer(message)) if x is not None]
     return numbers, gpu, processes, "process_in_use_mib" in numbers
 
 
@@ -1161,7 +1178,7 @@ def _host_used(log: _Log, i: int) -> dict:
     for j in range(i, max(-1, i - 20), -1):
         m = _HOST_USED.search(log.raw[j])
         if m:
-            return {"host_used_mib": parse_size_to_mib(m.group(1))}
+            return {"host_used_mib": _stated_mib(m.group(1))} if _stated_mib(m.group(1)) else {}
     return {}
 
 

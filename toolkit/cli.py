@@ -6,7 +6,6 @@ stderr and a non-zero exit; anything else keeps its traceback (it is a bug).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import click
 
 from . import __version__, controller, render, runs
 from .detach import detach as detach_run
-from .errors import HpcmemError, PlanError
+from .errors import ConfigError, HpcmemError, PlanError
 from .jobspec import load_spec
 from .plan import CHOICES as PLAN_CHOICES
 from .plan import parse_sets
@@ -22,7 +21,9 @@ from .sites import all_sites, load_site
 
 
 def _emit_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    from .templating import json_text
+
+    click.echo(json_text(data))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -91,21 +92,11 @@ def _sized_for_longest(plan, max_seq_len, hist_path):
     """(``plan`` with seq_len raised to the data's longest sequence, what that did as a dict); (plan, None) when
     neither option is given. A histogram file that cannot be read or parsed is a one-line ConfigError."""
     from . import peaks
-    from .errors import ConfigError
+    from .schema import read_small_text
 
     hist, sources = None, [f"--max-seq-len {max_seq_len}"] if max_seq_len else []
-    if hist_path:
-        try:
-            with open(hist_path, "rb") as fh:
-                raw = fh.read(16 * 2**20 + 1)
-        except OSError as exc:
-            raise ConfigError(f"--seq-len-hist {hist_path}: cannot read: {exc.strerror or exc}") from None
-        if len(raw) > 16 * 2**20:
-            raise ConfigError(f"--seq-len-hist {hist_path}: larger than 16 MiB, not a length histogram")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ConfigError(f"--seq-len-hist {hist_path}: not UTF-8 text") from None
+    if hist_path:  # a regular UTF-8 file of at most 16 MiB (never a FIFO: opened without blocking)
+        text = read_small_text(Path(hist_path), "--seq-len-hist", 16 * 2**20)
         hist = peaks.parse_length_hist(text, f"--seq-len-hist {hist_path}")
         sources.append(f"the histogram {hist_path}")
     longest = peaks.longest_sequence(max_seq_len, hist)
@@ -332,7 +323,7 @@ def cancel(run_id, as_json) -> None:
 @click.option("--partition", "-p", default=None, help="With --since: only this Slurm partition. With TARGETs: the "
                                                       "partition they ran on, when the scheduler cannot say.")
 @click.option("--user", "-u", default=None, help="With --since: only this user's jobs.")
-@click.option("--max-remedies", default=5, show_default=True, help="Remedies shown per job.")
+@click.option("--max-remedies", default=5, show_default=True, type=click.IntRange(min=0), help="Remedies shown per job.")
 @_json_opt
 @click.pass_context
 def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_json) -> None:
@@ -348,11 +339,19 @@ def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_jso
     if since is None and user:
         raise click.UsageError("--user goes with --since")
     site_obj = load_site(site, ctx.obj["sites_dirs"]) if site else None
+    if site_obj is not None and partition and since is None and partition not in site_obj.partitions \
+            and not any(p.slurm_partition == partition for p in site_obj.partitions.values()):
+        raise ConfigError(f"--partition {partition!r}: site {site} has no such partition (hpcmem or Slurm name); "
+                          f"valid: {', '.join(sorted(site_obj.partitions))}")
     colour = fmt == "text" and sys.stdout.isatty()
     if since is not None:
         click.echo(run_since(since, site_obj, fmt, partition=partition, user=user, colour=colour), nl=False)
     else:
-        stdin = sys.stdin.buffer if "-" in targets else None
+        stdin = None
+        if "-" in targets:
+            if sys.stdin is None:  # started with standard input closed
+                raise ConfigError("triage -: standard input is closed; give a log file or pipe the log in")
+            stdin = sys.stdin.buffer
         click.echo(run_triage(targets, site_obj, fmt, stdin=stdin, colour=colour, max_remedies=max_remedies,
                               partition=partition, sites_dirs=ctx.obj["sites_dirs"]), nl=False)
 
@@ -403,6 +402,11 @@ _METHOD_OPT = click.option("--method", type=click.Choice(["analytic", "traced"])
                            help="analytic: arithmetic, instant; traced: one real step under fake tensors (seconds).")
 
 
+_MODEL_ONLY = ("model", "task", "seq_len", "micro_batch", "grad_accum", "precision", "optimizer", "checkpointing",
+               "attention", "zero_stage", "offload_optimizer", "offload_params", "nodes")
+"""estimate's options that describe a plan from scratch (with --model); a JOB spec holds its own."""
+
+
 @main.command("estimate")
 @click.argument("job", required=False)
 @_site_opt
@@ -439,7 +443,12 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
     from .plan import Plan
     from .strategies import infer_launcher
 
+    given = [p.opts[-1] for p in ctx.command.params if p.name in _MODEL_ONLY
+             and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
     if job:
+        if given:  # the spec holds them: say so rather than estimate without them
+            raise click.UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --model; with a "
+                                   f"JOB spec, set plan knobs with --set KNOB=VALUE")
         spec, _, part, plan = _target(ctx, job, site, partition, sets, launcher, gpus_per_node)
         ref = spec_model(spec)
     else:
@@ -448,12 +457,20 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
         part = load_site(site, ctx.obj["sites_dirs"]).partition(partition)
         knobs = {"zero_stage": zero_stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
                  "launcher": launcher}
+        engine = infer_launcher(knobs)
+        if launcher and engine != launcher:  # --launcher torchrun --zero-stage 3: which one was meant?
+            raise click.UsageError(f"--launcher {launcher} does not take the {engine} knobs given "
+                                   f"(--zero-stage, --offload-optimizer)")
         gpus_per_node = gpus_per_node or 1
-        plan = Plan(launcher=infer_launcher(knobs), nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len,
+        plan = Plan(launcher=engine, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len,
                     micro_batch=micro_batch, grad_accum=grad_accum,
                     global_batch=micro_batch * grad_accum * nodes * gpus_per_node, precision=precision,
                     optimizer=optimizer, checkpointing=checkpointing, attention=attention, zero_stage=zero_stage,
                     offload_optimizer=offload_optimizer, offload_params=offload_params)
+        if sets:
+            from .plan import apply_overrides
+
+            plan = apply_overrides(plan, parse_sets(sets))
         part.check_plan(plan)
         ref = model_ref(model, task)
     runtime = None
@@ -490,15 +507,10 @@ def _with_ds_config(plan, path: str):
     from .errors import ConfigError
     from .estimate.gpu import Runtime
     from .plan import apply_overrides
-    from .schema import read_small_text
+    from .schema import read_small_json
     from .strategies.deepspeed import plan_from_ds_config
 
-    try:
-        cfg = json.loads(read_small_text(Path(path), "DeepSpeed config"))
-    except ValueError as exc:
-        raise ConfigError(f"DeepSpeed config {path}: not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"DeepSpeed config {path}: not valid JSON: nested too deeply") from None
+    cfg = read_small_json(Path(path), "DeepSpeed config")
     if not isinstance(cfg, dict):
         raise ConfigError(f"DeepSpeed config {path}: must hold a JSON object")
     try:
@@ -514,7 +526,8 @@ def _with_ds_config(plan, path: str):
 @_partition_opt
 @_set_opt
 @_METHOD_OPT
-@click.option("--top", default=12, show_default=True, help="How many candidates to list (fastest first).")
+@click.option("--top", default=12, show_default=True, type=click.IntRange(min=1),
+              help="How many candidates to list (fastest first).")
 @_launcher_opt
 @_gpus_opt
 @_longest_opt
@@ -558,7 +571,13 @@ def plan_cmd(ctx, job, site, partition, sets, method, top, launcher, gpus_per_no
     if chosen is None:
         click.echo("no candidate is predicted to fit with a margin; allow more moves in the spec's retry.allow")
     else:
-        click.echo("submit it with: hpcmem submit " + job + f" --site {part.site} --partition {part.name} --plan")
+        import shlex
+
+        from .templating import safe_text
+
+        argv = ["hpcmem", *(a for d in ctx.obj["sites_dirs"] for a in ("--sites-dir", d)), "submit", job,
+                "--site", part.site, "--partition", part.name, "--plan"]
+        click.echo("submit it with: " + safe_text(shlex.join(argv)))  # quoted: a line to paste into a shell
 
 
 from .bench.cli import bench  # noqa: E402  (the bench group lives with the bench package)
@@ -573,6 +592,12 @@ def entry() -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # one line too, with where to read the usage
+        from .templating import safe_text
+
+        where = exc.ctx.command_path if exc.ctx is not None else "hpcmem"
+        click.echo(f"hpcmem: error: {safe_text(exc.format_message(), 2000)} (see '{where} --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
@@ -582,6 +607,14 @@ def entry() -> None:
         # one line, whatever the input put into the message (a newline or an escape from a file or an option)
         click.echo(f"hpcmem: error: {safe_text(exc, 2000)}", err=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: a bug to see in full
+            raise
+        from .templating import safe_text
+
+        # a path the system refused (a name too long, a loop of links, no permission), wherever it was opened
+        click.echo(f"hpcmem: error: {safe_text(exc.filename, 300)}: {exc.strerror or exc}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ plus its CLS token, ``toolkit.modelshape.image_sequence``).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, HpcmemError, UnknownNameError
+from .schema import read_small_json
 from .resources import data_dir
 
 TASKS = ("causal-lm", "seq-cls", "image-cls")
@@ -66,11 +66,13 @@ def load_model_config(name_or_path: str) -> dict[str, Any]:
     raise UnknownNameError("model", name_or_path, shipped_models())
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+"""Largest model config.json read: real ones are a few KiB, up to about 1 MiB with a 21,843-class id2label
+(ImageNet-21k ViTs); a larger file is not a model config."""
+
+
 def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model config {path} is not readable JSON: {exc}") from exc
+    data = read_small_json(path, "model config", MAX_CONFIG_BYTES)
     if not isinstance(data, dict) or not data.get("model_type"):
         raise ConfigError(f"model config {path} needs a 'model_type' key (a transformers config.json)")
     return data
@@ -105,13 +107,26 @@ def transformers_config(cfg: dict[str, Any], task: str):
     model_type = cfg.pop("model_type")
     for key in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
         cfg.pop(key, None)
-    config = AutoConfig.for_model(model_type, **cfg)
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:  # and huggingface_hub's field validation
+        raise _refused(model_type, "config", exc) from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] not in ("transformers", "huggingface_hub"):
+            raise
+        raise _refused(model_type, "config", exc) from None
     if task == "causal-lm":
         config.use_cache = False  # no KV cache in training; it only costs memory
     if task == "seq-cls" and getattr(config, "pad_token_id", None) is None:
         # Decoder classifiers find the last token through the pad id.
         config.pad_token_id = getattr(config, "eos_token_id", None) or 0
     return config
+
+
+def _refused(model_type: Any, what: str, exc: BaseException) -> ConfigError:
+    """transformers' own refusal of a model config, as one line naming the model type."""
+    detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return ConfigError(f"model config ({model_type}): transformers cannot build its {what}: {detail}")
 
 
 def check_task(task: str) -> None:
@@ -171,7 +186,10 @@ def build_model(config, task: str, attn_implementation: str = "sdpa", dtype=None
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return auto.from_config(config, **kwargs)
+    try:
+        return auto.from_config(config, **kwargs)
+    except (KeyError, ValueError, TypeError) as exc:  # an activation or attention the model class refuses
+        raise _refused(getattr(config, "model_type", "?"), "model", exc) from None
 
 
 def count_parameters(model) -> int:

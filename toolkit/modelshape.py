@@ -97,6 +97,24 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+ACTIVATIONS = frozenset((
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+    "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
+    "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu"))
+"""The activation names transformers builds (``transformers.activations.ACT2FN``, read in 5.24); a config
+naming another would not build, so the estimate refuses it by name rather than sizing a guess."""
+
+
+def _activation(cfg: Mapping[str, Any], *names: str, default: str) -> str:
+    """The activation the config names under the first of ``names`` present (``default`` if none), checked
+    against ``ACTIVATIONS``."""
+    value = _first(cfg, *names, default=default)
+    if not isinstance(value, str) or value not in ACTIVATIONS:
+        spelled = " or ".join(repr(n) for n in names)
+        raise ConfigError(f"model config {spelled} {str(value)[:60]!r} is not an activation transformers knows")
+    return value
+
+
 def hidden_size(cfg: Mapping[str, Any]) -> int:
     """The hidden size under any of its spellings (a ConfigError naming them when absent or not a size)."""
     return _need(cfg, "hidden_size", "n_embd", "d_model")
@@ -406,7 +424,7 @@ def _gpt2(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     elif not tied:
         other.append(("lm_head.weight", (vocab, h), "linear"))
     return ModelShape(family="gpt2", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
-                      kv_heads=heads, head_dim=h // heads, ffn=f, activation=str(cfg.get("activation_function") or "gelu_new"),
+                      kv_heads=heads, head_dim=h // heads, ffn=f, activation=_activation(cfg, "activation_function", default="gelu_new"),
                       gated=False, vocab=vocab, max_positions=positions, tied=tied, num_labels=labels,
                       attn_dropout=_rate(cfg, "attn_pdrop", 0.1), hidden_dropout=_rate(cfg, "resid_pdrop", 0.1),
                       embd_dropout=_rate(cfg, "embd_pdrop", 0.1), kv_cache=_kv_cache(cfg, task),
@@ -445,7 +463,7 @@ def _bert(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         if not tied:  # the decoder's weight and bias are tied to the embedding and cls.bias only together
             other += [("cls.decoder.weight", (vocab, h), "linear"), ("cls.decoder.bias", (vocab,), "bias")]
     return ModelShape(family="bert", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
-                      kv_heads=heads, head_dim=h // heads, ffn=f, activation=str(cfg.get("hidden_act") or "gelu"),
+                      kv_heads=heads, head_dim=h // heads, ffn=f, activation=_activation(cfg, "hidden_act", default="gelu"),
                       gated=False, vocab=vocab, max_positions=positions, tied=tied, num_labels=labels,
                       attn_dropout=_rate(cfg, "attention_probs_dropout_prob", 0.1),
                       hidden_dropout=_rate(cfg, "hidden_dropout_prob", 0.1),
@@ -485,7 +503,7 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         other.append(("score.weight", (labels, h), "linear"))
     elif not tied:
         other.append(("lm_head.weight", (vocab, h), "linear"))
-    act = str(_first(cfg, *variant.activation_keys, default=variant.activation))
+    act = _activation(cfg, *variant.activation_keys, default=variant.activation)
     act = variant.gelu_is if act == "gelu" else act
     return ModelShape(family="llama", model_type=model_type, task=task, hidden=h, layers=layers, heads=heads,
                       kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
@@ -529,7 +547,7 @@ def _vit(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                            ("classifier.weight", (labels, h), "linear"), ("classifier.bias", (labels,), "bias")]
     hidden_dropout = _rate(cfg, "hidden_dropout_prob", 0.0)
     return ModelShape(family="vit", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
-                      kv_heads=heads, head_dim=int(head_dim), ffn=f, activation=str(cfg.get("hidden_act") or "gelu"),
+                      kv_heads=heads, head_dim=int(head_dim), ffn=f, activation=_activation(cfg, "hidden_act", default="gelu"),
                       gated=False, vocab=0, max_positions=seq, tied=False, num_labels=labels,
                       attn_dropout=_rate(cfg, "attention_probs_dropout_prob", 0.0), hidden_dropout=hidden_dropout,
                       embd_dropout=hidden_dropout, kv_cache=False,

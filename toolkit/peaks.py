@@ -313,6 +313,8 @@ def parse_length_hist(text: str, name: str = "the histogram") -> dict[int, int]:
             data = json.loads(stripped)
         except ValueError as exc:
             raise ConfigError(f"{name} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{name} is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{name}: expected a JSON object {{length: count}}")
         pairs = [(k, v, f"key {k!r}") for k, v in data.items()]
@@ -387,7 +389,7 @@ def _strict_int(value: Any) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.isascii() and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:  # within int64
         return int(value)
     return None
 

@@ -80,6 +80,19 @@ def read_small_text(path: Path, what: str = "", limit: int = MAX_YAML_BYTES) -> 
         raise ConfigError(f"{label}: not UTF-8 text (byte {exc.start}, line {line})") from None
 
 
+def read_small_json(path: Path, what: str = "", limit: int = MAX_YAML_BYTES) -> Any:
+    """A small JSON file read as ``read_small_text`` reads it; invalid or too deeply nested JSON is a one-line
+    ConfigError naming the file."""
+    label = f"{what} {path}" if what else str(path)
+    text = read_small_text(Path(path), what, limit)
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # also Python's limit on an integer's digits
+        raise ConfigError(f"{label}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{label}: not valid JSON: nested too deeply") from None
+
+
 def load_yaml(path: Path) -> Any:
     """Read a YAML file; a missing, unreadable, non-UTF-8, oversized or too deeply nested file, or one that is
     not a regular file, is a one-line ConfigError."""

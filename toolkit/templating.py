@@ -9,6 +9,8 @@ templates hold layout, the Python that fills them holds the logic.
 from __future__ import annotations
 
 import functools
+import json
+import math
 import re
 import shlex
 from typing import Any
@@ -60,6 +62,22 @@ def safe_data(data: Any, width: int | None = MAX_SHOWN) -> Any:
     if isinstance(data, (list, tuple)):
         return [safe_data(v, width) for v in data]
     return data
+
+
+def json_text(data: Any) -> str:
+    """``data`` as strict JSON text for a ``--json`` output: a float that is not finite (a hand-edited ledger's
+    NaN, an overflowed figure) becomes null, which every JSON parser reads, instead of Python's ``NaN``/``Infinity``."""
+    return json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 _HINTS = ("outofmemoryerror", "out of memory", "cuda error", "oom", "killed", "error", "memory")

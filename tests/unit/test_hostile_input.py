@@ -25,6 +25,7 @@ from toolkit.plan import KNOBS, Plan, check_alloc_conf, parse_knob, parse_sets  
 from toolkit.triage.formats import render_report, safe_report  # noqa: E402
 from toolkit.triage.sources import cases  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 TC = sites.load_site("testcluster")
 CPU = TC.partition("cpu")
 OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -519,3 +520,113 @@ def test_a_bad_number_in_the_environment_never_breaks_the_cli_at_import(tmp_path
     r = run_cli("doctor", home=home, env=bad, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "HPCMEM_LOCAL_START_GRACE_S='abc'" in r.stderr
+
+
+# ---------------------------------------------------------------- session 16: a second probe of the CLI
+
+
+def _one_line_refusal(r, *words):
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("hpcmem: error: "), r.stderr
+    for word in words:
+        assert word in r.stderr, r.stderr
+
+
+def _hostile_files(tmp_path: Path) -> dict[str, str]:
+    os.mkfifo(tmp_path / "fifo")
+    deep = "[" * 100_000 + "]" * 100_000
+    big = tmp_path / "big.json"
+    with open(big, "wb") as fh:  # sparse: 64 MiB of nothing, read in full before this round
+        fh.truncate(64 * 2**20)
+    return {
+        "FIFO": str(tmp_path / "fifo"),
+        "DEEP": str(write(tmp_path / "deep.json", deep)),
+        "DIGITS": str(write(tmp_path / "digits.csv", "9" * 5000 + ",1\n")),
+        "BIG": str(big),
+        "LONG": str(tmp_path / ("x" * 300) / "config.json"),
+        "DS_BUCKET": str(write(tmp_path / "ds1.json", json.dumps({"zero_optimization": {"stage": 3,
+                                                                                        "reduce_bucket_size": 1e308}}))),
+        "DS_DEVICE": str(write(tmp_path / "ds2.json", json.dumps({"zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "gpu"}}}))),
+        "DS_FP16": str(write(tmp_path / "ds3.json", json.dumps({"fp16": {"enabled": "true"}}))),
+        "DS_MB": str(write(tmp_path / "ds4.json", json.dumps({"train_micro_batch_size_per_gpu": 2.5}))),
+        "BANANA": str(write(tmp_path / "banana.json", json.dumps({
+            "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512, "n_positions": 128,
+            "activation_function": "banana"}))),
+    }
+
+
+@pytest.mark.parametrize("args, words", [
+    (("estimate", "--model", "gpt2", "--seq-len-hist", "FIFO"), ["not a regular file"]),  # hung
+    (("estimate", "--model", "gpt2", "--seq-len-hist", "DEEP"), ["nested too deeply"]),  # RecursionError
+    (("estimate", "--model", "gpt2", "--seq-len-hist", "DIGITS"), ["positive integer"]),  # int() digit limit
+    (("estimate", "--model", "DEEP"), ["nested too deeply"]),  # RecursionError
+    (("estimate", "--model", "BIG"), ["more than the"]),  # read 3 GB before refusing
+    (("estimate", "--model", "LONG"), ["File name too long"]),  # OSError
+    (("estimate", "LONG"), ["File name too long"]),  # OSError
+    (("estimate", "--model", "BANANA"), ["banana", "activation"]),  # sized as a guess
+    (("estimate", "--model", "gpt2", "--site", "testcluster", "-p", "a100", "--ds-config", "DS_BUCKET"),
+     ["reduce_bucket_size"]),  # OverflowError
+    (("estimate", "--model", "gpt2", "--site", "testcluster", "-p", "a100", "--ds-config", "DS_DEVICE"),
+     ["device", "gpu"]),  # taken as none
+    (("estimate", "--model", "gpt2", "--ds-config", "DS_FP16"), ["fp16.enabled"]),  # ignored
+    (("estimate", "--model", "gpt2", "--ds-config", "DS_MB"), ["train_micro_batch_size_per_gpu"]),  # ignored
+    (("estimate", "quickstart", "--seq-len", "99"), ["--seq-len goes with --model"]),  # ignored
+    (("estimate", "--model", "gpt2", "--launcher", "torchrun", "--zero-stage", "3"), ["--launcher torchrun"]),
+    (("estimate", "--model", "gpt2", "--set", "bogus=1"), ["unknown knob 'bogus'"]),  # --set ignored
+    (("triage", "--since", "99999999999999999999d"), ["before 1970"]),  # OverflowError
+    (("triage", "x.log", "--site", "testcluster", "-p", "nosuch"), ["no such partition"]),  # a100 assumed
+    (("plan", "quickstart", "--top", "-1"), ["--top"]),  # dropped the last row
+    (("nosuchcommand",), ["No such command", "--help"]),  # four lines of usage
+])
+def test_cli_refusals_of_the_second_probe_are_one_line(tmp_path, args, words):
+    files = _hostile_files(tmp_path)
+    r = run_cli(*(files.get(a, a) for a in args), home=tmp_path / "home", timeout=120)
+    _one_line_refusal(r, *words)
+
+
+def test_triage_with_standard_input_closed_is_one_line(tmp_path):
+    import subprocess
+
+    env = {**os.environ, "HPCMEM_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "triage", "-"], capture_output=True, text=True,
+                       env=env, timeout=120, stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(0))
+    _one_line_refusal(r, "standard input is closed")
+
+
+def test_a_300_digit_size_in_an_oom_message_keeps_the_json_strict(tmp_path):
+    log = write(tmp_path / "train.log", OOM.replace("2.00 GiB", "9" * 300 + " GiB") + "\n")
+    r = run_cli("triage", log, "--json", home=tmp_path / "home", timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+    assert "tried_to_allocate_mib" not in data["findings"][0]["verdict"]["numbers"]
+
+
+def test_json_output_turns_non_finite_numbers_into_null():
+    from toolkit.templating import json_text
+
+    assert json.loads(json_text({"a": float("nan"), "b": [float("inf"), 1.5], "c": "nan"})) == \
+        {"a": None, "b": [None, 1.5], "c": "nan"}
+
+
+def test_plan_suggests_a_submit_line_that_is_safe_to_paste(tmp_path):
+    odd = tmp_path / "odd dir" / "j;$(touch PWNED).yaml"
+    write(odd, (REPO / "jobs" / "gpt2-clm.yaml").read_text())
+    r = run_cli("plan", odd, "--site", "example-hpc", "-p", "a100-40gb", home=tmp_path / "home", timeout=300)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("submit it with: "))
+    argv = shlex.split(line[len("submit it with: "):])
+    assert argv[:3] == ["hpcmem", "submit", str(odd)] and argv[3:] == [
+        "--site", "example-hpc", "--partition", "a100-40gb", "--plan"]
+
+
+def test_estimate_with_model_applies_set(tmp_path):
+    r = run_cli("estimate", "--model", "gpt2", "--set", "micro_batch=3", "--json", home=tmp_path / "home",
+                timeout=120, check=True)
+    assert json.loads(r.stdout)["plan"]["micro_batch"] == 3
+
+
+def test_an_unidentified_failure_is_not_called_not_oom(tmp_path):
+    log = write(tmp_path / "train.log", "step 3 loss 2.1\n")
+    r = run_cli("triage", log, home=tmp_path / "home", timeout=120, check=True)
+    assert "Not an out-of-memory failure" not in r.stdout and "Failure not identified" in r.stdout

@@ -53,6 +53,10 @@ OFFLOAD_COST = {"none": 1.0, "cpu": 1.5, "nvme": 2.0}
 PLAN_DS_PRECISION = {"fp32": "fp32", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 
+ZERO_MOST = 10**15
+"""Largest element count a ``zero_optimization`` size may be: far above any setting in use (Lightning's
+sub_group_size is 1e12, a 10^15-element bucket would be petabytes); beyond it the arithmetic overflows."""
+
 # DeepSpeed's own defaults for the zero_optimization fields that change device memory, when a ds_config leaves
 # them out (runtime/zero/config.py); "auto" is what transformers' Trainer fills in (integrations/deepspeed.py),
 # as a function of the model's hidden size (None: no "auto" for that field).
@@ -118,9 +122,11 @@ class ZeroSettings:
                 value = auto(hidden)
             positive = key in ("reduce_bucket_size", "sub_group_size")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                    or value in (float("inf"), float("-inf")) or value != int(value) or value < (1 if positive else 0):
+                    or value in (float("inf"), float("-inf")) or value != int(value) or value < (1 if positive else 0) \
+                    or value > ZERO_MOST:
                 what = "a positive" if positive else "a non-negative"
-                raise ConfigError(f"zero_optimization.{key}: expected {what} whole number, got {value!r}"[:200])
+                raise ConfigError(f"zero_optimization.{key}: expected {what} whole number up to {ZERO_MOST:.0e}, "
+                                  f"got {value!r}"[:200])
             numbers[attr] = int(value)
         flags = {}
         for name, default in (("contiguous_gradients", True), ("overlap_comm", stage == 3), ("reduce_scatter", True),
@@ -1070,10 +1076,16 @@ def plan_from_ds_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(section, Mapping):
             raise ConfigError(f"zero_optimization.{key}: expected an object, got {section!r}"[:200])
         device = section.get("device", "none")
+        if device not in (None, "none", "cpu", "nvme"):
+            raise ConfigError(f"zero_optimization.{key}.device: expected none, cpu or nvme, got {device!r}"[:200])
         out[knob] = device if device in ("cpu", "nvme") else "none"
     for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
-        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
-            out[knob] = cfg[key]
+        value = cfg.get(key)
+        if value is None or value == "auto":  # "auto": transformers' Trainer fills it in from its own arguments
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}: expected a positive whole number or \"auto\", got {value!r}"[:200])
+        out[knob] = value
     if _enabled(cfg, "fp16"):
         out["precision"] = "fp16-mixed"
     elif _enabled(cfg, "bf16") or _enabled(cfg, "bfloat16"):
@@ -1082,8 +1094,15 @@ def plan_from_ds_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _enabled(cfg: Mapping[str, Any], section: str) -> bool:
+    """Whether ``section`` (fp16, bf16) is on; an ``enabled`` other than true, false or "auto" is a ConfigError
+    (DeepSpeed's older configs take any truthy value, so a string "false" would switch it on)."""
     value = cfg.get(section) or {}
-    return isinstance(value, Mapping) and value.get("enabled") is True
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{section}: expected an object, got {value!r}"[:200])
+    enabled = value.get("enabled", False)
+    if not isinstance(enabled, bool) and enabled != "auto":
+        raise ConfigError(f"{section}.enabled: expected true, false or \"auto\", got {enabled!r}"[:200])
+    return enabled is True
 
 
 def _memory_settings(stage: int, gpu: bool) -> dict[str, Any]:

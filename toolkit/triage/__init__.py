@@ -7,7 +7,6 @@ The modules under them know nothing of the command line.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any, Iterable
@@ -54,7 +53,9 @@ def run_since(since: str, site, fmt: str, *, partition: str | None = None, user:
 
 
 def _dump(data: Any) -> str:
-    return json.dumps(data, indent=2, default=str) + "\n"
+    from ..templating import json_text
+
+    return json_text(data) + "\n"
 
 
 def _backend():

@@ -33,7 +33,10 @@ def parse_since(text: str, now: float | None = None) -> float:
     now = time.time() if now is None else now
     m = _SPAN.match(text)
     if m:
-        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+        start = now - float(m.group(1)) * _UNIT_S[m.group(2)]
+        if start < 0:  # before 1970: sacct has nothing older, and the clock's conversions overflow
+            raise ConfigError(f"--since {text[:40]!r}: reaches back before 1970")
+        return start
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:
