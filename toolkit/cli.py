@@ -26,9 +26,24 @@ def _emit_json(data) -> None:
     click.echo(json_text(data))
 
 
+def _refuse(message: str):
+    raise click.BadParameter(message)
+
+
+def _directories(paths, option: str):
+    """``paths`` when each is a directory (click's ``file_okay=False`` lets a FIFO or a device through)."""
+    import os
+
+    for path in paths:
+        if not os.path.isdir(path):
+            raise click.BadParameter(f"{option} {path!r} is not a directory")
+    return paths
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcmem")
 @click.option("--sites-dir", "sites_dirs", multiple=True, type=click.Path(exists=True, file_okay=False),
+              callback=lambda _ctx, _param, dirs: _directories(dirs, "--sites-dir"),
               help="Extra directory of site profiles (searched before HPCMEM_SITES and the shipped ones); it must exist.")
 @click.pass_context
 def main(ctx: click.Context, sites_dirs) -> None:
@@ -138,7 +153,9 @@ def sites(ctx, as_json) -> None:
 @_site_opt
 @_partition_opt
 @_set_opt
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
+              callback=lambda _ctx, _param, out: out if out else _refuse("-o: an empty path; name a directory"),
+              help="Directory to write into.")
 @_json_opt
 @click.pass_context
 def render_cmd(ctx, job, site, partition, sets, out_dir, as_json) -> None:

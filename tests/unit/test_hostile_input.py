@@ -578,6 +578,8 @@ def _hostile_files(tmp_path: Path) -> dict[str, str]:
     (("triage", "x.log", "--site", "testcluster", "-p", "nosuch"), ["no such partition"]),  # a100 assumed
     (("plan", "quickstart", "--top", "-1"), ["--top"]),  # dropped the last row
     (("nosuchcommand",), ["No such command", "--help"]),  # four lines of usage
+    (("--sites-dir", "FIFO", "sites"), ["not a directory"]),  # accepted and ignored
+    (("render", "quickstart", "-o", ""), ["empty path"]),  # wrote into the current directory
 ])
 def test_cli_refusals_of_the_second_probe_are_one_line(tmp_path, args, words):
     files = _hostile_files(tmp_path)
