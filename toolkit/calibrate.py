@@ -22,7 +22,7 @@ from .errors import HpcmemError, SchedulerError
 from .files import write_atomic
 from .devices import gpu_has_bf16, nvml_process_used_bytes, nvml_used_bytes, visible_nvml_handle
 from .resources import data_dir
-from .sites import Partition, Site, read_calibration
+from .sites import Partition, Site, check_calibration, read_calibration
 
 CALIBRATION_KEYS = ("gpu_model", "gpu_mem_gib", "gpus", "cuda_context_mib", "fp16", "bf16", "flash_attention", "host_mem_gib",
                     "nvme_free_gib", "allocator_overhead_frac")
@@ -68,10 +68,13 @@ def _gpu_probe() -> dict[str, Any]:
     })
     reserved = torch.cuda.memory_reserved() / 2**20
     own = _nvml_used_mib(own=True)  # this process's alone: other jobs on a shared GPU do not count
+    context = None
     if own is not None:
-        out["cuda_context_mib"] = round(own - reserved, 1)
+        context = round(own - reserved, 1)
     elif before is not None and after is not None:
-        out["cuda_context_mib"] = round(after - before - reserved, 1)
+        context = round(after - before - reserved, 1)
+    if context is not None and context >= 0:  # below 0: another process freed memory meanwhile, not a measurement
+        out["cuda_context_mib"] = context
     if before is not None and bare is not None:
         out["cuda_context_bare_mib"] = round(bare - before - bare_reserved, 1)
     if trained:
@@ -191,6 +194,8 @@ def write_calibration(path: Path, partition: str, measured: dict[str, Any]) -> P
     # a damaged file is refused (ConfigError naming it), never overwritten: its other partitions would be lost
     data = {"partitions": read_calibration(path) if path.is_file() else {}}
     data["partitions"][partition] = measured
+    # what would not load is not written (a probe's or fit's absurd figure would refuse the whole site later)
+    check_calibration(data, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, "# Written by `hpcmem calibrate`: measured values, applied over the site profile.\n"
                  + yaml.safe_dump(data, sort_keys=True))

@@ -14,10 +14,12 @@ What it checks under ``$HPCMEM_HOME``:
 
 ``--repair`` (``doctor(home, repair=True)``):
 
-- a lost or damaged ledger is moved aside (``ledger.sqlite.damaged-<time>``, never deleted) and
-  rebuilt from the run directories (``run.json``, ``spec.yaml``, ``attempt-<n>/attempt.json`` and
-  ``plan.json``, the job ids their logs and results name, ``metrics.json``, ``end.json``); the jobs'
-  states are asked of the run's scheduler once per run;
+- a lost or damaged ledger is rebuilt from the run directories (``run.json``, ``spec.yaml``,
+  ``attempt-<n>/attempt.json`` and ``plan.json``, the job ids their logs and results name, ``metrics.json``,
+  ``end.json``; the jobs' states are asked of the run's scheduler once per run) into a new file beside it,
+  which replaces it only once the rebuild is complete: the old one is moved aside
+  (``ledger.sqlite.damaged-<time>``, never deleted). A rebuild that fails part-way, or that could record
+  none of the run directories there are, leaves the home as it was (the lost-ledger guard stays armed);
 - orphaned run directories are added to a sound ledger the same way;
 - leftover temporary files older than a minute are removed;
 - local jobs whose runner never started are settled (BOOT_FAIL, so their run can go on).
@@ -31,8 +33,10 @@ on its own. Everything done is said in the report.
 from __future__ import annotations
 
 import fcntl
-import json
+import math
+import os
 import re
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,12 +45,17 @@ from typing import Any
 from . import runs
 from .errors import HpcmemError, LedgerError
 from .ledger import Ledger, Run, run_dirs_beside
+from .templating import safe_text
 
 LEVELS = ("ok", "info", "warn", "error", "fixed")
 _TMP_AGE_S = 60.0
-_LOCAL_ID = re.compile(r"^(local-\d+)\.json$")
-_SLURM_LOG = re.compile(r"^slurm-(\d+(?:_\d+)?)\.out$")
-_ATTEMPT = re.compile(r"^attempt-(\d+)$")
+_REBUILDING = ".rebuilding-"
+"""``ledger.sqlite.rebuilding-<pid>``: the ledger a repair is rebuilding, put in place once complete."""
+_LOCAL_ID = re.compile(r"^(local-[0-9]{1,18})\.json$")
+_LOCAL_JOB = re.compile(r"^local-[0-9]{1,18}$")
+_SLURM_LOG = re.compile(r"^slurm-([0-9]{1,18}(?:_[0-9]{1,18})?)\.out$")
+_ATTEMPT = re.compile(r"^attempt-([1-9][0-9]{0,8})$")
+"""Names a run directory holds, in ASCII digits of bounded length (``int`` of them is exact and small)."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,10 @@ class DoctorReport:
                 "findings": [f.to_dict() for f in self.findings]}
 
     def text(self) -> str:
-        lines = [f"hpcmem home {self.home}"]
-        lines += [f"{f.level:<5} {f.check}: {f.message}" for f in self.findings]
+        """The report for a terminal: every message made ``safe_text`` (run directory names and ledger fields
+        are anyone's text: an escape sequence or a bidirectional override is shown escaped, never sent)."""
+        lines = [f"hpcmem home {safe_text(self.home)}"]
+        lines += [f"{f.level:<5} {f.check}: {safe_text(f.message)}" for f in self.findings]
         if not self.healthy and not self.repair:
             lines.append("hpcmem doctor --repair repairs what the run directories can repair")
         return "\n".join(lines) + "\n"
@@ -135,26 +146,86 @@ def _check_ledger(home: Path, report: DoctorReport, repair: bool) -> Ledger | No
         report.add("ledger", "error", problem)
     if not repair:
         return None
-    aside = _move_aside(path)
-    ledger = Ledger(path, rebuilding=True)
+    return _rebuild_ledger(home, path, report)
+
+
+def _rebuild_ledger(home: Path, path: Path, report: DoctorReport) -> Ledger | None:
+    """Rebuild the ledger at ``path`` from the run directories into a new file beside it, and put that in
+    place (the old one moved aside, kept) only once every directory was tried and at least one was recorded
+    (or there is none). A crash part-way, or a rebuild that recorded nothing from the directories there are,
+    leaves the home as it was: no new, emptier ledger hides the runs (a missing or empty ledger stays lost)."""
+    dirs = run_dirs_beside(path)
+    fresh = path.with_name(f"{path.name}{_REBUILDING}{os.getpid()}")
+    installed = False
+    try:
+        _remove_sqlite(fresh)  # what a killed repair with this process id left
+        new = Ledger(fresh, rebuilding=True)
+        try:
+            rebuilt = _import_dirs(home, new, dirs, report)
+            new.db.execute("PRAGMA journal_mode=DELETE")  # one self-contained file to move into place
+        finally:
+            new.close()
+        if dirs and not rebuilt:
+            which = ("the run directory could not" if len(dirs) == 1
+                     else f"none of the {len(dirs)} run directories could")
+            report.add("ledger", "error", f"{which} be rebuilt (see above), so {path.name} was left as it was; "
+                                          "fix or move away the directories named above and repair again")
+            return None
+        aside = _install(fresh, path)
+        installed = True
+    except (LedgerError, OSError, sqlite3.DatabaseError) as exc:  # the home cannot be written, say
+        report.add("ledger", "error", f"cannot rebuild {path.name} ({getattr(exc, 'strerror', None) or exc}); "
+                                      "it was left as it was")
+        return None
+    finally:
+        if not installed:
+            try:
+                _remove_sqlite(fresh)
+            except OSError:
+                pass
     if aside:
         report.add("ledger", "fixed", f"moved the damaged ledger to {aside.name} (kept, not deleted)")
-    rebuilt = _import_dirs(home, ledger, run_dirs_beside(path), report)
     report.add("ledger", "fixed", f"rebuilt {path.name} from {rebuilt} run director{'y' if rebuilt == 1 else 'ies'}")
-    return ledger
+    return Ledger(path)
+
+
+def _install(fresh: Path, path: Path) -> Path | None:
+    """Move the ledger at ``path`` aside (with its -wal and -shm) and ``fresh`` into its place; the name it was
+    moved to (None when there was none). If ``fresh`` cannot be put in place, the old one is put back."""
+    aside = _move_aside(path)
+    try:
+        os.replace(fresh, path)
+    except OSError:
+        if aside:
+            _move_sqlite(aside, path)
+        raise
+    return aside
 
 
 def _move_aside(path: Path) -> Path | None:
-    if not path.exists():
+    if not any(os.path.lexists(f"{path}{suffix}") for suffix in ("", "-wal", "-shm")):
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = path.with_name(f"{path.name}.damaged-{stamp}")
-    path.rename(aside)
-    for suffix in ("-wal", "-shm"):
-        side = Path(f"{path}{suffix}")
-        if side.exists():
-            side.rename(Path(f"{aside}{suffix}"))
+    aside, n = path.with_name(f"{path.name}.damaged-{stamp}"), 1
+    while any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal", "-shm")):  # never over an older one
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    _move_sqlite(path, aside)
     return aside
+
+
+def _move_sqlite(source: Path, target: Path) -> None:
+    """Rename a sqlite file with its -wal and -shm (the write-ahead log belongs to its file: left behind, it
+    would be played into the next file of that name)."""
+    for suffix in ("", "-wal", "-shm"):
+        side = Path(f"{source}{suffix}")
+        if os.path.lexists(side):
+            side.rename(Path(f"{target}{suffix}"))
+
+
+def _remove_sqlite(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- run directories
@@ -188,14 +259,30 @@ def _import_dirs(home: Path, ledger: Ledger, dirs: list[Path], report: DoctorRep
         report.imported.add(str(run_dir))
         try:
             run, attempts, note = rebuild_run(run_dir, home)
-        except HpcmemError as exc:
-            report.add("runs", "error", f"cannot rebuild {run_dir.name}: {exc}")
+        except (HpcmemError, OSError, RecursionError) as exc:  # an unreadable directory, a record nested too deeply
+            report.add("runs", "error", f"cannot rebuild {run_dir.name}: {_reason(exc)}")
             continue
-        ledger.import_run(run, attempts, [f"rebuilt by hpcmem doctor from {run_dir}"])
+        try:
+            ledger.import_run(run, attempts, [f"rebuilt by hpcmem doctor from {run_dir}"])
+        except sqlite3.IntegrityError:
+            report.add("runs", "error", f"cannot rebuild {run_dir.name}: run {run.run_id} (its {runs.RUN_RECORD}) is "
+                                        "already recorded from another directory")
+            continue
+        except (LedgerError, RecursionError, ValueError) as exc:  # a plan or metrics nested too deeply to store
+            report.add("runs", "error", f"cannot rebuild {run_dir.name}: {_reason(exc)}")
+            continue
         done += 1
         report.add("runs", "fixed", f"recorded run {run.run_id} ({run.state}, {len(attempts)} attempt"
                                     f"{'' if len(attempts) == 1 else 's'}){': ' + note if note else ''}")
     return done
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "a record in it is nested too deeply"
+    if isinstance(exc, OSError):
+        return f"it cannot be read ({exc.strerror or exc})"
+    return str(exc)
 
 
 def rebuild_run(run_dir: Path, home: Path) -> tuple[Run, list[dict], str]:
@@ -207,10 +294,15 @@ def rebuild_run(run_dir: Path, home: Path) -> tuple[Run, list[dict], str]:
     missing = [k for k in ("run_id", "spec_name", "site", "site_path", "partition") if not record.get(k)]
     if missing:
         raise LedgerError(f"{run_dir / runs.RUN_RECORD} lacks {', '.join(missing)}")
+    odd = [k for k in ("run_id", "spec_name", "site", "site_path", "partition", "spec_path", "workdir")
+           if record.get(k) is not None and not isinstance(record[k], str)]
+    if odd:
+        raise LedgerError(f"{run_dir / runs.RUN_RECORD}: {', '.join(odd)} must be text")
     end = _read_json(run_dir / runs.END_RECORD)
+    end = end if isinstance(end, dict) else None
     now = time.time()
-    created = float(record.get("created") or run_dir.stat().st_mtime)
-    numbers = sorted(int(m.group(1)) for p in run_dir.iterdir() if p.is_dir() and (m := _ATTEMPT.match(p.name)))
+    created = _time(record.get("created")) or run_dir.stat().st_mtime
+    numbers = sorted({int(m.group(1)) for p in run_dir.iterdir() if p.is_dir() and (m := _ATTEMPT.match(p.name))})
     attempts = [_rebuild_attempt(run_dir / f"attempt-{n}", n, record, home) for n in numbers]
     attempts = [a for a in attempts if a is not None]
     note = ""
@@ -238,8 +330,16 @@ def rebuild_run(run_dir: Path, home: Path) -> tuple[Run, list[dict], str]:
     return run, attempts, note
 
 
+def _time(value: Any) -> float | None:
+    """A recorded time (seconds since the epoch): a finite number, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
 def _rebuild_attempt(attempt_dir: Path, n: int, record: dict, home: Path) -> dict | None:
-    info = _read_json(attempt_dir / runs.ATTEMPT_RECORD) or {}
+    info = _read_json(attempt_dir / runs.ATTEMPT_RECORD)
+    info = info if isinstance(info, dict) else {}
     plan = info.get("plan")  # the ledger's plan as it was; plan.json (the rendered one) when there is no record
     if not isinstance(plan, dict):
         plan = _read_json(attempt_dir / "plan.json")
@@ -254,8 +354,9 @@ def _rebuild_attempt(attempt_dir: Path, n: int, record: dict, home: Path) -> dic
     return {
         "n": n, "job_id": job_id, "state": "PENDING" if job_id else ("submitting" if has_script else "planned"),
         "plan": plan, "decision": info.get("decision") if isinstance(info.get("decision"), dict) else None,
-        "partition": info.get("partition") or record["partition"], "attempt_dir": str(attempt_dir),
-        "metrics": runs.read_metrics(attempt_dir), "created": info.get("created"),
+        "partition": info["partition"] if isinstance(info.get("partition"), str) and info["partition"]
+        else record["partition"], "attempt_dir": str(attempt_dir),
+        "metrics": runs.read_metrics(attempt_dir), "created": _time(info.get("created")),
         "submitted": attempt_dir.stat().st_mtime if job_id else None,
     }
 
@@ -265,7 +366,8 @@ def _job_id_of(attempt_dir: Path, home: Path) -> str | None:
     local = [m.group(1) for p in attempt_dir.iterdir() if (m := _LOCAL_ID.match(p.name))]
     for path in (home / "local" / "jobs").glob("local-*.json"):
         data = _read_json(path)
-        if isinstance(data, dict) and data.get("attempt_dir") == str(attempt_dir.resolve()) and data.get("job_id"):
+        if (isinstance(data, dict) and data.get("attempt_dir") == str(attempt_dir.resolve())
+                and isinstance(data.get("job_id"), str) and _LOCAL_JOB.match(data["job_id"])):
             local.append(data["job_id"])
     if local:
         return max(set(local), key=lambda j: int(j.split("-")[1]))
@@ -286,7 +388,7 @@ def _poll_states(attempts: list[dict], record: dict, run_dir: Path, home: Path, 
         scheduler = runs.recorded_site(run_dir, record["site_path"]).scheduler
         backend = LocalBackend(state_dir=home / "local") if scheduler == "local" else get_backend(scheduler)
         statuses = backend.poll(ids)
-    except (HpcmemError, OSError):
+    except (HpcmemError, OSError, RecursionError):
         pass
     from .controller import attempt_verdict
 
@@ -349,6 +451,8 @@ def _check_leftovers(home: Path, report: DoctorReport, repair: bool) -> None:
     now = time.time()
     found = [p for where in (home / "runs", home / "local", home / "calibration") if where.is_dir()
              for p in where.rglob(".*.tmp") if p.is_file() and now - p.stat().st_mtime > _TMP_AGE_S]
+    found += [p for p in home.glob(f"ledger.sqlite{_REBUILDING}*")  # a repair killed part-way
+              if p.is_file() and now - p.stat().st_mtime > _TMP_AGE_S]
     if not found:
         report.add("locks", "ok", "no leftover temporary files")
         return
@@ -371,7 +475,9 @@ def _check_local(home: Path, report: DoctorReport, repair: bool) -> None:
     stuck, damaged = [], []
     for path in sorted(jobs.glob("local-*.json")):
         data = _read_json(path)
-        if not isinstance(data, dict) or not {"job_id", "attempt_dir", "submitted"} <= set(data):
+        if (not isinstance(data, dict) or not {"job_id", "attempt_dir", "submitted"} <= set(data)
+                or not isinstance(data["job_id"], str) or not _LOCAL_JOB.match(data["job_id"])
+                or not isinstance(data["attempt_dir"], str) or _time(data["submitted"]) is None):
             damaged.append(path)
             continue
         if (data.get("runner_pid") is None and not claim_path(backend.state_dir, data["job_id"]).exists()
@@ -425,9 +531,11 @@ def _calibration_problem(path: Path) -> str | None:
 
 
 def _read_json(path: Path) -> Any:
+    """A JSON record of a run directory or the local scheduler (``runs.load_record``: a regular file, never waited
+    on, bounded); None when it is missing or unreadable, nested too deeply included."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        return runs.load_record(Path(path))
+    except (OSError, LedgerError):
         return None
 
 

@@ -16,10 +16,10 @@ from typing import Any, Mapping
 
 from . import optimizers
 from .errors import ConfigError, PlanError, UnknownNameError
-from .plan import Plan, with_changes
+from .plan import LIMITS, Plan, with_changes
 from .resources import data_dir
 from .schema import load_schema, load_yaml, validate
-from .sites import Partition, parse_minutes
+from .sites import Partition, parse_minutes, reserved_env
 
 DEFAULT_ALLOW = ("alloc_conf", "precision", "attention", "micro_batch", "checkpointing", "zero", "fsdp", "offload", "nvme",
                  "mem", "workers")
@@ -87,7 +87,11 @@ class JobSpec:
             raise PlanError(f"{self.path}: training.global_batch {t['global_batch']} is not a multiple of "
                             f"micro_batch {micro} x world_size {world}")
         base["grad_accum"] = t["global_batch"] // (micro * world)
-        plan = with_changes(Plan(**base), overrides or {})
+        try:
+            plan = Plan(**base)
+        except PlanError as exc:  # the spec's own settings do not make a plan: say which file
+            raise PlanError(f"{self.path}: {exc}") from None
+        plan = with_changes(plan, overrides or {})
         partition.check_plan(plan)
         return plan
 
@@ -144,6 +148,42 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+SPEC_KNOBS = {"nodes": "nodes", "gpus_per_node": "gpus_per_node", "mem_mib": "mem_mib",
+              "training.global_batch": "global_batch", "training.micro_batch": "micro_batch",
+              "training.seq_len": "seq_len", "training.workers": "workers"}
+"""Spec keys -> the Plan knob each becomes, checked against the knob's bounds (``plan.LIMITS``) at load time."""
+
+
+def _check_knob_bounds(doc: dict, path: Path) -> None:
+    """Refuse, at load time and by the key the spec wrote, a number outside its Plan knob's bounds (a
+    ``global_batch`` of 2**62 is a typo, and would otherwise be refused later without the file's name)."""
+    for key, knob in SPEC_KNOBS.items():
+        section, _, name = key.rpartition(".")
+        holder = doc.get(section) if section else doc
+        value = holder.get(name) if isinstance(holder, dict) else None
+        if value is None or isinstance(value, bool) or not isinstance(value, int):
+            continue  # absent (or a type the schema has already refused)
+        least, most = LIMITS[knob]
+        if not least <= value <= most:
+            raise ConfigError(f"{path}: {key}: must be from {least} to {most}, got {value}")
+    training = doc.get("training") or {}
+    micro, total = training.get("micro_batch"), training.get("global_batch")
+    if isinstance(micro, int) and isinstance(total, int) and micro > total:
+        raise ConfigError(f"{path}: training.micro_batch: {micro} is more than training.global_batch {total}")
+
+
+def _check_env_names(doc: dict, path: Path) -> None:
+    """Refuse a spec ``env`` name hpcmem sets in the job script itself (``sites.reserved_env``): it is exported
+    after hpcmem's own and would silently override them. ``retry.inflight`` is the way to ``HPCMEM_INFLIGHT``."""
+    for name in doc.get("env") or {}:
+        if not isinstance(name, str):
+            continue  # _check_text_fields names it
+        refused = reserved_env(name)
+        if refused:
+            hint = " (set retry.inflight instead)" if name == "HPCMEM_INFLIGHT" else ""
+            raise ConfigError(f"{path}: env.{name}: {refused}{hint}")
+
+
 def _check_text_fields(spec: JobSpec, path: Path) -> None:
     """Refuse, at load time (before a run is recorded), what cannot reach a job script safely: an env name that is
     not a shell identifier, a control character (a newline above all) in an env value, an argument, the
@@ -187,6 +227,7 @@ def load_spec(ref: str | Path) -> JobSpec:
     path = find_spec(ref).resolve()
     doc = load_yaml(path)
     validate(doc, load_schema(data_dir("jobs") / "schema.json"), str(path))
+    _check_knob_bounds(doc, path)
     cmd = doc["command"]
     if ("module" in cmd) == ("script" in cmd):
         raise ConfigError(f"{path}: command: give exactly one of module or script")
@@ -200,13 +241,14 @@ def load_spec(ref: str | Path) -> JobSpec:
         args=tuple(str(a) if not isinstance(a, bool) else _text(a) for a in cmd.get("args", ())),
         plan_args=cmd.get("plan_args", "none"), python=cmd.get("python"), training=doc["training"],
         launcher=doc.get("launcher", "torchrun"), nodes=doc.get("nodes", 1), gpus_per_node=doc.get("gpus_per_node", 1),
-        time_min=parse_minutes(doc.get("time", "00:30:00")), mem_mib=doc.get("mem_mib"), model=doc.get("model", {}),
+        time_min=parse_minutes(doc.get("time", "00:30:00"), f"{path}: time"), mem_mib=doc.get("mem_mib"), model=doc.get("model", {}),
         max_attempts=retry.get("max_attempts", DEFAULT_MAX_ATTEMPTS), allow=tuple(retry.get("allow", DEFAULT_ALLOW)),
         retry_transient=retry.get("retry_transient", False), resume={**DEFAULT_RESUME, **retry.get("resume", {})},
         env=inflight_env(retry.get("inflight", True)) + tuple((k, _text(v)) for k, v in doc.get("env", {}).items()),
         description=doc.get("description", ""), inflight=retry.get("inflight", True),
     )
     _check_text_fields(spec, path)
+    _check_env_names(doc, path)
     for arg in spec.args:  # an unknown placeholder is a spec error, found at load time
         fill_placeholders(arg, {k: "" for k in (*Plan().to_dict(), *PATH_PLACEHOLDERS)}, path)
     return spec

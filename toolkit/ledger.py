@@ -166,13 +166,15 @@ class Ledger:
             if row is None:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 return
+            text = str(row["value"])
+            shown = repr(text if len(text) <= 40 else text[:40] + "...")  # one short line, whatever it holds
             try:
-                version = int(str(row["value"]).strip())
+                version = int(text.strip())
             except ValueError:
-                raise LedgerError(f"ledger {self.path} is damaged: its schema version {row['value']!r} is not a "
+                raise LedgerError(f"ledger {self.path} is damaged: its schema version {shown} is not a "
                                   f"number; {REPAIR_HINT}") from None
             if version > SCHEMA_VERSION:
-                raise LedgerError(f"ledger {self.path} has schema version {row['value']}, newer than this hpcmem "
+                raise LedgerError(f"ledger {self.path} has schema version {shown}, newer than this hpcmem "
                                   f"({SCHEMA_VERSION}); upgrade hpcmem")
 
     def check(self) -> list[str]:
@@ -284,9 +286,10 @@ def _attempt(row: sqlite3.Row, path: Path) -> AttemptRow:
     for key in ("plan", "verdict", "metrics", "decision"):
         try:
             d[key] = json.loads(d[key]) if d[key] else None
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
+            why = " (nested too deeply)" if isinstance(exc, RecursionError) else ""
             raise LedgerError(f"ledger {path} is damaged: run {d.get('run_id')} attempt {d.get('n')}: its {key} is not "
-                              f"valid JSON; {REPAIR_HINT}") from None
+                              f"valid JSON{why}; {REPAIR_HINT}") from None
         if key == "plan" and not isinstance(d[key], dict) or d[key] is not None and not isinstance(d[key], dict):
             raise LedgerError(f"ledger {path} is damaged: run {d.get('run_id')} attempt {d.get('n')}: its {key} is "
                               f"not a JSON object; {REPAIR_HINT}")

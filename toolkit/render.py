@@ -8,10 +8,14 @@ filter (``shlex.quote``); ``#SBATCH`` values are checked by ``sbatch_value``.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shlex
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +26,7 @@ from .modelshape import largest_param_numel
 from .models import load_model_config
 from .jobspec import JobSpec, fill_placeholders
 from .plan import Plan
-from .sites import Partition, format_minutes
-from .files import write_atomic
+from .sites import SCRIPT_ENV, Partition, format_minutes
 from .templating import render_template
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._+-]")
@@ -90,7 +93,7 @@ def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pat
            "--ntasks-per-node=1",
            f"--cpus-per-task={cpus_per_task(partition, plan)}",
            f"--time={format_minutes(plan.time_min)}",
-           f"--output={sbatch_value(attempt_dir / 'slurm-%j.out')}",
+           f"--output={sbatch_value(slurm_pattern_dir(attempt_dir) + '/slurm-%j.out')}",
            f"--signal=B:USR1@{time_limit_warning_s(plan)}"]
     if partition.has_gpu:
         gres = f"{partition.gres_type}:{plan.gpus_per_node}" if partition.gres_type else str(plan.gpus_per_node)
@@ -102,6 +105,13 @@ def directives(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Pat
         if value:
             out.append(f"--{flag}={sbatch_value(value)}")
     return out
+
+
+def slurm_pattern_dir(directory: Path) -> str:
+    """A directory for the start of an sbatch file name pattern (``--output``, ``--error``): Slurm expands
+    ``%j``, ``%x``, ``%u``, ... anywhere in the pattern, so each ``%`` of the directory is written ``%%`` (a literal
+    ``%``); hpcmem's own placeholders (``slurm-%j.out``) follow it unescaped."""
+    return str(directory).replace("%", "%%")
 
 
 def time_limit_warning_s(plan: Plan) -> int:
@@ -123,7 +133,9 @@ def cpus_per_task(partition: Partition, plan: Plan) -> int:
 
 
 def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, str]) -> list[tuple[str, str]]:
-    """Environment variables exported by the script, in order (later wins)."""
+    """Environment variables exported by the script, in order (later wins). hpcmem's own come first; the
+    site's and spec's after them may not name any of them (refused at load; checked again here, so a
+    recorded site or a spec built in code cannot override them either)."""
     env = [("HPCMEM_PLAN", paths["plan_json"]), ("HPCMEM_ATTEMPT_DIR", paths["attempt_dir"]),
            ("HPCMEM_CHECKPOINT_DIR", paths["checkpoint_dir"]), ("PYTHONUNBUFFERED", "1")]
     if plan.strategy.env_var:
@@ -132,6 +144,14 @@ def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, st
         env.append(("HPCMEM_GPU_MEM_GIB", f"{partition.gpu_mem_gib:g}"))
     if plan.alloc_conf:
         env.append(("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf))
+    for name, _ in env:
+        if name not in SCRIPT_ENV:
+            raise RenderError(f"environment variable {name} is exported by hpcmem but missing from sites.SCRIPT_ENV")
+    for source, pairs in ((f"partition {partition.site}:{partition.name}", partition.env), (str(spec.path), spec.env)):
+        for name, _ in pairs:
+            if name in SCRIPT_ENV:
+                raise RenderError(f"{source}: env.{name}: hpcmem sets {name} in the job script itself "
+                                  f"({SCRIPT_ENV[name]})")
     env += list(partition.env) + list(spec.env)
     for name, _ in env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
@@ -201,7 +221,12 @@ def render_script(launcher: str, context: dict[str, Any]) -> str:
 
 
 def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir: Path, **context_args) -> Attempt:
-    """Write job.sbatch, plan.json and the engine's config file into ``attempt_dir``."""
+    """Write job.sbatch, plan.json and the engine's config file into ``attempt_dir``.
+
+    All or nothing: everything is rendered, and every file's place checked (a directory or other non-file where
+    a file goes is refused), before anything is written; the files are then written to temporary names and
+    renamed into place together, so a refusal or a failed write leaves no new file (and no directory hpcmem
+    created) behind."""
     attempt_dir = resolved(attempt_dir)
     partition.check_plan(plan)
     check_program(spec)
@@ -213,17 +238,63 @@ def render_attempt(spec: JobSpec, partition: Partition, plan: Plan, attempt_dir:
     check_syntax(text)
     config_path = attempt_dir / plan.strategy.config_file if cfg is not None else None
     script = attempt_dir / "job.sbatch"
+    files = [(attempt_dir / "plan.json", plan.to_json(), None), (script, text, 0o755)]
+    if cfg is not None:
+        files.insert(0, (config_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n", None))
+    for path, _, _ in files:
+        check_file_place(path)
     created = make_dirs(attempt_dir)
-    try:
-        if cfg is not None:
-            write_atomic(config_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        write_atomic(attempt_dir / "plan.json", plan.to_json())
-        write_atomic(script, text)
-        script.chmod(0o755)
-    except OSError as exc:
-        remove_created(created)
-        raise ConfigError(f"{attempt_dir}: cannot write the attempt's files: {exc.strerror or exc}") from None
+    write_all(files, attempt_dir, created)
     return Attempt(attempt_dir, script, attempt_dir / "plan.json", config_path)
+
+
+def check_file_place(path: Path) -> None:
+    """Refuse to write ``path`` where something other than a regular file (or a symlink, which is replaced) is:
+    a directory, a FIFO, a socket or a device. One ConfigError naming it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:  # a file where a parent directory should be: make_dirs says so
+            return
+        raise ConfigError(f"{path}: cannot look at the file: {exc.strerror or exc}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ConfigError(f"{path}: {what} is in the way; nothing was written (remove it or choose another -o)")
+
+
+def write_all(files: list[tuple[Path, str, int | None]], attempt_dir: Path, created: list[Path]) -> None:
+    """Write each (path, text, mode) to a synced temporary file beside it, then rename them all into place; on
+    any failure the temporary files and the directories ``make_dirs`` created are removed (a ConfigError)."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, text, mode in files:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as out:
+                os.fchmod(out.fileno(), mode if mode is not None else 0o666 & ~_umask())
+                out.write(text.encode())
+                out.flush()
+                os.fsync(out.fileno())
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except BaseException as exc:
+        for tmp, _ in staged:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        remove_created(created)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"{attempt_dir}: cannot write the attempt's files: {exc.strerror or exc}") from None
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_syntax(text: str) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import math
+import os
 import secrets
 import shutil
 import time
@@ -39,13 +41,17 @@ from .logtail import read_tail
 from .ledger import AttemptRow, Ledger, Run
 from .plan import Plan
 from .resources import home_dir
+from .files import read_small_text
 from .sites import Partition, Site, load_site_file, site_from_record, site_record
+from .templating import safe_text
 
 TERMINAL_RUN_STATES = ("succeeded", "failed", "gave_up", "cancelled")
 
 
 RUN_RECORD, END_RECORD, ATTEMPT_RECORD, SPEC_COPY = "run.json", "end.json", "attempt.json", "spec.yaml"
 SITE_RECORD = "site.json"
+RECORD_LIMIT = 64 * 2**20
+"""Largest JSON record read from a run directory (run.json, site.json, metrics.json, ...): they are kilobytes."""
 
 
 def open_ledger(home: Path | None = None) -> Ledger:
@@ -122,15 +128,33 @@ def _model_config_as_submitted(spec: JobSpec, workdir: Path) -> str | None:
     return name
 
 
+def load_record(path: Path, limit: int = RECORD_LIMIT) -> Any:
+    """A JSON record hpcmem wrote (``run.json``, ``site.json``, ``metrics.json``, ...), read as hostile input: a
+    regular file (a FIFO is never waited on) of at most ``limit`` bytes, parsed with its nesting bounded by
+    Python's recursion limit. ``FileNotFoundError`` when there is none; anything unreadable (not a regular file,
+    too big, not UTF-8, not JSON, nested too deeply) is a one-line ``LedgerError`` naming the file."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise FileNotFoundError(str(path))
+    try:
+        return json.loads(read_small_text(path, "", limit))
+    except ConfigError as exc:
+        raise LedgerError(f"{path} is unreadable ({str(exc).removeprefix(f'{path}: ')})") from None
+    except ValueError as exc:  # also Python's limit on an integer's digits
+        raise LedgerError(f"{path} is unreadable (not valid JSON: {exc})") from None
+    except RecursionError:
+        raise LedgerError(f"{path} is unreadable (not valid JSON: nested too deeply)") from None
+
+
 def read_run_record(run_dir: Path) -> dict | None:
     """A run directory's ``run.json`` (None when absent: a run made by an older hpcmem); damaged: an error."""
     path = Path(run_dir) / RUN_RECORD
     try:
-        data = json.loads(path.read_text())
+        data = load_record(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
-        raise LedgerError(f"{path} is unreadable ({exc}); see `hpcmem doctor`") from None
+    except LedgerError as exc:
+        raise LedgerError(f"{exc}; see `hpcmem doctor`") from None
     if not isinstance(data, dict):
         raise LedgerError(f"{path} is damaged (not a JSON object); see `hpcmem doctor`")
     return data
@@ -193,7 +217,11 @@ def resume_facts(attempt: AttemptRow) -> dict[str, Any]:
     if not any("checkpoint" in s for s in sources):
         from .runtime.metrics import read_rank_files
 
-        sources += sorted(read_rank_files(Path(attempt.attempt_dir)), key=lambda r: r.get("rank", 0))
+        try:
+            ranks = read_rank_files(Path(attempt.attempt_dir))
+        except (RecursionError, OSError):  # a rank file nested too deeply to parse: shown as if there were none
+            ranks = []
+        sources += sorted(ranks, key=lambda r: r["rank"] if _is_number(r.get("rank")) else 0)
     out: dict[str, Any] = {"resumed_from_step": None, "checkpoint": None, "inflight_moves": None}
     for key in out:
         out[key] = next((s[key] for s in sources if s.get(key) is not None), None)
@@ -201,7 +229,8 @@ def resume_facts(attempt: AttemptRow) -> dict[str, Any]:
 
 
 def resume_lines(attempt: Mapping[str, Any]) -> list[str]:
-    """What ``hpcmem runs`` prints under an attempt about its checkpoints and in-job moves (from ``run_view``)."""
+    """What ``hpcmem runs`` prints under an attempt about its checkpoints and in-job moves (from ``run_view``),
+    terminal-safe (``templating.safe_text``: the metrics come from files a job wrote)."""
     lines = []
     if attempt.get("resumed_from_step") is not None:
         lines.append(f"resumed from step {attempt['resumed_from_step']}")
@@ -210,16 +239,48 @@ def resume_lines(attempt: Mapping[str, Any]) -> list[str]:
         lines.append(f"last checkpoint: step {saved['step']} {saved.get('path', '')}".rstrip())
     from .runtime.inflight import move_text
 
-    lines += [move_text(m) for m in attempt.get("inflight_moves") or () if isinstance(m, Mapping)]
-    return lines
+    moves = attempt.get("inflight_moves")
+    lines += [move_text(m) for m in (moves if isinstance(moves, (list, tuple)) else ()) if isinstance(m, Mapping)]
+    return [safe_text(line) for line in lines]
+
+
+def views_text(views: list[Mapping[str, Any]]) -> str:
+    """``hpcmem runs`` as text: each run (``run_view``) in a line, its attempts under it. Every recorded value is
+    made terminal-safe (``templating.safe_text``: an escape sequence, a newline or a bidirectional override in a
+    ledger field is shown escaped, never sent to the terminal); odd values (a peak that is not a number, moves
+    that are not a list) are shown as they are or left out, never a traceback."""
+    out = []
+    for v in views:
+        line = (f"{safe_text(v['run_id'])}  {safe_text(v['state']):<10} {safe_text(v['spec'])} on "
+                f"{safe_text(v['site'])}:{safe_text(v['partition'])}")
+        out.append(line + (f"  ({safe_text(v['reason'])})" if v["reason"] else ""))
+        for a in v["attempts"]:
+            metrics, verdict, decision = (a.get(k) if isinstance(a.get(k), Mapping) else {}
+                                          for k in ("metrics", "verdict", "decision"))
+            peak = metrics.get("peak_rss_mib")
+            kind = verdict.get("kind")
+            moves = decision.get("moves")
+            moves = ", ".join(map(str, moves)) if isinstance(moves, (list, tuple)) else ""
+            out.append(f"  attempt {safe_text(a['n'])}: job {safe_text(a['job_id'] or '-')} {safe_text(a['state'])}"
+                       + (f" [{safe_text(kind)}]" if kind else "")
+                       + (f" peak_rss={peak:.0f}MiB" if _is_number(peak) and math.isfinite(peak) and peak else "")
+                       + (f" after: {safe_text(moves)}" if moves else "") + f"  {safe_text(a['attempt_dir'])}")
+            out += [f"    {line}" for line in resume_lines(a)]
+    return "".join(f"{line}\n" for line in out)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_metrics(attempt_dir: Path) -> dict | None:
-    """The attempt's metrics.json, or None when the job left none (or a broken one)."""
+    """The attempt's metrics.json, or None when the job left none (or a broken one: unreadable, not a JSON
+    object, nested too deeply)."""
     try:
-        return json.loads((attempt_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
+        data = load_record(Path(attempt_dir) / "metrics.json")
+    except (OSError, LedgerError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def load_site_for(run: Run) -> Site:
@@ -234,11 +295,11 @@ def recorded_site(run_dir: Path, site_path: str) -> Site:
     rebuilds runs from their directories)."""
     path = Path(run_dir) / SITE_RECORD
     try:
-        data = json.loads(path.read_text())
+        data = load_record(path)
     except FileNotFoundError:
         return load_site_file(Path(site_path))
-    except (OSError, ValueError) as exc:
-        raise LedgerError(f"{path} is unreadable ({exc}); see `hpcmem doctor`") from None
+    except LedgerError as exc:
+        raise LedgerError(f"{exc}; see `hpcmem doctor`") from None
     try:
         return site_from_record(data, str(path))
     except ConfigError as exc:
@@ -275,12 +336,12 @@ def finished(state: str) -> bool:
 def status_line(run: Run, attempts: list[AttemptRow]) -> str:
     """One line: run, attempt, job id, state, plan, and the job's last progress line while it runs."""
     if not attempts:
-        return f"{run.run_id} {run.state}"
+        return safe_text(f"{run.run_id} {run.state}")
     a = attempts[-1]
     plan = render.plan_summary(Plan.from_dict(a.plan))
     line = f"{run.run_id} attempt {a.n} job {a.job_id or '-'} {a.state:<13} {plan}"
     progress = last_progress(Path(a.attempt_dir)) if a.state == "RUNNING" else ""
-    return f"{line} | {progress}" if progress else line
+    return safe_text(f"{line} | {progress}" if progress else line)  # ledger fields and a job's log line
 
 
 def last_progress(attempt_dir: Path, max_bytes: int = 16384) -> str:

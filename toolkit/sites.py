@@ -11,6 +11,7 @@ partition's fp16 support depends on the CPU and is measured by ``hpcmem calibrat
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -204,6 +205,11 @@ def load_site_file(path: Path) -> Site:
         raise ConfigError(f"{path}: partitions: at least one partition is needed")
     measured = load_calibration(path)
     parts = {name: apply_calibration(p, measured.get(name)) for name, p in parts.items()}
+    for name, part in parts.items():
+        if part.calibrated and part.has_gpu and part.cuda_context_mib >= part.gpu_mem_gib * 1024:
+            files = " and ".join(str(f) for f in calibration_files(path) if f.is_file())
+            raise ConfigError(f"{files}: partitions.{name}.cuda_context_mib: {_num(part.cuda_context_mib)} MiB is not "
+                              f"below the GPU's memory ({_num(part.gpu_mem_gib)} GiB), applied over {path}")
     return Site(doc["site"], doc["scheduler"], path, parts, doc.get("description", ""))
 
 
@@ -223,17 +229,30 @@ def load_calibration(site_path: Path) -> dict[str, dict]:
     return out
 
 
-_MEASURED_NUMBERS = ("gpu_mem_gib", "cuda_context_mib", "allocator_overhead_frac", "host_mem_gib", "nvme_gib")
 _MEASURED_BOOLS = ("fp16", "bf16", "tf32", "flash_attention")
+
+
+def _measured_bounds() -> dict[str, Bound]:
+    """Every number a calibration file may hold -> its range (the site profile's, and for what only calibration
+    measures: the allocator's overhead a fraction below 1, GPU and rank counts whole numbers)."""
+    return {"gpu_mem_gib": GPU_MEM_BOUND, "cuda_context_mib": SIZE_BOUNDS["cuda_context_mib"],
+            "host_mem_gib": Bound(0, MAX_HOST_MEM_GIB, unit="GiB per node"), "nvme_gib": SIZE_BOUNDS["nvme_gib"],
+            "nvme_free_gib": SIZE_BOUNDS["nvme_gib"],
+            "allocator_overhead_frac": Bound(0, 1, below=True, unit="reserved / allocated - 1"),
+            "gpus": Bound(0, MAX_GPUS_PER_NODE, integer=True), "fitted_from_ranks": Bound(0, 2**31, integer=True)}
 
 
 def read_calibration(path: Path) -> dict[str, dict]:
     """A ``<site>.calibration.yaml``, checked: partition name -> measurements ({} for an empty file).
 
-    Anything else (a list, a string, a measurement that is not a finite number >= 0, a capability that is
+    Anything else (a list, a string, a measurement that is not a finite number in its range, a capability that is
     not true/false) is one ConfigError naming the file and key: a damaged calibration is never applied
     half-read, and never silently replaced."""
-    doc = load_yaml(path)
+    return check_calibration(load_yaml(path), path)
+
+
+def check_calibration(doc, path: Path) -> dict[str, dict]:
+    """``read_calibration``'s checks on a loaded (or about to be written) calibration document."""
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -243,6 +262,7 @@ def read_calibration(path: Path) -> dict[str, dict]:
         return {}
     if not isinstance(parts, dict):
         raise ConfigError(f"{path}: partitions: expected a mapping of partition name to measurements, got {_kind(parts)}")
+    bounds = _measured_bounds()
     out: dict[str, dict] = {}
     for name, values in parts.items():
         if not isinstance(name, str):
@@ -251,16 +271,16 @@ def read_calibration(path: Path) -> dict[str, dict]:
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: partitions.{name}: expected a mapping of measurements, got {_kind(values)}")
         for key, value in values.items():
-            if key in _MEASURED_NUMBERS and value is not None and not _finite_number(value):
-                raise ConfigError(f"{path}: partitions.{name}.{key}: expected a number >= 0, got {_kind(value)}")
+            bound = bounds.get(key)
+            if bound is not None and value is not None and not bound.holds(value):
+                raise ConfigError(f"{path}: partitions.{name}.{key}: expected {bound.words()}, got {_kind(value)}")
             if key in _MEASURED_BOOLS and value is not None and not isinstance(value, bool):
                 raise ConfigError(f"{path}: partitions.{name}.{key}: expected true or false, got {_kind(value)}")
+            if key == "gpu_model" and value is not None and not (isinstance(value, str) and not _CONTROL.search(value)):
+                raise ConfigError(f"{path}: partitions.{name}.{key}: expected the GPU's name as one line of text, "
+                                  f"got {_kind(value)}")
         out[name] = dict(values)
     return out
-
-
-def _finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
 
 
 def _kind(value) -> str:
@@ -294,8 +314,9 @@ def all_sites(extra: Iterable[str | Path] = ()) -> list[Site]:
 
 
 def _partition(site: str, name: str, raw: dict, path: Path) -> Partition:
-    raw = _resolve_auto(raw, path, name)
     where = f"{path}: partitions.{name}"
+    check_sizes(raw, where)
+    raw = _resolve_auto(raw, path, name)
     model = raw["gpu_model"]
     gpus = raw["gpus_per_node"]
     if (model is None) != (gpus == 0):
@@ -307,7 +328,7 @@ def _partition(site: str, name: str, raw: dict, path: Path) -> Partition:
         site=site, name=name, slurm_partition=raw["slurm_partition"], gpu_model=model,
         gpu_mem_gib=float(raw["gpu_mem_gib"]), gpus_per_node=gpus, cpus_per_node=raw["cpus_per_node"],
         host_mem_gib=float(raw["host_mem_gib"]), nvme_path=raw["nvme_path"], nvme_gib=float(raw["nvme_gib"]),
-        max_time_min=parse_minutes(raw["max_time"]), cuda_context_mib=float(raw["cuda_context_mib"]),
+        max_time_min=parse_minutes(raw["max_time"], f"{where}.max_time"), cuda_context_mib=float(raw["cuda_context_mib"]),
         gres_type=raw.get("gres_type"), account=raw.get("account"), qos=raw.get("qos"),
         constraint=raw.get("constraint"), setup=tuple(raw.get("setup", ())),
         env=tuple((k, str(v)) for k, v in raw.get("env", {}).items()),
@@ -330,6 +351,110 @@ def _resolve_auto(raw: dict, path: Path, name: str) -> dict:
             raise ConfigError(f"{path}: partitions.{name}.{key}: 'auto' is not supported for this key")
         out[key] = known[key]
     return out
+
+
+MAX_GPU_MEM_GIB = 1024
+"""GPU memory per GPU, GiB: 1 TiB (the largest GPUs have 192 GB)."""
+MAX_HOST_MEM_GIB = 64 * 1024
+"""Host memory per node, GiB: 64 TiB (the largest shared-memory nodes have 32 TB)."""
+MAX_NVME_GIB = 1024 * 1024
+"""Node-local scratch, GiB: 1 PiB."""
+MAX_CONTEXT_MIB = 64 * 1024
+"""CUDA context per process, MiB: 64 GiB (real ones are 300-1500 MiB)."""
+MAX_GPUS_PER_NODE = 4096
+"""GPUs per node (Plan's own bound on ranks per node)."""
+MAX_CPUS_PER_NODE = 65536
+"""CPUs per node (the largest shared-memory nodes have a few thousand)."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a size must lie in: ``least`` (excluded when ``above``) to ``most`` (excluded when ``below``)."""
+
+    least: float
+    most: float
+    above: bool = False
+    below: bool = False
+    integer: bool = False
+    unit: str = ""
+
+    def holds(self, value) -> bool:
+        kinds = int if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return False
+        if not math.isfinite(value):
+            return False
+        low_ok = value > self.least if self.above else value >= self.least
+        high_ok = value < self.most if self.below else value <= self.most
+        return low_ok and high_ok
+
+    def words(self) -> str:
+        kind = "a whole number" if self.integer else "a number"
+        low = f"above {_num(self.least)}" if self.above else f"from {_num(self.least)}"
+        joint = "and" if self.above else "to"
+        high = f"{joint} {'below' if self.below else 'at most' if self.above else ''} {_num(self.most)}".replace("  ", " ")
+        return f"{kind} {low} {high}" + (f" ({self.unit})" if self.unit else "")
+
+
+def _num(value: float) -> str:
+    """A bound or size as a person writes it: 65536, 19.5, 1e+308."""
+    if isinstance(value, int):
+        return str(value)
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+SIZE_BOUNDS = {
+    "gpu_mem_gib": Bound(0, MAX_GPU_MEM_GIB, unit="GiB per GPU"),
+    "host_mem_gib": Bound(0, MAX_HOST_MEM_GIB, above=True, unit="GiB per node"),
+    "nvme_gib": Bound(0, MAX_NVME_GIB, unit="GiB"),
+    "cuda_context_mib": Bound(0, MAX_CONTEXT_MIB, unit="MiB per process"),
+    "gpus_per_node": Bound(0, MAX_GPUS_PER_NODE, integer=True),
+    "cpus_per_node": Bound(1, MAX_CPUS_PER_NODE, integer=True),
+    "default_mem_mib": Bound(1, MAX_HOST_MEM_GIB * 1024, integer=True, unit="MiB"),
+}
+"""Every size a site profile states -> its range: finite, far above any real hardware, so that no size drives the
+estimator's arithmetic to inf or NaN and none reaches an ``#SBATCH`` line absurd."""
+GPU_MEM_BOUND = Bound(0, MAX_GPU_MEM_GIB, above=True, unit="GiB per GPU")
+"""A GPU partition's GPU memory: above 0."""
+
+
+def _out_of_range(where: str, key: str, value, bound: Bound, why: str = "") -> ConfigError:
+    shown = _num(value) if _number(value) else _clip(value)
+    return ConfigError(f"{where}.{key}: {shown} is out of range: expected {bound.words()}{why}")
+
+
+def check_sizes(raw: dict, where: str) -> None:
+    """The sizes a site profile states, each within ``SIZE_BOUNDS`` (``auto`` values are this machine's, not
+    checked): a GPU partition's GPU memory above 0, its CUDA context below that memory, ``default_mem_mib``
+    within the node's memory. Each problem is one ConfigError naming the file and key."""
+    gpus = raw.get("gpus_per_node")
+    gpu = _number(gpus) and gpus > 0
+    for key, bound in SIZE_BOUNDS.items():
+        value = raw.get(key)
+        if value is None or value == "auto":
+            continue
+        why = ""
+        if key == "gpu_mem_gib" and gpu:
+            bound, why = GPU_MEM_BOUND, " on a GPU partition"
+        host = raw.get("host_mem_gib")
+        if key == "default_mem_mib" and _number(host) and SIZE_BOUNDS["host_mem_gib"].holds(host):
+            bound = dataclasses.replace(bound, most=math.floor(host * 1024))
+            why = f", the node's memory at most (host_mem_gib: {_num(host)})"
+        if not bound.holds(value):
+            raise _out_of_range(where, key, value, bound, why)
+    context, memory = raw.get("cuda_context_mib"), raw.get("gpu_mem_gib")
+    if gpu and _number(memory) and _number(context) and context >= memory * 1024:
+        raise ConfigError(f"{where}.cuda_context_mib: {_num(context)} MiB is not below the GPU's memory "
+                          f"(gpu_mem_gib: {_num(memory)} GiB)")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _clip(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 CAPABILITIES = ("fp16", "bf16", "tf32", "flash_attention")
@@ -365,8 +490,39 @@ def check_fields(raw: dict, where: str) -> None:
     for name, value in (raw.get("env") or {}).items():
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"{where}.env: {name!r} is not a valid environment variable name")
+        refused = reserved_env(name)
+        if refused:
+            raise ConfigError(f"{where}.env.{name}: {refused}")
         if _CONTROL.search(str(value)):
             raise ConfigError(f"{where}.env.{name}: {str(value)!r} holds a control character (a newline?)")
+
+
+SCRIPT_ENV = {
+    "HPCMEM_PLAN": "the attempt's plan.json", "HPCMEM_ATTEMPT_DIR": "the attempt's directory",
+    "HPCMEM_CHECKPOINT_DIR": "the run's checkpoints", "HPCMEM_GPU_MEM_GIB": "the partition's gpu_mem_gib",
+    "HPCMEM_DS_CONFIG": "the attempt's ds_config.json", "HPCMEM_FSDP_CONFIG": "the attempt's fsdp_config.json",
+    "PYTHONUNBUFFERED": "the job's log is read while it runs",
+    "PYTORCH_CUDA_ALLOC_CONF": "from the plan's alloc_conf: set training.alloc_conf instead",
+    "MASTER_PORT": "a rendezvous port per job", "SLURM_JOB_ID": "set by Slurm, read by the job script",
+    "SLURM_JOB_NODELIST": "set by Slurm, read by the job script",
+}
+"""Environment variables the job script itself exports (``render.job_env``, the templates) or reads -> what they carry.
+A site's or spec's ``env`` is exported after hpcmem's own, so none of these (nor any ``HPCMEM_*``) may be set
+there (``sites.reserved_env``): it would silently override hpcmem's value. The templates set no ``PATH``,
+``LD_LIBRARY_PATH`` or ``PYTHONPATH``: those are the job's to set."""
+
+
+def reserved_env(name: str) -> str | None:
+    """Why a site profile or job spec may not set the environment variable ``name`` (None: it may). The job script
+    exports hpcmem's own variables first and the site's and spec's after them, so one of those names would
+    silently override what hpcmem set (``SCRIPT_ENV``): every ``HPCMEM_*`` name, and the others the
+    script itself sets or reads. ``PATH``, ``LD_LIBRARY_PATH`` and ``PYTHONPATH`` are the job's own (the script
+    sets none of them)."""
+    if name in SCRIPT_ENV:
+        return f"hpcmem sets {name} in the job script itself ({SCRIPT_ENV[name]}); remove it here"
+    if name.startswith("HPCMEM_"):
+        return f"names starting HPCMEM_ are hpcmem's own (the job script and runtime set and read them); remove it here"
+    return None
 
 
 def capabilities(gpu_model: str | None, where: str) -> tuple[bool, bool, bool, bool]:
@@ -388,20 +544,22 @@ MAX_TIME_MIN = 366 * 1440
 """The longest time limit taken (a year): beyond any partition's, and Plan.time_min's bound."""
 
 
-def parse_minutes(text: str) -> int:
+def parse_minutes(text: str, where: str = "") -> int:
     """Slurm ``[D-]HH:MM[:SS]`` as whole minutes (seconds round up). Minutes and seconds are 00-59 and,
-    after a day count, hours 00-23: ``00:99:99`` is a typo, not 01:40:39."""
+    after a day count, hours 00-23: ``00:99:99`` is a typo, not 01:40:39. ``where`` (``FILE: key``) starts
+    every error, so that it names the file and key the time came from."""
+    label = f"{where}:" if where else "time"
     if not isinstance(text, str):
-        raise ConfigError(f"time {text!r}: expected [D-]HH:MM[:SS] as text")
+        raise ConfigError(f"{label} {_clip(text)}: expected [D-]HH:MM[:SS] as text")
     m = _TIME.fullmatch(text.strip())
     if not m:
-        raise ConfigError(f"time {text[:40]!r}: expected [D-]HH:MM[:SS]")
+        raise ConfigError(f"{label} {text[:40]!r}: expected [D-]HH:MM[:SS]")
     days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
     if minutes > 59 or seconds > 59 or (m.group(1) and hours > 23):
-        raise ConfigError(f"time {text!r}: minutes and seconds go to 59 (and hours to 23 after a day count)")
+        raise ConfigError(f"{label} {text!r}: minutes and seconds go to 59 (and hours to 23 after a day count)")
     total = days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
     if not 1 <= total <= MAX_TIME_MIN:
-        raise ConfigError(f"time {text!r}: must be between 00:01:00 and {MAX_TIME_MIN // 1440}-00:00:00")
+        raise ConfigError(f"{label} {text!r}: must be between 00:01:00 and {MAX_TIME_MIN // 1440}-00:00:00")
     return total
 
 
@@ -421,6 +579,16 @@ def site_record(site: Site, partition: Partition | None = None) -> dict:
             "partitions": {name: dataclasses.asdict(p) for name, p in parts.items()}}
 
 
+def _check_recorded_sizes(raw: dict, where: str) -> None:
+    """A recorded partition's sizes within the bounds a site profile's are held to (a hand-edited site.json)."""
+    check_sizes(raw, where)
+    limits = {"max_time_min": Bound(1, MAX_TIME_MIN, integer=True, unit="minutes"),
+              "allocator_overhead_frac": _measured_bounds()["allocator_overhead_frac"]}
+    for key, bound in limits.items():
+        if raw.get(key) is not None and not bound.holds(raw[key]):
+            raise _out_of_range(where, key, raw[key], bound)
+
+
 def site_from_record(data, where: str) -> Site:
     """A Site from ``site_record``'s data; anything else (a missing or unknown field) is a ConfigError naming
     ``where``."""
@@ -431,6 +599,7 @@ def site_from_record(data, where: str) -> Site:
             unknown = sorted(set(raw) - names)
             if unknown:
                 raise ValueError(f"partition {name}: unknown field {unknown[0]!r}")
+            _check_recorded_sizes(raw, f"{where}: partitions.{name}")
             parts[name] = Partition(**{**raw, "setup": tuple(raw.get("setup", ())),
                                        "env": tuple((str(k), str(v)) for k, v in raw.get("env", ()))})
         return Site(str(data["site"]), str(data["scheduler"]), Path(data["path"]), parts, data.get("description", ""))
