@@ -107,7 +107,7 @@ def _sized_for_longest(plan, max_seq_len, hist_path):
     """(``plan`` with seq_len raised to the data's longest sequence, what that did as a dict); (plan, None) when
     neither option is given. A histogram file that cannot be read or parsed is a one-line ConfigError."""
     from . import peaks
-    from .schema import read_small_text
+    from .files import read_small_text
 
     hist, sources = None, [f"--max-seq-len {max_seq_len}"] if max_seq_len else []
     if hist_path:  # a regular UTF-8 file of at most 16 MiB (never a FIFO: opened without blocking)
@@ -284,18 +284,7 @@ def runs_cmd(run_id, as_json) -> None:
     if as_json:
         _emit_json(views[0] if run_id else views)
         return
-    for v in views:
-        click.echo(f"{v['run_id']}  {v['state']:<10} {v['spec']} on {v['site']}:{v['partition']}"
-                   + (f"  ({v['reason']})" if v["reason"] else ""))
-        for a in v["attempts"]:
-            peak = (a["metrics"] or {}).get("peak_rss_mib")
-            kind = (a["verdict"] or {}).get("kind")
-            moves = ", ".join((a["decision"] or {}).get("moves", ()))
-            click.echo(f"  attempt {a['n']}: job {a['job_id'] or '-'} {a['state']}" + (f" [{kind}]" if kind else "")
-                       + (f" peak_rss={peak:.0f}MiB" if peak else "") + (f" after: {moves}" if moves else "")
-                       + f"  {a['attempt_dir']}")
-            for line in runs.resume_lines(a):
-                click.echo(f"    {line}")
+    click.echo(runs.views_text(views), nl=False)
 
 
 @main.command()
@@ -524,7 +513,7 @@ def _with_ds_config(plan, path: str):
     from .errors import ConfigError
     from .estimate.gpu import Runtime
     from .plan import apply_overrides
-    from .schema import read_small_json
+    from .files import read_small_json
     from .strategies.deepspeed import plan_from_ds_config
 
     cfg = read_small_json(Path(path), "DeepSpeed config")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, HpcmemError, UnknownNameError
-from .schema import read_small_json
+from .files import read_small_json
 from .resources import data_dir
 
 TASKS = ("causal-lm", "seq-cls", "image-cls")

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .files import MAX_SMALL_BYTES, read_small_json, read_small_text  # noqa: F401 (their home is files.py)
 
 _TYPES = {
     "string": lambda v: isinstance(v, str),
@@ -36,61 +37,10 @@ def validate(doc: Any, schema: dict, where: str) -> None:
     _check(doc, schema, where, ())
 
 
-MAX_YAML_BYTES = 4 * 2**20
+MAX_YAML_BYTES = MAX_SMALL_BYTES
 """Largest spec, site or calibration file read: these are a few KiB; anything larger is not one."""
 MAX_DEPTH = 64
 """Deepest nesting of mappings and lists taken from a YAML file (the schemas need 4)."""
-
-
-def read_small_text(path: Path, what: str = "", limit: int = MAX_YAML_BYTES) -> str:
-    """A small UTF-8 text file: a regular file (never a FIFO or device: opened without blocking, checked before
-    reading) of at most ``limit`` bytes. Anything else is a one-line ConfigError naming the file."""
-    import os
-    import stat
-
-    label = f"{what} {path}" if what else str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{label}: not a regular file")
-        if info.st_size > limit:
-            raise ConfigError(f"{label}: {info.st_size} bytes, more than the {limit} such a file can be")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 2**20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise ConfigError(f"{label}: more than the {limit} bytes such a file can be")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{label}: not UTF-8 text (byte {exc.start}, line {line})") from None
-
-
-def read_small_json(path: Path, what: str = "", limit: int = MAX_YAML_BYTES) -> Any:
-    """A small JSON file read as ``read_small_text`` reads it; invalid or too deeply nested JSON is a one-line
-    ConfigError naming the file."""
-    label = f"{what} {path}" if what else str(path)
-    text = read_small_text(Path(path), what, limit)
-    try:
-        return json.loads(text)
-    except ValueError as exc:  # also Python's limit on an integer's digits
-        raise ConfigError(f"{label}: not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{label}: not valid JSON: nested too deeply") from None
 
 
 def load_yaml(path: Path) -> Any:
