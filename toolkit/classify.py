@@ -112,7 +112,8 @@ Signatures, by kind (all sizes converted to MiB; see ``parse_size_to_mib``)
                     teardown: an abort -- ``terminate called without an active exception``, SIGABRT, exit
                     -6 -- or a segfault after HF Trainer's final metrics, "Training completed", a
                     Lightning ``Trainer.fit`` stop, a training progress bar at 100 % (N/N; not a loading,
-                    preprocessing or evaluation bar)...; a segfault whose backtrace runs through the exit
+                    preprocessing or evaluation bar; the last progress line, counting the longest loop in
+                    view)...; a segfault whose backtrace runs through the exit
                     handlers; an error inside ``destroy_process_group``); record states TIMEOUT, CANCELLED,
                     PREEMPTED, NODE_FAIL, BOOT_FAIL, DEADLINE, COMPLETED (``completed``); any other Python
                     exception line (``python_error``) except the wrappers that only report a failure
@@ -701,7 +702,7 @@ def _simple_event(log: _Log, i: int, group: str, kind: str, detail: str) -> _Eve
             if "Permission denied" in near:
                 return _Event(i, "not_oom", "NCCL could not create its shared-memory segment: permission denied", rank,
                               gpu, numbers or {}, lines, cause="nccl_shm_permission")
-            failure = re.search(r"Cuda failure '([^']*)'", near)
+            failure = re.search(r"Cuda failure (?:\d+ )?'([^']*)'", near)  # newer NCCL prints the error's number
             if failure and "out of memory" not in failure.group(1):
                 return _Event(i, "not_oom", f"NCCL could not register its shared-memory segment with CUDA "
                               f"(cudaHostRegister: '{failure.group(1)}'); no memory ran out", rank, gpu,
@@ -1234,14 +1235,28 @@ def _bar_done(line: str) -> bool:
                for m in _BAR_DONE.finditer(line))
 
 
+_BAR_COUNT = re.compile(r"(?<![\d/])(\d+)/(\d+) \[")
+"""A tqdm count ("  12/1000 ["): the step and the total."""
+
+
 def _completed_before(log: _Log, i: int) -> int | None:
-    """The last line before ``i`` saying training completed, if any: a line of ``_COMPLETED`` or a training
-    progress bar at 100 %."""
+    """The last line before ``i`` saying training completed, if any: a line of ``_COMPLETED``, or a training
+    progress bar at 100 % that is the last progress line before ``i`` and counts the longest loop of the window
+    (an epoch's bar followed by the next epoch's, or an evaluation bar inside a longer training bar, is not the
+    end of training)."""
+    bar, totals = None, []
     for j in range(i - 1, max(-1, i - 400), -1):
         raw = log.raw[j]
-        if _COMPLETED.search(raw) or ("100%|" in raw and _bar_done(raw)):
+        if _COMPLETED.search(raw):
             return j
-    return None
+        counts = [(int(m.group(1)), int(m.group(2))) for m in _BAR_COUNT.finditer(raw)]
+        if bar is None and not totals and "100%|" in raw and _bar_done(raw):
+            bar = j
+        totals += [total for _step, total in counts]
+    if bar is None:
+        return None
+    done = [int(m.group(2)) for m in _BAR_DONE.finditer(log.raw[bar])]
+    return bar if done and max(done) >= max(totals, default=0) else None
 
 
 def _exit_frames_near(log: _Log, i: int) -> bool:

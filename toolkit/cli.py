@@ -346,7 +346,8 @@ def triage(ctx, targets, site, fmt, since, partition, user, max_remedies, as_jso
         raise click.UsageError("--user goes with --since")
     site_obj = load_site(site, ctx.obj["sites_dirs"]) if site else None
     if site_obj is not None and partition and since is None and partition not in site_obj.partitions \
-            and not any(p.slurm_partition == partition for p in site_obj.partitions.values()):
+            and not set(partition.split(",")) & {name for p in site_obj.partitions.values()
+                                                 for name in (p.slurm_partition or "").split(",")}:
         raise ConfigError(f"--partition {partition!r}: site {site} has no such partition (hpcmem or Slurm name); "
                           f"valid: {', '.join(sorted(site_obj.partitions))}")
     colour = fmt == "text" and sys.stdout.isatty()
@@ -473,10 +474,14 @@ def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, 
                     global_batch=micro_batch * grad_accum * nodes * gpus_per_node, precision=precision,
                     optimizer=optimizer, checkpointing=checkpointing, attention=attention, zero_stage=zero_stage,
                     offload_optimizer=offload_optimizer, offload_params=offload_params)
-        if sets:
+        if sets:  # the flags' semantics: the global batch follows micro_batch x grad_accum x GPUs
             from .plan import apply_overrides
 
-            plan = apply_overrides(plan, parse_sets(sets))
+            changes = parse_sets(sets)
+            if "global_batch" in changes:
+                raise click.UsageError("with --model the global batch is micro-batch x accumulation x GPUs: set "
+                                       "those, not global_batch")
+            plan = apply_overrides(plan, changes)
         part.check_plan(plan)
         ref = model_ref(model, task)
     runtime = None

@@ -174,14 +174,13 @@ def _check_knob_bounds(doc: dict, path: Path) -> None:
 
 def _check_env_names(doc: dict, path: Path) -> None:
     """Refuse a spec ``env`` name hpcmem sets in the job script itself (``sites.reserved_env``): it is exported
-    after hpcmem's own and would silently override them. ``retry.inflight`` is the way to ``HPCMEM_INFLIGHT``."""
+    after hpcmem's own and would silently override them."""
     for name in doc.get("env") or {}:
         if not isinstance(name, str):
             continue  # _check_text_fields names it
         refused = reserved_env(name)
         if refused:
-            hint = " (set retry.inflight instead)" if name == "HPCMEM_INFLIGHT" else ""
-            raise ConfigError(f"{path}: env.{name}: {refused}{hint}")
+            raise ConfigError(f"{path}: env.{name}: {refused}")
 
 
 def _check_text_fields(spec: JobSpec, path: Path) -> None:

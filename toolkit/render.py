@@ -135,15 +135,14 @@ def cpus_per_task(partition: Partition, plan: Plan) -> int:
 def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, str]) -> list[tuple[str, str]]:
     """Environment variables exported by the script, in order (later wins). hpcmem's own come first; the
     site's and spec's after them may not name any of them (refused at load; checked again here, so a
-    recorded site or a spec built in code cannot override them either)."""
+    recorded site or a spec built in code cannot override them either); the plan's ``alloc_conf`` comes last,
+    over a site's default ``PYTORCH_CUDA_ALLOC_CONF``."""
     env = [("HPCMEM_PLAN", paths["plan_json"]), ("HPCMEM_ATTEMPT_DIR", paths["attempt_dir"]),
            ("HPCMEM_CHECKPOINT_DIR", paths["checkpoint_dir"]), ("PYTHONUNBUFFERED", "1")]
     if plan.strategy.env_var:
         env.append((plan.strategy.env_var, paths["config"]))
     if partition.has_gpu:
         env.append(("HPCMEM_GPU_MEM_GIB", f"{partition.gpu_mem_gib:g}"))
-    if plan.alloc_conf:
-        env.append(("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf))
     for name, _ in env:
         if name not in SCRIPT_ENV:
             raise RenderError(f"environment variable {name} is exported by hpcmem but missing from sites.SCRIPT_ENV")
@@ -153,6 +152,8 @@ def job_env(spec: JobSpec, partition: Partition, plan: Plan, paths: dict[str, st
                 raise RenderError(f"{source}: env.{name}: hpcmem sets {name} in the job script itself "
                                   f"({SCRIPT_ENV[name]})")
     env += list(partition.env) + list(spec.env)
+    if plan.alloc_conf:  # after a site's default allocator settings: the plan's (a remedy's) win
+        env.append(("PYTORCH_CUDA_ALLOC_CONF", plan.alloc_conf))
     for name, _ in env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise RenderError(f"environment variable name {name!r} is not valid")

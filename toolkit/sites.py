@@ -234,11 +234,13 @@ _MEASURED_BOOLS = ("fp16", "bf16", "tf32", "flash_attention")
 
 def _measured_bounds() -> dict[str, Bound]:
     """Every number a calibration file may hold -> its range (the site profile's, and for what only calibration
-    measures: the allocator's overhead a fraction below 1, GPU and rank counts whole numbers)."""
+    measures: the allocator's overhead at most 10 (reserved / allocated - 1: a fit on tiny models, whose 20 MiB
+    segments hold a few MiB, can pass 1; 10 is far beyond any real one and keeps 1e308 out), GPU and rank counts
+    whole numbers)."""
     return {"gpu_mem_gib": GPU_MEM_BOUND, "cuda_context_mib": SIZE_BOUNDS["cuda_context_mib"],
             "host_mem_gib": Bound(0, MAX_HOST_MEM_GIB, unit="GiB per node"), "nvme_gib": SIZE_BOUNDS["nvme_gib"],
             "nvme_free_gib": SIZE_BOUNDS["nvme_gib"],
-            "allocator_overhead_frac": Bound(0, 1, below=True, unit="reserved / allocated - 1"),
+            "allocator_overhead_frac": Bound(0, 10, unit="reserved / allocated - 1"),
             "gpus": Bound(0, MAX_GPUS_PER_NODE, integer=True), "fitted_from_ranks": Bound(0, 2**31, integer=True)}
 
 
@@ -502,26 +504,25 @@ SCRIPT_ENV = {
     "HPCMEM_CHECKPOINT_DIR": "the run's checkpoints", "HPCMEM_GPU_MEM_GIB": "the partition's gpu_mem_gib",
     "HPCMEM_DS_CONFIG": "the attempt's ds_config.json", "HPCMEM_FSDP_CONFIG": "the attempt's fsdp_config.json",
     "PYTHONUNBUFFERED": "the job's log is read while it runs",
-    "PYTORCH_CUDA_ALLOC_CONF": "from the plan's alloc_conf: set training.alloc_conf instead",
     "MASTER_PORT": "a rendezvous port per job", "SLURM_JOB_ID": "set by Slurm, read by the job script",
     "SLURM_JOB_NODELIST": "set by Slurm, read by the job script",
 }
 """Environment variables the job script itself exports (``render.job_env``, the templates) or reads -> what they carry.
-A site's or spec's ``env`` is exported after hpcmem's own, so none of these (nor any ``HPCMEM_*``) may be set
-there (``sites.reserved_env``): it would silently override hpcmem's value. The templates set no ``PATH``,
+A site's or spec's ``env`` is exported after hpcmem's own, so none of these may be set there
+(``sites.reserved_env``): it would silently override hpcmem's value. Other ``HPCMEM_*`` names are the runtime's
+knobs for users (``HPCMEM_MEMORY_HISTORY``, ``HPCMEM_TEARDOWN_TIMEOUT_S``, ...) and may be set.
+``PYTORCH_CUDA_ALLOC_CONF`` may be set too (a site's default allocator settings): the plan's ``alloc_conf``,
+when it has one, is exported after the site's and spec's and wins. The templates set no ``PATH``,
 ``LD_LIBRARY_PATH`` or ``PYTHONPATH``: those are the job's to set."""
 
 
 def reserved_env(name: str) -> str | None:
     """Why a site profile or job spec may not set the environment variable ``name`` (None: it may). The job script
-    exports hpcmem's own variables first and the site's and spec's after them, so one of those names would
-    silently override what hpcmem set (``SCRIPT_ENV``): every ``HPCMEM_*`` name, and the others the
-    script itself sets or reads. ``PATH``, ``LD_LIBRARY_PATH`` and ``PYTHONPATH`` are the job's own (the script
-    sets none of them)."""
+    exports hpcmem's own variables first and the site's and spec's after them, so one of ``SCRIPT_ENV`` would
+    silently override what hpcmem set. ``PATH``, ``LD_LIBRARY_PATH`` and ``PYTHONPATH`` are the job's own (the
+    script sets none of them)."""
     if name in SCRIPT_ENV:
         return f"hpcmem sets {name} in the job script itself ({SCRIPT_ENV[name]}); remove it here"
-    if name.startswith("HPCMEM_"):
-        return f"names starting HPCMEM_ are hpcmem's own (the job script and runtime set and read them); remove it here"
     return None
 
 

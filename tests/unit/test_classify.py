@@ -1086,6 +1086,22 @@ def test_an_abort_after_a_finished_training_bar_is_teardown(bar, teardown):
     assert (v.cause == "teardown") is teardown, v
 
 
+@pytest.mark.parametrize("bars", [
+    "Epoch 0: 100%|######| 74/74 [01:00<00:00]\nEpoch 1:  40%|##   | 30/74 [00:20<00:30]\n",  # the next epoch ran
+    " 31%|###       | 310/1000 [10:00<20:00]\n100%|##########| 13/13 [00:05<00:00]\n",  # an eval inside training
+])
+def test_a_finished_bar_that_is_not_the_end_of_training_is_no_teardown(bars):
+    v = classify(None, bars + "Segmentation fault (core dumped)\n")
+    assert v.cause == "segfault", v
+
+
+def test_newer_nccls_numbered_cuda_failure_next_to_a_segment_error_is_not_oom():
+    text = ("[1] misc/shmutils.cc:103 NCCL WARN Cuda failure 1 'invalid argument'\n\n"
+            "[1] misc/shmutils.cc:114 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-Nz "
+            "(size 9637888)\n")
+    assert (classify(None, text).kind, classify(None, text).cause) == ("not_oom", "nccl_shm_register")
+
+
 def test_a_preparing_bar_is_not_a_training_step():
     text = ("Preparing test set...:  46%|####6     | 31/67 [00:02<00:02, 14.1it/s]\n"
             "slurmstepd: error: *** STEP 6053.0 ON node12 CANCELLED AT 2024-05-02T10:00:00 ***\n")

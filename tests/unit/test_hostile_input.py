@@ -574,6 +574,7 @@ def _hostile_files(tmp_path: Path) -> dict[str, str]:
     (("estimate", "quickstart", "--seq-len", "99"), ["--seq-len goes with --model"]),  # ignored
     (("estimate", "--model", "gpt2", "--launcher", "torchrun", "--zero-stage", "3"), ["--launcher torchrun"]),
     (("estimate", "--model", "gpt2", "--set", "bogus=1"), ["unknown knob 'bogus'"]),  # --set ignored
+    (("estimate", "--model", "gpt2", "--set", "global_batch=64"), ["global_batch"]),  # would be dropped
     (("triage", "--since", "99999999999999999999d"), ["before 1970"]),  # OverflowError
     (("triage", "x.log", "--site", "testcluster", "-p", "nosuch"), ["no such partition"]),  # a100 assumed
     (("plan", "quickstart", "--top", "-1"), ["--top"]),  # dropped the last row

@@ -175,8 +175,8 @@ def test_a_recorded_site_with_an_absurd_size_is_refused(tmp_path, home):
     ("cuda_context_mib", "1.0e+308"),
     ("cuda_context_mib", "-1"),
     ("allocator_overhead_frac", "1.0e+308"),
-    ("allocator_overhead_frac", "5.0"),
-    ("allocator_overhead_frac", "1"),
+    ("allocator_overhead_frac", "11.0"),
+    ("allocator_overhead_frac", "-0.5"),
     ("gpus", "lots"),
     ("gpus", "2.5"),
     ("gpus", "true"),
@@ -215,7 +215,7 @@ def test_calibrate_never_writes_what_it_could_not_read(tmp_path, home):
 
     cal = tmp_path / "hostile.calibration.yaml"
     with pytest.raises(ConfigError, match=rf"^{cal}: partitions\.a100\.allocator_overhead_frac: "):
-        write_calibration(cal, "a100", {"allocator_overhead_frac": 3.4, "cuda_context_mib": 600.0})
+        write_calibration(cal, "a100", {"allocator_overhead_frac": 34.0, "cuda_context_mib": 600.0})
     assert not cal.exists()
     write_calibration(cal, "a100", {"gpus": 2, "cuda_context_mib": 600.0})
     before = cal.read_text()
@@ -246,8 +246,7 @@ def test_a_percent_in_the_attempt_directory_is_escaped_for_slurm(tmp_path, home,
 
 
 @pytest.mark.parametrize("name", ["HPCMEM_PLAN", "HPCMEM_ATTEMPT_DIR", "HPCMEM_CHECKPOINT_DIR", "HPCMEM_GPU_MEM_GIB",
-                                  "HPCMEM_DS_CONFIG", "HPCMEM_INFLIGHT", "HPCMEM_ANYTHING", "PYTHONUNBUFFERED",
-                                  "PYTORCH_CUDA_ALLOC_CONF", "MASTER_PORT", "SLURM_JOB_ID"])
+                                  "HPCMEM_DS_CONFIG", "PYTHONUNBUFFERED", "MASTER_PORT", "SLURM_JOB_ID"])
 def test_a_spec_cannot_set_what_hpcmem_sets(tmp_path, name):
     path = write(tmp_path / "spec.yaml", SPEC + f"env:\n  {name}: /etc/passwd\n")
     with pytest.raises(ConfigError) as err:
@@ -256,10 +255,25 @@ def test_a_spec_cannot_set_what_hpcmem_sets(tmp_path, name):
 
 
 def test_a_site_cannot_set_what_hpcmem_sets(tmp_path, home):
-    for name in ("HPCMEM_PLAN", "HPCMEM_X", "PYTORCH_CUDA_ALLOC_CONF"):
+    for name in ("HPCMEM_PLAN", "MASTER_PORT"):
         path = write(tmp_path / "hostile.yaml", edit_a100("env", "{%s: x}" % name))
         with pytest.raises(ConfigError, match=rf"^{path}: partitions\.a100\.env\.{name}: "):
             sites.load_site_file(path)
+
+
+def test_the_runtimes_user_knobs_and_a_site_allocator_default_may_be_set(tmp_path, home):
+    """HPCMEM_MEMORY_HISTORY, HPCMEM_TEARDOWN_TIMEOUT_S ... are the runtime's knobs for users (docs/resume.md); a
+    site's PYTORCH_CUDA_ALLOC_CONF is its default, and a plan's alloc_conf (a remedy) is exported after it."""
+    path = write(tmp_path / "spec.yaml", SPEC + "env:\n  HPCMEM_MEMORY_HISTORY: '0'\n  HPCMEM_TEARDOWN_TIMEOUT_S: '30'\n")
+    spec = jobspec.load_spec(path)
+    site = write(tmp_path / "hostile.yaml", edit_a100("env", "{PYTORCH_CUDA_ALLOC_CONF: 'max_split_size_mb:128'}"))
+    part = sites.load_site_file(site).partition("a100")
+    plan = spec.first_plan(part).replace(alloc_conf="expandable_segments:True")
+    env = render.job_env(spec, part, plan, {"plan_json": "p", "attempt_dir": "a", "checkpoint_dir": "c",
+                                            "config": "d"})
+    assert ("HPCMEM_MEMORY_HISTORY", "0") in env
+    values = [v for n, v in env if n == "PYTORCH_CUDA_ALLOC_CONF"]
+    assert values == ["max_split_size_mb:128", "expandable_segments:True"]  # the plan's last: it wins
 
 
 def test_path_like_variables_the_template_does_not_set_stay_the_jobs(tmp_path, home):

@@ -7,7 +7,6 @@ regression or a newly failing cell is found), so cron mail and CI catch it.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,9 @@ _store_opt = click.option("--store", "store_path", type=click.Path(dir_okay=Fals
 
 
 def _emit_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    from ..templating import json_text
+
+    click.echo(json_text(data))
 
 
 def _store(path: str | None) -> Path:

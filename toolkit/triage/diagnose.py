@@ -230,7 +230,8 @@ def pick_partition(site: Site, slurm_partition: str | None, verdict: Verdict) ->
         if name in site.partitions:
             return site.partitions[name], ""
     for name in names:
-        sharing = [p for p in site.partitions.values() if p.slurm_partition == name]
+        sharing = [p for p in site.partitions.values()  # a profile may name several: "gpu,gpu-long"
+                   if name in (x.strip() for x in (p.slurm_partition or "").split(","))]
         if len(sharing) == 1:
             return sharing[0], ""
         if sharing:
