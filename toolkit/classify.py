@@ -722,7 +722,8 @@ def _simple_event(log: _Log, i: int, group: str, kind: str, detail: str) -> _Eve
             numbers = {"tried_to_allocate_mib": float(m.group(1)) * 1024}
         m = re.search(r"Unable to allocate (" + _SIZE + ")", body)
         if m:
-            numbers = {"tried_to_allocate_mib": _stated_mib(m.group(1))} if _stated_mib(m.group(1)) else {}
+            size = _stated_mib(m.group(1))
+            numbers = {"tried_to_allocate_mib": size} if size else {}
     return _Event(i, group, kind, rank, gpu, numbers or {}, lines, detail, cause, confidence, confirm)
 
 
@@ -843,15 +844,17 @@ def _oom_numbers(message: str) -> tuple[dict, int | None, list, bool]:
             m = _CLAUSE.match(clause)
             if m:
                 name = next((n for n, label in _OLD_CLAUSES if m.group(2).startswith(label)), None)
-                if name and name not in numbers and _stated_mib(m.group(1)) is not None:
-                    numbers[name] = _stated_mib(m.group(1))
+                size = _stated_mib(m.group(1))
+                if name and name not in numbers and size is not None:
+                    numbers[name] = size
     m = _NEW_GPU.search(message)
     if m:
         gpu = int(m.group(1))
     for name, pattern in _NEW.items():
         m = pattern.search(message)
-        if m and name not in numbers and _stated_mib(m.group(1)) is not None:
-            numbers[name] = _stated_mib(m.group(1))
+        size = _stated_mib(m.group(1)) if m else None
+        if size is not None and name not in numbers:
+            numbers[name] = size
     processes = [x for x in (_stated_mib(m.group(2)) for m in _PROCESS.finditer(message)) if x is not None]
     return numbers, gpu, processes, "process_in_use_mib" in numbers
 
@@ -1179,7 +1182,8 @@ def _host_used(log: _Log, i: int) -> dict:
     for j in range(i, max(-1, i - 20), -1):
         m = _HOST_USED.search(log.raw[j])
         if m:
-            return {"host_used_mib": _stated_mib(m.group(1))} if _stated_mib(m.group(1)) else {}
+            size = _stated_mib(m.group(1))
+            return {"host_used_mib": size} if size else {}
     return {}
 
 

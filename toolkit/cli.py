@@ -445,7 +445,10 @@ _MODEL_ONLY = ("model", "task", "seq_len", "micro_batch", "grad_accum", "precisi
 def estimate_cmd(ctx, job, site, partition, sets, method, model, task, seq_len, micro_batch, grad_accum, precision,
                  optimizer, checkpointing, attention, zero_stage, offload_optimizer, offload_params, nodes, ds_config,
                  launcher, gpus_per_node, max_seq_len, seq_len_hist, as_json) -> None:
-    """Predict a training step's peak memory per GPU (and host memory under offload) before submitting."""
+    """Predict a training step's peak memory per GPU (and host memory under offload) before submitting.
+
+    Give a JOB spec (change its knobs with --set) or --model with the plan options (--seq-len, --micro-batch, ...;
+    --set applies there too, except global_batch, which follows micro-batch x accumulation x GPUs)."""
     from .estimate import estimate, model_ref, spec_model
     from .plan import Plan
     from .strategies import infer_launcher

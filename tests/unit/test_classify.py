@@ -1013,6 +1013,19 @@ def test_rank_lines_are_numbered_in_their_own_files(tmp_path):
     ("node08:1:2 [0] include/shm.h:27 NCCL WARN Call to shm_open failed : Permission denied\n"
      "node08:1:2 [0] include/shm.h:48 NCCL WARN Error while creating shared memory segment nccl-shm-recv-b7 "
      "(size 4460544)\n", "nccl_shm_permission"),
+    # endings named on a neighbouring line: an abort's what(), the kernel's own assert line, NCCL's Cuda failure
+    ("terminate called after throwing an instance of 'c10::DistBackendError'\n"
+     "  what():  [PG 1 Rank 7] Process group watchdog thread terminated with exception: [Rank 7] Watchdog caught "
+     "collective operation timeout: WorkNCCL(SeqNum=199, OpType=_REDUCE_SCATTER_BASE, Timeout(ms)=600000) ran for "
+     "882725 milliseconds before timing out.\n", "nccl_timeout"),
+    ("/pytorch/aten/src/THCUNN/generic/SpatialClassNLLCriterion.cu:103: nll_loss2d_forward_kernel: block: [5,0,0], "
+     "thread: [996,0,0] Assertion `t >= 0 && t < n_classes` failed.\n", "device_assert"),
+    ("[1] misc/shmutils.cc:103 NCCL WARN Cuda failure 'invalid argument'\n\n"  # cudaHostRegister refused it
+     "[1] misc/shmutils.cc:114 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-NzwJ7O "
+     "(size 9637888)\n", "nccl_shm_register"),
+    ("[1] misc/shmutils.cc:103 NCCL WARN Cuda failure 1 'invalid argument'\n\n"  # newer NCCL numbers the error
+     "[1] misc/shmutils.cc:114 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-Nz "
+     "(size 9637888)\n", "nccl_shm_register"),
 ])
 def test_known_endings_are_not_oom_with_their_cause(text, cause):
     v = classify(None, text)
@@ -1030,25 +1043,6 @@ def test_abort_after_the_final_metrics_is_a_teardown_crash():
     v = classify({"state": "FAILED", "exit_code": 1}, text)
     assert v.kind == "not_oom" and v.cause == "teardown" and v.phase == "teardown"
     assert "Training completed" in v.reason and v.step == 500 and v.total_steps == 500
-
-
-@pytest.mark.parametrize("text, cause", [
-    # an abort whose what(): line states the failure (c10d's watchdog ends a job this way)
-    ("terminate called after throwing an instance of 'c10::DistBackendError'\n"
-     "  what():  [PG 1 Rank 7] Process group watchdog thread terminated with exception: [Rank 7] Watchdog caught "
-     "collective operation timeout: WorkNCCL(SeqNum=199, OpType=_REDUCE_SCATTER_BASE, Timeout(ms)=600000) ran for "
-     "882725 milliseconds before timing out.\n", "nccl_timeout"),
-    # a device assert as the kernel prints it, without the later "device-side assert triggered"
-    ("/pytorch/aten/src/THCUNN/generic/SpatialClassNLLCriterion.cu:103: nll_loss2d_forward_kernel: block: [5,0,0], "
-     "thread: [996,0,0] Assertion `t >= 0 && t < n_classes` failed.\n", "device_assert"),
-    # NCCL made and mapped its /dev/shm segment, then cudaHostRegister refused it: nothing ran out
-    ("[1] misc/shmutils.cc:103 NCCL WARN Cuda failure 'invalid argument'\n\n"
-     "[1] misc/shmutils.cc:114 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-NzwJ7O "
-     "(size 9637888)\n", "nccl_shm_register"),
-])
-def test_endings_named_on_a_neighbouring_line(text, cause):
-    v = classify(None, text)
-    assert v.kind == "not_oom" and v.cause == cause
 
 
 def test_the_watchdog_abort_names_its_rank():
@@ -1093,13 +1087,6 @@ def test_an_abort_after_a_finished_training_bar_is_teardown(bar, teardown):
 def test_a_finished_bar_that_is_not_the_end_of_training_is_no_teardown(bars):
     v = classify(None, bars + "Segmentation fault (core dumped)\n")
     assert v.cause == "segfault", v
-
-
-def test_newer_nccls_numbered_cuda_failure_next_to_a_segment_error_is_not_oom():
-    text = ("[1] misc/shmutils.cc:103 NCCL WARN Cuda failure 1 'invalid argument'\n\n"
-            "[1] misc/shmutils.cc:114 NCCL WARN Error while creating shared memory segment /dev/shm/nccl-Nz "
-            "(size 9637888)\n")
-    assert (classify(None, text).kind, classify(None, text).cause) == ("not_oom", "nccl_shm_register")
 
 
 def test_a_preparing_bar_is_not_a_training_step():
