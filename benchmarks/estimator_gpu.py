@@ -24,6 +24,9 @@ row: the script uses the richest vocabulary the current ``toolkit/plan.py`` has 
 launcher, ``adamw-fused``, ``adamw-perparam``, ``sgd-plain`` ... when they exist there; FSDP as
 DeepSpeed ZeRO and the coarse optimizer names when not).
 
+A source may be a ``stand_in``: a config of a known family with the same parameter tensors as the real model,
+whose family the estimator does not know; every row then carries it as a gap.
+
 A row may state the job's ``PYTORCH_CUDA_ALLOC_CONF`` as ``alloc_conf`` (e.g. ``"expandable_segments:True"``):
 it becomes the Plan's ``alloc_conf``, under which the estimator's caching-allocator model replays the step, and is
 shown in the row's setup label.
@@ -190,6 +193,9 @@ def check_source(path: Path, doc: dict) -> None:
     for name in ("context_mib", "gpu_mem_gib"):
         if name not in doc:
             raise DataError(f"{where}.{name}: missing (null when unknown)")
+    if "stand_in" in doc and (not isinstance(doc["stand_in"], str) or not doc["stand_in"].strip()):
+        raise DataError(f"{where}.stand_in: expected prose saying which model the config stands in for, "
+                        f"got {doc['stand_in']!r}")
     if "held_out" in doc and not isinstance(doc["held_out"], bool):
         raise DataError(f"{where}.held_out: expected true or false, got {doc['held_out']!r}")
     if doc["context_mib"] is not None and not isinstance(doc["context_mib"], (int, float)):
@@ -229,7 +235,7 @@ def check_source(path: Path, doc: dict) -> None:
 RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
                   "zero_grad": str, "model_code": str, "sdpa_repeats_kv": bool, "shifted_logits_copy": str,
                   "zero3_linear_wrapped": bool, "logits_upcast_in_model": bool, "deepspeed_version": str,
-                  "fsdp_limit_all_gathers": bool, "fsdp_use_orig_params": bool, "fsdp_no_sync": bool,
+                  "fsdp_limit_all_gathers": bool, "fsdp_use_orig_params": bool, "fsdp_no_sync": bool, "fsdp_api": str,
                   "ddp_side_stream": bool, "engine_config": dict}
 
 
@@ -266,7 +272,7 @@ def build_case(source: Source, index: int) -> Case:
     """The Plan, model shape and partition of one row (DataError names what does not build)."""
     doc, row = source.doc, source.doc["rows"][index]
     where = f"{source.path}.rows[{index}]"
-    gaps: list[str] = []
+    gaps: list[str] = [f"stand-in model: {doc['stand_in']}"] if doc.get("stand_in") else []
     if row["launcher"] == "torchrun" and row["zero_stage"]:
         raise DataError(f"{where}.zero_stage: {row['zero_stage']} needs launcher deepspeed or fsdp")
     optimizer, gap = plan_optimizer(row)
@@ -343,7 +349,7 @@ def plan_optimizer(row: dict) -> tuple[str, str | None]:
 def fsdp_plan(row: dict, knobs: dict, where: str, flat: bool = True) -> tuple[Plan | None, list[str]]:
     """A launcher=fsdp Plan (FULL_SHARD: reshard after forward; SHARD_GRAD_OP: keep), or None when the
     Plan refuses the row (then it is scored as DeepSpeed ZeRO and the refusal is a gap). ``flat``: the row ran
-    FSDP1 (its runtime's ``fsdp_flat_params``: a torch before 2.4), which hpcmem's own launcher is not (a gap)."""
+    FSDP1 (its runtime's ``fsdp_flat_params``: ``fsdp_api`` fsdp1, or a torch before 2.4), which hpcmem's own launcher is not (a gap)."""
     names = {f.name for f in dataclasses.fields(Plan)}
     extra = {}
     if "reshard_after_forward" in names:
@@ -359,7 +365,7 @@ def fsdp_plan(row: dict, knobs: dict, where: str, flat: bool = True) -> tuple[Pl
         return None, [f"the Plan refused launcher=fsdp for this row ({exc})"]
     if not flat:
         return plan, []
-    return plan, ["measured with FSDP1 (flat parameters; estimated as FSDP1 where the row's torch is before 2.4); "
+    return plan, ["measured with FSDP1 (flat parameters; estimated as FSDP1: the row's fsdp_api, or its torch before 2.4); "
                   "hpcmem's fsdp launcher is FSDP2"]
 
 

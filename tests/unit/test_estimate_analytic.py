@@ -1013,6 +1013,12 @@ def test_fsdp_optimizer_steps_over_the_shards_as_torch_sees_them():
     fsdp1_states = an.model_states(VIT_BASE, p, dt, Runtime(torch_version="2.3")).optimizer_bytes
     fsdp2_states = an.model_states(VIT_BASE, p, dt, Runtime()).optimizer_bytes
     assert fsdp1_states == pytest.approx(4 * sum(prod(d) for d in flat)) and fsdp2_states < fsdp1_states / 4
+    # a job that states its FSDP (Accelerate's plugin: FSDP1 on any torch) is taken at its word
+    stated = an.model_states(VIT_BASE, p, dt, Runtime(torch_version="2.7", fsdp_api="fsdp1")).optimizer_bytes
+    assert stated == fsdp1_states
+    assert an.model_states(VIT_BASE, p, dt, Runtime(torch_version="2.3", fsdp_api="fsdp2")).optimizer_bytes == fsdp2_states
+    with pytest.raises(ValueError, match="fsdp_api"):
+        Runtime(fsdp_api="FSDP1")
 
 
 def test_fsdp_optimizer_states_are_made_by_the_first_step_tensor_by_tensor():

@@ -109,6 +109,7 @@ def _write(tmp_path, doc, name="bad.json"):
     (lambda d: d["model_config"].pop("hidden_size"), "hidden_size"),
     (lambda d: d["rows"][0].update(zero_stage=2), "rows[0]"),
     (lambda d: d.update(held_out="yes"), ".held_out"),
+    (lambda d: d.update(stand_in=" "), ".stand_in"),
 ])
 def test_a_malformed_file_is_named_with_its_field(gpu, tmp_path, edit, field):
     doc = copy.deepcopy(json.loads((DATA / "hf-guide-bert-large-v100.json").read_text()))
@@ -244,6 +245,23 @@ def test_only_an_fsdp1_row_carries_the_fsdp1_gap(gpu):
     case = gpu.build_case(gpu.Source(Path("x.json"), later), 0)
     assert case.plan.launcher == "fsdp" and not case.runtime.fsdp_flat_params
     assert not any("FSDP1" in g for g in case.gaps)
+    later["runtime"]["fsdp_api"] = "fsdp1"  # Accelerate's plugin wraps with FSDP1 on any torch
+    case = gpu.build_case(gpu.Source(Path("x.json"), later), 0)
+    assert case.runtime.fsdp_flat_params and any("FSDP1" in g for g in case.gaps)
+    later["runtime"]["fsdp_api"] = "fsdp3"
+    with pytest.raises(gpu.DataError, match="fsdp_api"):
+        gpu.build_case(gpu.Source(Path("x.json"), later), 0)
+
+
+def test_a_stand_in_model_is_a_gap_on_every_row(gpu):
+    """A source whose config stands in for a model family the estimator does not know (``stand_in``) is never
+    scored as exact: every row carries the stand-in as a gap, so the EXACT summary leaves it out."""
+    doc = json.loads((DATA / "hf-guide-bert-large-v100.json").read_text())
+    assert not gpu.build_case(gpu.Source(Path("x.json"), doc), 0).gaps
+    doc["stand_in"] = "a BERT-shaped config for a model of another family"
+    for i in range(len(doc["rows"])):
+        assert gpu.build_case(gpu.Source(Path("x.json"), doc), i).gaps == [
+            "stand-in model: a BERT-shaped config for a model of another family"]
 
 
 def test_a_rows_alloc_conf_reaches_the_plan_and_a_bad_one_is_named(gpu, tmp_path, capsys):

@@ -119,6 +119,7 @@ FSDP_LIMIT_ALL_GATHERS_NIGHTLY = "20230712"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104900 (merged 2023-07-11): FSDP1's
 ``limit_all_gathers`` (the rate limiter) defaults to True; before it, False."""
 FSDP2_TORCH = (2, 4)
+FSDP_APIS = (None, "fsdp1", "fsdp2")
 """torch whose ``fsdp`` is FSDP2 (``fully_shard``, what hpcmem runs); before it a ``fsdp`` launch is FSDP1."""
 
 
@@ -162,6 +163,13 @@ class Runtime:
     stream never reuses (``get_free_block`` matches the stream): they stay reserved, on top of the rebuilt buckets,
     until ``empty_cache`` or an allocation that would otherwise fail releases them. False: built on the default
     stream (torch's own examples, hpcmem's runtime)"""
+
+    fsdp_api: str | None = None
+    """which FSDP the job wraps with: ``"fsdp1"`` (``FullyShardedDataParallel``, flat parameters), ``"fsdp2"``
+    (``fully_shard``, a DTensor per parameter: hpcmem's launcher). None: FSDP1 when ``torch_version`` is before
+    2.4 (FSDP2's first release), else FSDP2. FSDP1 stays common on later torch: HF Accelerate's FSDP plugin, the
+    HF Trainer's ``fsdp`` and Lightning's ``FSDPStrategy`` wrap with it unless told otherwise (Accelerate 1.0.1's
+    plugin has no other path)"""
 
     fsdp_no_sync: bool = False
     """gradient accumulation under FSDP skips the gradient sync on every micro-batch but the last: FSDP1's
@@ -234,6 +242,8 @@ class Runtime:
             raise ValueError(f"Runtime.zero_grad: {self.zero_grad!r} is not one of {', '.join(ZERO_GRAD_PLACES)}")
         if self.model_code not in MODEL_CODES:
             raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)}")
+        if self.fsdp_api not in FSDP_APIS:
+            raise ValueError(f"Runtime.fsdp_api: {self.fsdp_api!r} is not one of fsdp1, fsdp2")
 
     def _deepspeed_before(self, release: tuple[int, int, int]) -> bool:
         """The job's DeepSpeed (``deepspeed_version``, else the one installed beside hpcmem, else
@@ -310,7 +320,10 @@ class Runtime:
     def fsdp_flat_params(self) -> bool:
         """A ``fsdp`` launch is FSDP1 (torch before 2.4, when the job states its torch): each wrapped unit's
         parameters are one flat parameter, sharded as one (what the optimizer then steps over:
-        ``fsdp_use_orig_params``); FSDP2 shards each parameter as a DTensor of its own."""
+        ``fsdp_use_orig_params``); FSDP2 shards each parameter as a DTensor of its own. ``fsdp_api`` says which
+        when the job states it."""
+        if self.fsdp_api is not None:
+            return self.fsdp_api == "fsdp1"
         return self.torch_version is not None and version_tuple(self.torch_version) < FSDP2_TORCH
 
     @property
