@@ -225,11 +225,51 @@ def test_each_cuda_stream_is_served_from_its_own_blocks():
         replay([S(1, 10, ["side"])])
 
 
+def D(i):
+    return ("defer", i)
+
+
+def R(i):
+    return ("return", i)
+
+
+def test_a_deferred_free_leaves_allocated_but_not_its_pool_until_it_returns():
+    """record_stream: the program's free drops max_memory_allocated at once; the block comes back to its pool
+    (and can be reused) only at its return, so a request meanwhile makes a segment of its own."""
+    r = replay([A(1, 40 * MIB), D(1), A(2, 40 * MIB)])
+    assert r.peak_allocated == 40 * MIB and r.peak_reserved == 80 * MIB and r.peak_active == 80 * MIB
+    assert r.allocated_end == 40 * MIB and r.segments_end == 2
+    r = replay([A(1, 40 * MIB), D(1), R(1), A(2, 40 * MIB)])  # returned first: reused, as a plain free
+    assert r.peak_reserved == 40 * MIB and r.peak_active == 40 * MIB and r.segments_end == 1
+    # a deferred block does not merge with its free neighbour until it returns: two halves of one 60 MiB segment
+    head = [A(1, 60 * MIB), F(1), A(2, 30 * MIB), A(3, 30 * MIB), F(2)]
+    r = replay(head + [F(3), A(4, 50 * MIB)])
+    assert r.peak_reserved == 60 * MIB  # the halves merged: 4 fits the segment
+    r = replay(head + [D(3), A(4, 50 * MIB), R(3), A(5, 50 * MIB)])
+    assert r.peak_reserved == 110 * MIB  # 4 could not use 2 + 3: a segment of its own; 5 takes the merged 60
+    assert r.reserved_end == 110 * MIB and r.allocated_end == 100 * MIB and r.segments_end == 2
+
+
+def test_deferred_blocks_come_back_before_an_out_of_memory_error():
+    """release_cached_blocks first synchronizes every outstanding event (synchronize_and_free_events): what is
+    deferred returns and its segment is freed, so a step that fits without deferred frees fits with them."""
+    cap = 100 * MIB
+    r = replay([A(1, 60 * MIB), D(1), A(2, 60 * MIB), R(1)], capacity=cap)
+    assert r.oom is None and r.reserved_end == 60 * MIB and r.peak_reserved == 60 * MIB  # the later return: no-op
+    assert r.peak_active == 60 * MIB  # the synchronization took the deferred block out before the new one
+    r = replay([A(1, 60 * MIB), D(1), A(2, 60 * MIB)])
+    assert r.peak_reserved == 120 * MIB  # unbounded: both segments
+
+
 def test_broken_streams_are_errors():
     with pytest.raises(ValueError, match="not live"):
         replay([F(1)])
     with pytest.raises(ValueError, match="twice"):
         replay([A(1, 10), A(1, 10)])
+    with pytest.raises(ValueError, match="defer of id 1 that is not live"):
+        replay([A(1, 10), F(1), D(1)])
+    with pytest.raises(ValueError, match="return of id 1 that was not deferred"):
+        replay([A(1, 10), F(1), R(1)])
 
 
 def _stream(n, seed=0):

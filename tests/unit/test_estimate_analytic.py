@@ -528,6 +528,57 @@ def test_the_stream_reaches_the_phase_models_peak(shape, knobs):
     assert [m[0] for m in r.marks][:2] == ["step 1", "step 1 optimizer"]
 
 
+def test_deferred_bucket_frees_return_four_flushes_later_and_all_at_the_epilogue():
+    """ZeRO-3's host waits at each bucket flush for the reduction three flushes back (max_param_reduce_events 2),
+    whose stream waited for the compute stream when each gradient entered that bucket: a block freed after c
+    flushes is back by flush c + 4; the backward's epilogue synchronizes the reduce stream and returns the rest."""
+    from toolkit.estimate.stream import _Deferred
+
+    out, plain = [], []
+    late = _Deferred(3, 10, out.append, plain.append)
+    late.free("w0")  # after 0 flushes: back at flush 4
+    for k in range(1, 5):
+        late.add(10)  # each gradient fills the bucket: the next one flushes it
+        if k == 2:
+            late.free("w1")  # after 1 flush: back at flush 5
+    assert out == [("defer", "w0"), ("defer", "w1")]  # 3 flushes so far
+    late.add(10)
+    assert out[-1] == ("return", "w0") and late.count == 4
+    late.drain()
+    assert out[-1] == ("return", "w1") and not plain
+    off = _Deferred(0, 10, out.append, plain.append)
+    off.free("x")
+    assert plain == ["x"]
+
+
+def test_zero3_record_stream_frees_raise_reserved_not_allocated():
+    """ZeRO-3 on several GPUs (ModelStates.deferred_flushes): the backward's gathered weights and bucketed
+    gradients are deferred and every one returns by the step's end; max_memory_allocated is what it was with
+    plain frees; active (allocated + deferred) is above it and, on this Llama-7B step, reserved is not below the
+    plain frees'; ZeRO-2 and ZeRO-3 without overlap_comm defer nothing."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    p = plan(launcher="deepspeed", zero_stage=3, gpus_per_node=8, precision="fp16-mixed", seq_len=1024,
+             optimizer="adamw-fused")
+    dt = an.dtypes_for(p, True)
+    states, acts = an.model_states(LLAMA7B, p, dt), inv.activations(LLAMA7B, p, dt)
+    assert states.deferred_flushes == 3 and states.deferred_bucket_elements == 50_000_000
+    events = step_events(LLAMA7B, p, dt, states, acts, steps=2, sharded=True)
+    deferred = [e[1] for e in events if e[0] == "defer"]
+    assert deferred and sorted(deferred) == sorted(e[1] for e in events if e[0] == "return")
+    plain = [("free", e[1]) if e[0] == "defer" else e for e in events if e[0] != "return"]
+    with_late, without = replay(events), replay(plain)
+    assert with_late.peak_allocated == without.peak_allocated
+    assert with_late.peak_active > with_late.peak_allocated and with_late.peak_reserved >= without.peak_reserved
+    for other in (p.replace(zero_stage=2),):
+        st = an.model_states(LLAMA7B, other, dt)
+        assert st.deferred_flushes == 0
+    off = an.model_states(LLAMA7B, p, dt, Runtime(engine_config={"stage": 3, "overlap_comm": False}))
+    assert off.deferred_flushes == 0
+
+
 def test_optimizer_implementations_differ_in_their_step_temporaries():
     e = {o: estimate_analytic(GPT2, plan(precision="fp32", micro_batch=1, seq_len=128, optimizer=o), A100)
          for o in ("adamw", "adamw-fused", "adamw-perparam", "sgd", "sgd-plain")}

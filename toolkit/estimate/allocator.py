@@ -41,14 +41,20 @@ in Python from reading the source (no code copied). What it models, with the sou
   whenever the remainder is >= 512 B; on a failed map, free pages inside free blocks are unmapped
   and the map is retried. Reserved = mapped bytes.
 
-Not modelled: ``record_stream``'s deferred frees (a block used on another stream returns to its pool
-when that stream's event completes: a matter of timing; a stream states the free where it returns),
-CUDA graphs' private pools, the
+Deferred frees (``record_stream``): a block used on another stream returns to its pool only when that
+stream's event completes, which is a matter of timing the stream states. ``("defer", id)`` is the free the
+program makes (``allocated`` drops, as ``max_memory_allocated`` sees it; the block stays out of its pool and
+counts as active); ``("return", id)`` is the completion, when the block goes back to its pool. Before it
+gives up, ``release_cached_blocks`` first calls ``synchronize_and_free_events`` (CUDACachingAllocator.cpp,
+torch 2.x): every deferred block returns, then the cached segments are freed and the allocation retried, so
+deferred frees raise the reserved peak but never cause an out-of-memory error by themselves. A later
+``return`` of a block that came back that way is a no-op. Not modelled: CUDA graphs' private pools, the
 ``cudaMallocAsync`` backend (its options are accepted and named in ``AllocatorConfig.unmodelled``),
 pinned host memory options (irrelevant to device memory).
 
 Input: an ordered stream of events, ``("alloc", id, nbytes)`` or ``("alloc", id, nbytes, stream)``
-(stream: any hashable name; absent: 0, the default stream) / ``("free", id)`` (also ``"a"``/``"f"``),
+(stream: any hashable name; absent: 0, the default stream) / ``("free", id)`` (also ``"a"``/``"f"``) /
+``("defer", id)`` and ``("return", id)`` (above) / ``("mark", label)``,
 a capacity (bytes the allocator may reserve: the card minus context and non-PyTorch memory) or
 None, and an ``AllocatorConfig`` (``parse_alloc_conf(PYTORCH_CUDA_ALLOC_CONF)``). Output: a frozen
 ``Replay``. Pure Python, no torch: a 100k-event stream replays in a fraction of a second.
@@ -325,6 +331,8 @@ class Replay:
     config: AllocatorConfig = field(default_factory=AllocatorConfig)
     marks: tuple[tuple[str, int, int], ...] = ()
     """(label, allocated, reserved) at each ``("mark", label)`` event"""
+    peak_active: int = 0
+    """``active_bytes.all.peak``: allocated blocks and deferred ones not yet back in their pools"""
 
     @property
     def fits(self) -> bool:
@@ -382,6 +390,8 @@ class CachingAllocator:
         self._pools: dict[tuple, _Pool] = {(0, True): self.small, (0, False): self.large}
         self.allocated = self.requested = self.reserved = 0
         self.peak_allocated = self.peak_requested = self.peak_reserved = 0
+        self.deferred: dict[int, _Block] = {}  # addr -> a block freed by the program, not yet back in its pool
+        self.deferred_bytes = self.peak_active = 0
         self.segments = 0
         self.frag_at_peak = 0.0
         self.segments_at_peak = 0
@@ -442,7 +452,10 @@ class CachingAllocator:
         self.segments -= 1
 
     def _release_cached(self) -> bool:
-        """release_cached_blocks: every cached unsplit segment (and free expandable pages)."""
+        """release_cached_blocks: every deferred block back to its pool (synchronize_and_free_events), then every
+        cached unsplit segment (and free expandable pages)."""
+        for b in list(self.deferred.values()):
+            self.give_back(b)
         for pool in sorted(self._pools.values(), key=lambda x: x.small):  # large pools first
             for addr in list(pool.blocks):
                 b = pool.blocks.get(addr)
@@ -658,6 +671,8 @@ class CachingAllocator:
         self.requested += nbytes
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+        if self.allocated + self.deferred_bytes > self.peak_active:
+            self.peak_active = self.allocated + self.deferred_bytes
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
         reserved = self.reserved
@@ -670,10 +685,29 @@ class CachingAllocator:
 
     def free(self, b: _Block, nbytes: int) -> None:
         """free_block: back to its pool, merged with free neighbours."""
-        pool = b.pool
-        b.allocated = False
         self.allocated -= b.size
         self.requested -= nbytes
+        self._to_pool(b)
+
+    def defer(self, b: _Block, nbytes: int) -> None:
+        """The program frees a block another stream still uses (``record_stream``): it leaves the allocated
+        bytes and waits, out of its pool, for ``give_back``."""
+        self.allocated -= b.size
+        self.requested -= nbytes
+        self.deferred[b.addr] = b
+        self.deferred_bytes += b.size
+
+    def give_back(self, b: _Block) -> bool:
+        """A deferred block's event completed: back to its pool (False: it already came back)."""
+        if self.deferred.pop(b.addr, None) is not b:
+            return False
+        self.deferred_bytes -= b.size
+        self._to_pool(b)
+        return True
+
+    def _to_pool(self, b: _Block) -> None:
+        pool = b.pool
+        b.allocated = False
         for other in (b.prev, b.next):
             if other is None or other.allocated or not other.mapped:
                 continue
@@ -694,13 +728,15 @@ class CachingAllocator:
 
 def replay(events: Iterable[Sequence], capacity: int | None = None,
            config: AllocatorConfig | str | None = None) -> Replay:
-    """Replay ``events`` (``("alloc", id, nbytes)``, ``("free", id)``, ``("mark", label)``) through
+    """Replay ``events`` (``("alloc", id, nbytes)``, ``("free", id)``, ``("defer", id)``, ``("return", id)``,
+    ``("mark", label)``) through
     the caching allocator under ``capacity`` bytes (None: unbounded) and ``config`` (an
     ``AllocatorConfig`` or a ``PYTORCH_CUDA_ALLOC_CONF`` string). Stops at the first OOM.
     Freeing an id that is not live is a ValueError (a broken stream, not a memory fact)."""
     cfg = config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
     a = CachingAllocator(capacity, cfg)
     live: dict = {}
+    deferred: dict = {}  # id -> block, from its defer to its return
     marks: list[tuple[str, int, int]] = []
     oom = None
     n = 0
@@ -730,6 +766,17 @@ def replay(events: Iterable[Sequence], capacity: int | None = None,
             if got is None:
                 raise ValueError(f"allocator stream: free of id {ev[1]!r} that is not live (event {n - 1})")
             free(*got)
+        elif kind == "defer":
+            got = live.pop(ev[1], None)
+            if got is None:
+                raise ValueError(f"allocator stream: defer of id {ev[1]!r} that is not live (event {n - 1})")
+            a.defer(*got)
+            deferred[ev[1]] = got[0]
+        elif kind == "return":
+            b = deferred.pop(ev[1], None)
+            if b is None:
+                raise ValueError(f"allocator stream: return of id {ev[1]!r} that was not deferred (event {n - 1})")
+            a.give_back(b)
         elif kind == "mark":
             marks.append((str(ev[1]), a.allocated, a.reserved))
         else:
@@ -741,4 +788,4 @@ def replay(events: Iterable[Sequence], capacity: int | None = None,
     return Replay(peak_allocated=a.peak_allocated, peak_requested=a.peak_requested, peak_reserved=a.peak_reserved,
                   reserved_end=a.reserved, allocated_end=a.allocated, fragmentation=frag,
                   segments=a.segments_at_peak, segments_end=a.segments, oom=oom, events=n, config=cfg,
-                  marks=tuple(marks))
+                  marks=tuple(marks), peak_active=a.peak_active)

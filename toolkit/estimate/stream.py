@@ -362,7 +362,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
 
     def grads_of(idx, last: bool) -> None:
         if acc_per_elem <= 0 or micro == 1:
-            _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush)
+            _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush, late)
             return
         for k in idx:
             size = int(acc_per_elem * prod(params[k][1]))
@@ -377,6 +377,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
 
     flush = _Flush(states.flush_bucket_elements, dt.grad, alloc, free,
                    REDUCE_STREAM if states.side_streams else DEFAULT_STREAM)
+    # ZeRO-3's backward frees after record_stream, back in their pools a few bucket flushes later
+    late = _Deferred(states.deferred_flushes, states.deferred_bucket_elements, A, free)
 
     for step in range(1, steps + 1):
         A(("mark", f"step {step}"))
@@ -456,7 +458,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                         pending.append(alloc(shard_copy))
                     pending.append(alloc(unit))
                 elif gathered:
-                    free(gathered.pop())
+                    late.free(gathered.pop())
                 if sharded and states.gathered_bytes > 0 and not unlimited:
                     copy = alloc(shard_copy) if shard_copy else None
                     gathered.append(alloc(g_block, g_stream))
@@ -474,7 +476,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     free(i)
                 for i in kept_ids[li]:
                     free(i)
-            for i in gathered + pending:
+            for i in gathered:
+                late.free(i)
+            for i in pending:
                 free(i)
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
             emb = emb_idx
@@ -488,6 +492,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             # to the host inside that reduction (offload), and then releases ZeRO-1/2's buckets
             # (independent_gradient_partition_epilogue: reduce_ipg_grads, then _release_ipg_buffers)
             flush.epilogue(reduce_temp)
+            late.drain()  # the epilogue synchronizes the reduce stream, which waited for the compute stream
             for i in grad_buckets:
                 free(i)
             for i in out_ids:
@@ -658,6 +663,45 @@ class _Flush:
         self.fill = 0
 
 
+class _Deferred:
+    """ZeRO-3's frees after ``record_stream`` in the backward (``ModelStates.deferred_flushes``): each gathered
+    weight and each gradient copied into the bucket leaves the allocated bytes at its free (``("defer", id)``)
+    and returns to its pool (``("return", id)``) when the host has made ``lag`` + 1 more bucket flushes, which
+    is when DeepSpeed has waited for the reduction whose stream waited for that free's compute (the host may be
+    no further ahead; a faster host-to-GPU catch-up returns it sooner: this is the bound); all at the
+    backward's epilogue, which synchronizes the reduce stream. ``lag`` 0: a plain free."""
+
+    def __init__(self, lag: int, cap: float, emit, free):
+        self.lag, self.cap, self.fill, self.count = lag, cap, 0, 0
+        self.emit, self._free = emit, free
+        self.waiting: list[tuple[int, int]] = []  # (the flush by which it is back, id)
+
+    def add(self, numel: int) -> None:
+        """A gradient enters the bucket: a bucket that would overflow is reduced first (one more flush)."""
+        if not self.lag:
+            return
+        if self.fill and self.fill + numel > self.cap:
+            self.count += 1
+            self.fill = 0
+            due = [w for w in self.waiting if w[0] <= self.count]
+            self.waiting = [w for w in self.waiting if w[0] > self.count]
+            for _, i in due:
+                self.emit(("return", i))
+        self.fill += numel
+
+    def free(self, i: int) -> None:
+        if not self.lag:
+            self._free(i)
+            return
+        self.emit(("defer", i))
+        self.waiting.append((self.count + 1 + self.lag, i))
+
+    def drain(self) -> None:
+        for _, i in self.waiting:
+            self.emit(("return", i))
+        self.waiting, self.fill = [], 0
+
+
 @lru_cache(maxsize=256)
 def zero3_reductions(shape: ModelShape, bucket_elements: int) -> tuple[int, int]:
     """(the largest reduction during the layers' backward, the epilogue's), in elements: the bucket copies
@@ -677,18 +721,21 @@ def zero3_reductions(shape: ModelShape, bucket_elements: int) -> tuple[int, int]
     return max(sizes[:during], default=0), (sizes[during] if len(sizes) > during else 0)
 
 
-def _grads_for(idx, params, grads, alloc, free, grad_bytes, keep, persistent, flush: _Flush | None = None) -> None:
+def _grads_for(idx, params, grads, alloc, free, grad_bytes, keep, persistent, flush: _Flush | None = None,
+               late: "_Deferred | None" = None) -> None:
     """The gradients of ``idx``: made the first time (unless the engine keeps flat grads); later
     micro-batches make a transient gradient that AccumulateGrad adds in place."""
     for k in idx:
         if flush is not None:  # the bucket takes every gradient, kept on the device or not
             flush.add(prod(params[k][1]))
+        if late is not None:
+            late.add(prod(params[k][1]))
         size = grad_bytes(prod(params[k][1]))
         if size <= 0:
             continue
         if persistent:
             i = alloc(size)  # DeepSpeed: the param's full grad, reduced into the flat buffer, then freed
-            free(i)
+            (late.free if late is not None else free)(i)
         elif k in grads:
             i = alloc(size)
             free(i)

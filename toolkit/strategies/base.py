@@ -123,6 +123,14 @@ class ModelStates:
     side_streams: bool = False
     """the engine gathers weights and reduces gradients on streams of its own (DeepSpeed ``overlap_comm``):
     the caching allocator serves each stream from its own blocks"""
+    deferred_flushes: int = 0
+    """DeepSpeed ZeRO-3 with ``overlap_comm``: in the backward each gathered weight (``free_param``) and each
+    gradient copied into the bucket (``__add_grad_to_ipg_bucket``) is freed after ``record_stream``, so its block
+    returns to its pool only when the GPU has passed the free; the host waits at each bucket flush for the
+    reduction this many flushes back (``max_param_reduce_events`` + 1), whose stream waited for the compute
+    stream, so a block freed after flush c is back by flush c + 1 + this. 0: frees return at once"""
+    deferred_bucket_elements: float = 0.0
+    """the bucket those flushes count, in elements (``reduce_bucket_size``)"""
     startup: tuple[tuple[str, float | None], ...] = ()
     """the engine's device allocations at start-up, one by one in its order, where its code says them (DeepSpeed
     ZeRO-3): ``(name, bytes)`` makes a tensor, ``(name, None)`` frees the one made under that name. What is still

@@ -37,6 +37,8 @@ BUCKET_ELEMENTS = 50_000_000
 """reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size as ``config`` writes them."""
 DS_REDUCE_BUCKET_DEFAULT = 500_000_000
 """DeepSpeed's own ``reduce_bucket_size`` when a ds_config leaves it out (runtime/zero/config.py, 5e8)."""
+MAX_PARAM_REDUCE_EVENTS = 2
+"""ZeRO-3's ``max_param_reduce_events`` (stage3.py: a constant, the same in v0.9.2, v0.14.2 and 0.19.8)"""
 NORM_CHUNK_ELEMENTS = 250_000_000
 """ZeRO-3's ``_constant_buffered_norm2``: a gradient partition's norm is taken in fp64 chunks of this many elements."""
 SUB_GROUP_ELEMENTS = 1_000_000_000
@@ -141,6 +143,14 @@ class ZeroSettings:
         return cls(contiguous_gradients=contiguous, overlap_comm=flags["overlap_comm"],
                    reduce_scatter=flags["reduce_scatter"], memory_efficient_linear=flags["memory_efficient_linear"],
                    **numbers)
+
+    def deferred_flushes(self, stage: int, gpu: bool) -> int:
+        """``ModelStates.deferred_flushes``: ZeRO-3 with ``overlap_comm`` and ``contiguous_gradients`` on a GPU
+        (read in v0.9.2, v0.14.2 and 0.19.8: ``free_param`` and ``__add_grad_to_ipg_bucket`` call ``record_stream``;
+        ``__reduce_and_partition_ipg_grads`` synchronizes the oldest reduce event once more than
+        ``max_param_reduce_events`` (2, not configurable) are outstanding); else 0."""
+        on = stage == 3 and gpu and self.overlap_comm and self.contiguous_gradients and self.reduce_bucket_size > 0
+        return MAX_PARAM_REDUCE_EVENTS + 1 if on else 0
 
     def flush_elements(self, stage: int) -> int:
         """Elements of the bucket copy each stage-3 reduction makes (0: none)."""
@@ -678,6 +688,8 @@ class DeepSpeed(Strategy):
                            reduce_temp_bytes=recipe_sizes(reduce_order)[1], reduce_order=reduce_order,
                            grad_bucket_bytes=grad_bucket, gathered_moments=moments,
                            flush_bucket_elements=zs.flush_elements(stage), side_streams=zs.overlap_comm and dt.gpu,
+                           deferred_flushes=zs.deferred_flushes(stage, dt.gpu),
+                           deferred_bucket_elements=zs.reduce_bucket_size,
                            step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check,
                            step_order=step_order)
 
