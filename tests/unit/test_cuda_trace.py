@@ -43,6 +43,18 @@ def test_a_side_streams_blocks_keep_their_stream():
     assert compare(side)["model"]["peak_reserved"] == 40 * MIB  # two 20 MiB segments, one per stream
 
 
+def test_a_free_that_waits_for_another_stream_is_deferred_until_it_completes():
+    """record_stream: the free is requested when the tensor dies and completed when the other stream's event has;
+    between the two the block is not reused (the next request makes a segment) but no longer allocated."""
+    waits = [{"action": "alloc", "addr": 0x7F0000000000, "size": 30 * MIB},
+             {"action": "free_requested", "addr": 0x7F0000000000, "size": 30 * MIB},
+             {"action": "alloc", "addr": 0x7F0002000000, "size": 30 * MIB},
+             {"action": "free_completed", "addr": 0x7F0000000000, "size": 30 * MIB}]
+    assert events_from_trace(waits) == [("alloc", 0, 30 * MIB), ("defer", 0), ("alloc", 1, 30 * MIB), ("return", 0)]
+    out = compare(waits)
+    assert out["model"]["peak_allocated"] == 30 * MIB and out["model"]["peak_reserved"] == 60 * MIB
+
+
 def test_the_model_replays_it_and_is_set_beside_the_real_segments():
     out = compare(TRACE)
     assert out["real"]["peak_reserved"] == out["model"]["peak_reserved"] == 22 * MIB and out["error"] == 0.0

@@ -12,7 +12,7 @@ On a GPU, ``torch.cuda.memory._record_memory_history()`` makes the allocator log
 - ``oom``, ``snapshot``: markers.
 
 ``events_from_trace`` turns the block events into the ``("alloc", id, nbytes[, stream])`` / ``("free", id)`` stream that
-``allocator.replay`` takes (a block freed whose alloc the trace does not hold, because recording started after it,
+``allocator.replay`` takes (``("defer", id)`` / ``("return", id)`` for a free whose completion waited) (a block freed whose alloc the trace does not hold, because recording started after it,
 is left out); ``reserved_from_trace`` follows the segment events to the real reserved bytes and segment count at
 their peak; ``compare`` replays the stream through the model under the same allocator settings and puts the two
 side by side. Pure functions on plain data: no torch, no GPU (``benchmarks/gpu_replay.py`` makes the record on one).
@@ -45,12 +45,24 @@ def _entries(trace: Any) -> Iterable[Mapping[str, Any]]:
 
 def events_from_trace(trace: Sequence[Mapping[str, Any]]) -> list[tuple]:
     """The block events of one device's trace as the allocator model's stream, in the pool's order (a block
-    returns to its pool at ``free_completed``)."""
+    returns to its pool at ``free_completed``). A free requested and completed at once is a ``free``; one whose
+    completion comes later (``record_stream``: its event had not completed) is a ``defer`` at the request and a
+    ``return`` at the completion, so the model's allocated bytes drop where ``max_memory_allocated``'s do."""
     out: list[tuple] = []
     live: dict[int, int] = {}  # address -> id of the block allocated there
+    waiting: set[int] = set()  # addresses whose free was requested, not yet completed
     next_id = 0
-    for entry in _entries(trace):
+    entries = list(_entries(trace))
+    for n, entry in enumerate(entries):
         action = entry["action"]
+        if action == "free_requested":
+            addr = entry.get("addr")
+            then = entries[n + 1] if n + 1 < len(entries) else {}
+            if addr in live and addr not in waiting and not (then.get("action") == "free_completed"
+                                                            and then.get("addr") == addr):
+                waiting.add(addr)
+                out.append(("defer", live[addr]))
+            continue
         if action == "alloc":
             live[entry["addr"]] = next_id
             # the CUDA stream's handle (0: the default stream): the allocator serves each stream from its own blocks
@@ -62,7 +74,8 @@ def events_from_trace(trace: Sequence[Mapping[str, Any]]) -> list[tuple]:
         elif action == "free_completed":
             i = live.pop(entry["addr"], None)
             if i is not None:
-                out.append(("free", i))
+                out.append(("return", i) if entry["addr"] in waiting else ("free", i))
+                waiting.discard(entry["addr"])
     return out
 
 
