@@ -577,6 +577,11 @@ def test_zero3_record_stream_frees_raise_reserved_not_allocated():
         assert st.deferred_flushes == 0
     off = an.model_states(LLAMA7B, p, dt, Runtime(engine_config={"stage": 3, "overlap_comm": False}))
     assert off.deferred_flushes == 0
+    # the estimate says how much waits at the active peak (A100 80GB, where the step fits)
+    a100 = EX.partition("a100-80gb")
+    note = [n for n in estimate_analytic(LLAMA7B, p, a100).notes if "record_stream" in n]
+    waiting = (with_late.peak_active - with_late.peak_allocated) / 2**20
+    assert len(note) == 1 and f"up to {waiting:.0f} MiB" in note[0]
 
 
 def test_optimizer_implementations_differ_in_their_step_temporaries():

@@ -311,6 +311,10 @@ def _notes(shape: ModelShape, plan: Plan, partition: Partition, peak: Phase, hos
         notes.append(f"caching allocator replayed (steps 1-2{', ' + dm.alloc_conf if dm.alloc_conf else ''}): "
                      f"{dm.peak_reserved_mib:.0f} MiB reserved, {dm.fragmentation:.0%} of it unallocated at its peak, "
                      f"{dm.segments} segments")
+        if dm.peak_active_mib > dm.peak_allocated_mib + 1:
+            notes.append(f"frees that wait for another stream (record_stream) keep up to "
+                         f"{dm.peak_active_mib - dm.peak_allocated_mib:.0f} MiB out of reuse at the active peak "
+                         f"({dm.peak_active_mib:.0f} MiB); they return before an out-of-memory error")
         if dm.fragmentation_only:
             notes.append("the tensors fit but the allocator's reserved memory does not (fragmentation)"
                          + (f": PYTORCH_CUDA_ALLOC_CONF={dm.fix} makes it fit ({dm.fix_peak_reserved_mib:.0f} MiB reserved)"

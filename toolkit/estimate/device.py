@@ -54,6 +54,8 @@ class DeviceMemory:
     fix_peak_reserved_mib: float | None = None
     alloc_conf: str = ""
     unbounded: Replay | None = field(default=None, repr=False, compare=False)
+    peak_active_mib: float = 0.0
+    """``active_bytes.all.peak``: allocated blocks and freed ones still waiting for another stream (record_stream)"""
 
     @property
     def fragmentation_only(self) -> bool:
@@ -114,7 +116,8 @@ def device_memory(events: Callable[[], Sequence] | Sequence, *, capacity_mib: fl
     return DeviceMemory(peak_allocated_mib=free.peak_allocated / MIB, peak_reserved_mib=shown.peak_reserved / MIB,
                         fragmentation=shown.fragmentation, segments=shown.segments, extras_mib=extras,
                         allocator_capacity_mib=capacity_mib, fits=fits, fits_allocated=fits_alloc,
-                        oom=bounded.oom, fix=fix, fix_peak_reserved_mib=fix_peak, alloc_conf=cfg.text, unbounded=free)
+                        oom=bounded.oom, fix=fix, fix_peak_reserved_mib=fix_peak, alloc_conf=cfg.text, unbounded=free,
+                        peak_active_mib=free.peak_active / MIB)
 
 
 STEPS = 2
