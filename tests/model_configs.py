@@ -18,3 +18,10 @@ TINY_ROBERTA = {"model_type": "roberta", "vocab_size": 4096, "hidden_size": 128,
                 "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 514, "type_vocab_size": 1,
                 "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
 """RoBERTa: BERT's layers, one token type, positions offset past the padding index, its own classification head."""
+
+TINY_OPT = {"model_type": "opt", "vocab_size": 4096, "hidden_size": 128, "ffn_dim": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 512, "word_embed_proj_dim": 128,
+            "do_layer_norm_before": True, "activation_function": "relu", "dropout": 0.1, "attention_dropout": 0.0,
+            "enable_bias": True, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}
+"""OPT's layout (OPT-125m's config at a tiny size): pre-LayerNorm layers with biased k/v/q/out projections, a ReLU
+MLP, dropout on both residual branches, learned positions offset by 2, tied head."""

@@ -77,9 +77,10 @@ SDPA's saved views keep alive), mixtures of experts."""
 # Q/K/V, post-LayerNorm, plain MLP (RoBERTa's layers are BERT's; its embeddings and heads hold the
 # same tensors); "llama": separate Q/K/V (GQA), RMSNorm, rotary positions, gated (SwiGLU/GeGLU) MLP,
 # with the variants above; "vit": an image encoder, separate Q/K/V, pre-LayerNorm, plain MLP, on
-# patches instead of tokens.
+# patches instead of tokens; "opt": a decoder with ViT's layer (separate biased Q/K/V, pre-LayerNorm, plain
+# ReLU MLP, dropout on both residual branches) and learned positions.
 FAMILIES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "xlm-roberta": "bert",
-            **{t: "llama" for t in LLAMA_VARIANTS}, "vit": "vit"}
+            **{t: "llama" for t in LLAMA_VARIANTS}, "vit": "vit", "opt": "opt"}
 IMAGE_FAMILIES = ("vit",)
 
 # Parameter kinds: a "linear" weight feeds a matmul (autocast keeps a 16-bit copy of it
@@ -136,7 +137,7 @@ class ModelShape:
     """A transformer's sizes and its parameter tensors (elements, not bytes)."""
 
     family: str
-    """Block layout the activation formulas follow: gpt2, bert, llama or vit."""
+    """Block layout the activation formulas follow: gpt2, bert, llama, vit or opt."""
     model_type: str
     task: str
     """causal-lm, seq-cls or image-cls (decides the head: vocabulary logits or a few labels)."""
@@ -205,7 +206,7 @@ class ModelShape:
             raise ConfigError(f"task {task!r} needs an image model (model_type {' or '.join(IMAGE_FAMILIES)}); "
                               f"{model_type!r} is a text model: use {' or '.join(TEXT_TASKS)}")
         labels = _need({"num_labels": num_labels}, "num_labels") if num_labels is not None else _labels(cfg)
-        build = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "vit": _vit}[FAMILIES[model_type]]
+        build = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "vit": _vit, "opt": _opt}[FAMILIES[model_type]]
         return build(cfg, task, labels)
 
     @classmethod
@@ -513,6 +514,55 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                       kv_cache=_kv_cache(cfg, task),
                       layer_tensors=tuple(layer), other_tensors=tuple(other),
                       qk_norm=variant.qk_norm, norm_fp32=variant.norm_fp32)
+
+
+def _opt(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
+    """OPTForCausalLM / OPTForSequenceClassification (transformers' modeling_opt.py): token and learned position
+    embeddings (``max_position_embeddings`` + 2 rows: OPT offsets positions past the padding index), pre-LayerNorm
+    decoder layers (k/v/q/out projections, fc1, ReLU, fc2; biases unless ``enable_bias`` is false), a final
+    LayerNorm, the head tied to the token embedding unless the config says not. The 350M checkpoint's layout
+    (``word_embed_proj_dim`` apart from the hidden size, post-LayerNorm layers) is refused, not guessed."""
+    h, layers, heads, vocab, f = _needs(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                                        "ffn_dim")
+    positions = _optional(cfg, "max_position_embeddings", default=2048)
+    if h % heads:
+        raise ConfigError(f"model config hidden_size {h} is not a multiple of num_attention_heads {heads}")
+    proj = _optional(cfg, "word_embed_proj_dim", default=h)
+    if proj != h:
+        raise ConfigError(f"model config word_embed_proj_dim {proj} differs from hidden_size {h} (OPT-350m's "
+                          f"project_in/project_out): not covered; use --method traced")
+    if not bool(_first(cfg, "do_layer_norm_before", default=True)):
+        raise ConfigError("model config do_layer_norm_before false (OPT-350m's post-LayerNorm layers): not covered; "
+                          "use --method traced")
+    if cfg.get("_remove_final_layer_norm"):
+        raise ConfigError("model config _remove_final_layer_norm: an OPT without its final LayerNorm is not covered; "
+                          "use --method traced")
+    bias = bool(_first(cfg, "enable_bias", default=True))
+    affine = bool(_first(cfg, "layer_norm_elementwise_affine", default=True))
+    tied = bool(_first(cfg, "tie_word_embeddings", default=True))
+
+    def linear(name: str, out_dim: int, in_dim: int) -> list[Tensor]:
+        return [(f"{name}.weight", (out_dim, in_dim), "linear")] + ([(f"{name}.bias", (out_dim,), "bias")] if bias else [])
+
+    def norm(name: str) -> list[Tensor]:
+        return [(f"{name}.weight", (h,), "norm"), (f"{name}.bias", (h,), "norm")] if affine else []
+
+    layer: list[Tensor] = []
+    for name in ("k_proj", "v_proj", "q_proj", "out_proj"):  # OPTAttention registers them in this order
+        layer += linear(f"self_attn.{name}", h, h)
+    layer += norm("self_attn_layer_norm") + linear("fc1", f, h) + linear("fc2", h, f) + norm("final_layer_norm")
+    other: list[Tensor] = [("decoder.embed_tokens", (vocab, h), "embedding"),
+                           ("decoder.embed_positions", (positions + 2, h), "embedding")] + norm("decoder.final_layer_norm")
+    if task == "seq-cls":
+        other.append(("score.weight", (labels, h), "linear"))
+    elif not tied:
+        other.append(("lm_head.weight", (vocab, h), "linear"))
+    return ModelShape(family="opt", model_type=cfg["model_type"], task=task, hidden=h, layers=layers, heads=heads,
+                      kv_heads=heads, head_dim=h // heads, ffn=f,
+                      activation=_activation(cfg, "activation_function", default="relu"), gated=False, vocab=vocab,
+                      max_positions=positions, tied=tied, num_labels=labels,
+                      attn_dropout=_rate(cfg, "attention_dropout", 0.0), hidden_dropout=_rate(cfg, "dropout", 0.1),
+                      embd_dropout=0.0, kv_cache=False, layer_tensors=tuple(layer), other_tensors=tuple(other))
 
 
 def _vit(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:

@@ -377,11 +377,11 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 from toolkit.estimate.measure import LiveTensorBytes, measured_peak_bytes, train_setup  # noqa: E402
 
-from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
+from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
           "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit"), "tiny-qwen3": TINY_QWEN3,
-          "tiny-gemma": TINY_GEMMA, "tiny-roberta": TINY_ROBERTA}
+          "tiny-gemma": TINY_GEMMA, "tiny-roberta": TINY_ROBERTA, "tiny-opt": TINY_OPT}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
@@ -406,7 +406,7 @@ def forward_saved_bytes(cfg, task, p: Plan) -> int:
 
 
 @pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma",
-                                    "tiny-roberta"])
+                                    "tiny-roberta", "tiny-opt"])
 @pytest.mark.parametrize("precision, attention", [("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     """The per-layer inventory against the real forward: a 3-layer minus a 2-layer model."""
@@ -442,6 +442,12 @@ CASES = [
     ("tiny-gemma", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
     ("tiny-roberta", "seq-cls", dict(precision="bf16-mixed", micro_batch=8, seq_len=128)),
     ("tiny-roberta", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
+    ("tiny-opt", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),
+    ("tiny-opt", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
+    ("tiny-opt", "causal-lm", dict(precision="bf16-true", attention="eager", micro_batch=4, seq_len=128)),
+    ("tiny-opt", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
+    ("tiny-opt", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
+    ("tiny-opt", "seq-cls", dict(precision="bf16-mixed", micro_batch=8, seq_len=128, checkpointing=True)),
 ] + [  # a ViT: every combination of precision, checkpointing and attention, at two micro-batches
     ("tiny-vit", "image-cls", dict(precision=precision, checkpointing=ckpt, attention=attention, micro_batch=micro))
     for precision in ("fp32", "bf16-mixed") for ckpt in (False, True) for attention in ("sdpa", "eager")

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
+from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
 _NO_KV = {k: v for k, v in TINY_LLAMA.items() if k != "num_key_value_heads"}
 TINY = {
@@ -38,6 +38,9 @@ TINY = {
     "gemma": TINY_GEMMA,
     "roberta": TINY_ROBERTA,
     "xlm-roberta-5-labels": {**TINY_ROBERTA, "model_type": "xlm-roberta", "num_labels": 5},
+    "opt": TINY_OPT,
+    "opt-untied-no-biases-no-affine": {**TINY_OPT, "tie_word_embeddings": False, "enable_bias": False,
+                                       "layer_norm_elementwise_affine": False},
 }
 TASKS = ("causal-lm", "seq-cls")
 
@@ -82,6 +85,12 @@ def test_well_known_counts():
     assert ModelShape.from_config(qwen3_06b).n_params == 596_049_920
     assert ModelShape.from_config(gemma_2b).n_params == 2_506_172_416
     assert ModelShape.from_config(roberta_base, "seq-cls").n_params == 124_647_170
+    opt_13b = {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
+               "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 5120}
+    opt_125m = {**opt_13b, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "ffn_dim": 3072,
+                "word_embed_proj_dim": 768}
+    assert ModelShape.from_config(opt_125m).n_params == 125_239_296
+    assert ModelShape.from_config(opt_13b).n_params == 12_853_473_280
 
 
 def test_llama_variants_take_their_config_classes_defaults():
@@ -167,6 +176,14 @@ def test_bad_configs_are_refused():
             ModelShape.from_config({**TINY_LLAMA, "model_type": near_llama})
     with pytest.raises(ConfigError, match="multiple"):
         ModelShape.from_config({**TINY_LLAMA, "num_key_value_heads": 3})
+    # OPT-350m's layout (a projected embedding, post-LayerNorm layers): named, not guessed
+    for field, value in (("word_embed_proj_dim", 64), ("do_layer_norm_before", False),
+                         ("_remove_final_layer_norm", True)):
+        with pytest.raises(ConfigError, match=field) as err:
+            ModelShape.from_config({**TINY_OPT, field: value})
+        assert "traced" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="ffn_dim"):
+        ModelShape.from_config({k: v for k, v in TINY_OPT.items() if k != "ffn_dim"})
     with pytest.raises(ConfigError, match="positive integer"):
         ModelShape.from_config({**TINY_LLAMA, "hidden_size": "128"})
     with pytest.raises(ConfigError, match="task"):

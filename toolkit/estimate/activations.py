@@ -69,7 +69,7 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     # The causal mask is in the weights' dtype (fp32 under autocast) and CUDA's autocast
     # runs softmax in fp32: then softmax's output is fp32 and a 16-bit copy feeds the matmul.
     # LLaMA's and ViT's eager attention ask softmax for fp32 outright.
-    soft = 4 if shape.family in ("llama", "vit") or (dt.autocast and (causal or dt.gpu)) else c
+    soft = 4 if shape.family in ("llama", "vit", "opt") or (dt.autocast and (causal or dt.gpu)) else c
     if shape.attn_dropout > 0:
         extra = dt.mask + c
     else:
@@ -113,7 +113,7 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Ru
         cache = 2 * shape.kv_heads * shape.head_dim * c if shape.kv_cache and not plan.checkpointing else 0
         # ln_1 input, c_attn input, ln_2 input, c_fc input (+ LayerNorm stats)
         return core + cache + 2 * (h * p + LN_STATS_BYTES) + 2 * h * c
-    if shape.family in ("bert", "vit"):
+    if shape.family in ("bert", "vit", "opt"):
         qkv_in = 3 * h * c if dt.autocast else h * p
         if shape.family == "vit" and runtime.model_code == "torchvision" and not stores_scores(shape, plan, dt):
             qkv_in = (h * c if dt.autocast else h * p) + h * c  # one cast for the packed projection; out_proj's copy
@@ -150,9 +150,11 @@ def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
     causal = shape.task == "causal-lm"
     ids = ID_BYTES * (3 if causal else 1)  # input ids; labels and their shifted copy for the loss
     logprobs = 4 * shape.vocab if causal else 0  # transformers upcasts the logits; log_softmax keeps fp32
-    if shape.family == "gpt2":
+    if shape.family in ("gpt2", "opt"):
         emb = h * dt.mask if shape.embd_dropout > 0 else 0
-        return ids + emb + h * p + LN_STATS_BYTES + h * c + logprobs
+        # OPT's position ids are per sample (a cumsum of the attention mask): the embedding saves them, offset
+        pos = ID_BYTES if shape.family == "opt" else 0
+        return ids + pos + emb + h * p + LN_STATS_BYTES + h * c + logprobs
     if shape.family == "bert":
         emb = ID_BYTES + h * p + LN_STATS_BYTES + (h * dt.mask if shape.embd_dropout > 0 else 0)  # token types, LN
         if causal:  # transform dense, GELU, LayerNorm, decoder inputs (CUDA autocast: LayerNorm in fp32)
@@ -185,7 +187,7 @@ def outside_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
 # gradient's dtype: the weights' dtype, fp32 inside LLaMA's RMSNorm). Fitted on real
 # training steps on the CPU (torch 2.13, transformers 5.23; see tests/unit/test_estimate_analytic.py).
 LAYER_BACKWARD_TEMP = {("gpt2", "gelu_new"): (2.25, 0.5), "gpt2": (0.8, 2.3), "bert": (0.4, 4.4), "llama": (0.55, 5.3),
-                       "vit": (1.0, 1.0)}
+                       "vit": (1.0, 1.0), "opt": (2.0, 1.0)}
 # With eager attention, in (a x s per token) in the compute dtype: GPT-2's peak inside a
 # layer's backward comes after part of its score matrix is freed.
 EAGER_BACKWARD_TEMP = {"gpt2": -1.0}
@@ -286,7 +288,7 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)
     if plan.checkpointing:
         layer_bwd += layer + layer_cast  # the layer is recomputed (and its weights re-cast) first
-        if shape.family == "vit":
+        if shape.family in ("vit", "opt"):
             layer_bwd -= kept  # a pre-LN layer saves its input, which is the tensor checkpointing kept
     outside = tokens * outside_bytes_per_token(shape, dt) + plan.micro_batch * outside_bytes_per_sample(shape, dt)
     if not upcast:
