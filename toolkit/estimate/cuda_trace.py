@@ -12,8 +12,8 @@ On a GPU, ``torch.cuda.memory._record_memory_history()`` makes the allocator log
 - ``oom``, ``snapshot``: markers.
 
 ``events_from_trace`` turns the block events into the ``("alloc", id, nbytes[, stream])`` / ``("free", id)`` stream that
-``allocator.replay`` takes (``("defer", id)`` / ``("return", id)`` for a free whose completion waited) (a block freed whose alloc the trace does not hold, because recording started after it,
-is left out); ``reserved_from_trace`` follows the segment events to the real reserved bytes and segment count at
+``allocator.replay`` takes, with ``("defer", id)`` / ``("return", id)`` for a free whose completion waited (a block
+freed whose alloc the trace does not hold, because recording started after it, is left out); ``reserved_from_trace`` follows the segment events to the real reserved bytes and segment count at
 their peak; ``compare`` replays the stream through the model under the same allocator settings and puts the two
 side by side. Pure functions on plain data: no torch, no GPU (``benchmarks/gpu_replay.py`` makes the record on one).
 """

@@ -119,8 +119,9 @@ FSDP_LIMIT_ALL_GATHERS_NIGHTLY = "20230712"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104900 (merged 2023-07-11): FSDP1's
 ``limit_all_gathers`` (the rate limiter) defaults to True; before it, False."""
 FSDP2_TORCH = (2, 4)
-FSDP_APIS = (None, "fsdp1", "fsdp2")
 """torch whose ``fsdp`` is FSDP2 (``fully_shard``, what hpcmem runs); before it a ``fsdp`` launch is FSDP1."""
+FSDP_APIS = (None, "fsdp1", "fsdp2")
+"""``Runtime.fsdp_api``'s values (None: by ``FSDP2_TORCH``)."""
 
 
 @dataclass(frozen=True)
