@@ -11,8 +11,11 @@ import time
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.estimate.allocator import (K_LARGE_BUFFER, K_SMALL_BUFFER, MIB, allocation_size, parse_alloc_conf,
-                                        replay, round_size)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from toolkit.estimate.allocator import (K_LARGE_BUFFER, K_SMALL_BUFFER, MIB, CachingAllocator, allocation_size,
+                                        parse_alloc_conf, replay, round_size)
 
 
 def A(i, n):
@@ -259,6 +262,60 @@ def test_deferred_blocks_come_back_before_an_out_of_memory_error():
     assert r.peak_active == 60 * MIB  # the synchronization took the deferred block out before the new one
     r = replay([A(1, 60 * MIB), D(1), A(2, 60 * MIB)])
     assert r.peak_reserved == 120 * MIB  # unbounded: both segments
+
+
+def _deferring_stream(ops, capacity):
+    """A stream from hypothesis's choices: alloc / free / defer / return, each on a live (or deferred) id."""
+    live, deferred, evs, k = [], [], [], 0
+    for op, size, pick in ops:
+        if op == "alloc" or not (live or deferred):
+            evs.append(A(k, size))
+            live.append(k)
+            k += 1
+        elif op in ("free", "defer") and live:
+            i = live.pop(pick % len(live))
+            evs.append(F(i) if op == "free" else D(i))
+            if op == "defer":
+                deferred.append(i)
+        elif deferred:
+            evs.append(R(deferred.pop(pick % len(deferred))))
+    return evs
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "defer", "return"]),
+                              st.sampled_from([700, 300 * 1024, 3 * MIB, 12 * MIB, 30 * MIB]),
+                              st.integers(0, 1000)), max_size=80),
+       capacity=st.sampled_from([None, 64 * MIB, 128 * MIB]),
+       conf=st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:32"]))
+def test_deferred_frees_keep_the_allocators_books(ops, capacity, conf):
+    """On any stream: allocated <= active <= reserved at the peaks; an out-of-memory error comes only after every
+    deferred block came back (synchronize_and_free_events); turning every defer into a free never raises the
+    allocated peak."""
+    evs = _deferring_stream(ops, capacity)
+    a = CachingAllocator(capacity, parse_alloc_conf(conf))
+    live, waiting = {}, {}
+    for ev in evs:
+        if ev[0] == "alloc":
+            b = a.malloc(ev[2])
+            if b is None:
+                assert not a.deferred  # all came back before the allocator gave up
+                break
+            live[ev[1]] = (b, ev[2])
+        elif ev[0] == "free":
+            a.free(*live.pop(ev[1]))
+        elif ev[0] == "defer":
+            b, n = live.pop(ev[1])
+            a.defer(b, n)
+            waiting[ev[1]] = b
+        else:
+            a.give_back(waiting.pop(ev[1]))
+        assert a.allocated + a.deferred_bytes <= a.reserved
+    r = replay(evs, capacity, conf)
+    assert r.peak_allocated <= r.peak_active <= r.peak_reserved or r.oom is not None
+    if capacity is None:
+        plain = replay([F(e[1]) if e[0] == "defer" else e for e in evs if e[0] != "return"], None, conf)
+        assert plain.peak_allocated == r.peak_allocated
 
 
 def test_broken_streams_are_errors():

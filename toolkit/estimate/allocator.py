@@ -47,7 +47,8 @@ program makes (``allocated`` drops, as ``max_memory_allocated`` sees it; the blo
 counts as active); ``("return", id)`` is the completion, when the block goes back to its pool. Before it
 gives up, ``release_cached_blocks`` first calls ``synchronize_and_free_events`` (CUDACachingAllocator.cpp,
 torch 2.x): every deferred block returns, then the cached segments are freed and the allocation retried, so
-deferred frees raise the reserved peak but never cause an out-of-memory error by themselves. A later
+the deferred bytes are never what an out-of-memory error is short of (the placement they forced on requests
+made meanwhile can still fragment the segments). A later
 ``return`` of a block that came back that way is a no-op. Not modelled: CUDA graphs' private pools, the
 ``cudaMallocAsync`` backend (its options are accepted and named in ``AllocatorConfig.unmodelled``),
 pinned host memory options (irrelevant to device memory).
