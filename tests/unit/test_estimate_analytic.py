@@ -788,6 +788,31 @@ def test_torch_before_1_11_softmax_keeps_its_input_too():
         .components["activations"] == pytest.approx(4 * bert.layers * a * s * s * 4 / MIB)
 
 
+def test_an_eager_attention_that_clamps_its_scores_keeps_them():
+    """transformers' OPT attention of 2023 (Runtime.eager_clamps_scores): torch.max keeps the masked scores, softmax
+    upcasts only fp16 scores. Per a x s per token, against today's softmax(dtype=float32) without a clamp."""
+    from toolkit.estimate.gpu import Runtime
+
+    opt = ModelShape.from_config(TINY_OPT)
+    s, a = 256, opt.heads
+    old = Runtime(eager_clamps_scores=True)
+    cases = (  # (plan, engine), then bytes per a x s: with the clamp, without it
+        (dict(precision="fp16-mixed", launcher="deepspeed", zero_stage=2), 2 + 4 + 2, 4 + 2),  # fp16 weights
+        (dict(precision="bf16-true"), 2 + 2, 4 + 2),  # bf16 scores: a bf16 softmax, no copy
+        (dict(precision="fp32"), 4 + 4, 4),
+        (dict(precision="fp16-mixed"), 4 + 4 + 2, 4 + 2))  # autocast: the fp32 mask promotes the scores
+    for knobs, clamped, today in cases:
+        p = plan(attention="eager", seq_len=s, **knobs)
+        dt = an.dtypes_for(p, True)
+        qkvo = 4 * opt.hidden * dt.compute
+        assert inv._attention_bytes(opt, p, dt, old) == qkvo + a * s * clamped, knobs
+        assert inv._attention_bytes(opt, p, dt) == qkvo + a * s * today, knobs
+        sdpa = p.replace(attention="sdpa")  # no score matrix: nothing to clamp
+        assert inv._attention_bytes(opt, sdpa, dt, old) == inv._attention_bytes(opt, sdpa, dt)
+    with pytest.raises(ValueError, match="eager_clamps_scores"):
+        Runtime(eager_clamps_scores="yes")
+
+
 def test_torchvision_vit_stream_allocates_the_packed_in_projection_as_one_tensor():
     from math import prod
 

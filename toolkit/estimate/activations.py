@@ -57,13 +57,22 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     """Per token: the attention kernel's saved Q, K, V and output, and the score matrix when stored.
 
     torch < 1.11 (``runtime.softmax_saves_input``): softmax saved its input too (the masked scores, in
-    softmax's dtype), one more a x s x s matrix per layer."""
+    softmax's dtype), one more a x s x s matrix per layer. An eager attention that clamps the masked scores
+    (``runtime.eager_clamps_scores``) keeps them for the clamp's backward."""
     c, a, s = dt.compute, shape.heads, sequence_length(shape, plan)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not stores_scores(shape, plan, dt):
         if runtime.sdpa_repeats_kv:
             kv_dim = q_dim  # K and V repeated to every query head before SDPA (Runtime.sdpa_repeats_kv)
         return (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
+    if runtime.eager_clamps_scores:
+        # the clamp's input (the masked scores: fp32 under autocast), softmax's output (fp32 for fp16 or fp32
+        # scores, else their own dtype), and what the second matmul takes: dropout's output, or the 16-bit copy
+        scores = 4 if dt.autocast else c
+        fp16 = not dt.autocast and c == 2 and plan.precision.startswith("fp16")
+        soft = 4 if fp16 or scores == 4 else scores
+        rest = dt.mask + c if shape.attn_dropout > 0 else (c if soft != c else 0)
+        return 4 * q_dim * c + a * s * (scores + soft + rest)
     # Eager: K and V repeated to every head (GQA), softmax output, its 16-bit copy or dropout.
     causal = shape.family not in ("bert", "vit")
     # The causal mask is in the weights' dtype (fp32 under autocast) and CUDA's autocast

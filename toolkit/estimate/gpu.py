@@ -221,6 +221,13 @@ class Runtime:
     model built outside ``zero.Init`` and run by an older DeepSpeed, where torch's linear keeps each gathered
     weight (a ``weight.t()`` view) from its forward to its backward (``strategies.deepspeed.zero3_gathered``)"""
 
+    eager_clamps_scores: bool = False
+    """the model's eager attention clamps the masked scores with ``torch.max`` before its softmax and upcasts only
+    fp16 scores (``softmax(dtype=float32).to(float16)``; other scores keep their dtype): transformers' OPT attention
+    of 2022-2023 (4.29's ``OPTAttention``, read in copies of it), which autograd makes keep the clamp's input, one
+    more heads x sequence matrix per token (fp32 under autocast, whose fp32 mask promotes the scores). False:
+    today's attention functions (``softmax(dtype=float32)`` on scores without a clamp)"""
+
     model_code: str = "transformers"
     """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and
@@ -228,7 +235,7 @@ class Runtime:
 
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
-                     "fsdp_no_sync", "ddp_side_stream"):
+                     "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:
