@@ -63,7 +63,7 @@ None, and an ``AllocatorConfig`` (``parse_alloc_conf(PYTORCH_CUDA_ALLOC_CONF)``)
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -79,6 +79,8 @@ K_ROUND_LARGE = 2 * MIB           # kRoundLarge: round up large allocations to 2
 ROUNDUP_INTERVALS = 16            # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
 NO_LIMIT = (1 << 64) - 1          # max_split_size default: std::numeric_limits<size_t>::max()
 _ADDRESS_SPACE = 1 << 52          # an expandable segment's virtual range (the card x 1.125 in torch): "enough"
+_ADDR_BITS = 61                   # block addresses lie below 1 << 60 (``_new_segment`` counts down from there)
+_ADDR_MASK = (1 << _ADDR_BITS) - 1
 
 # Options CUDAAllocatorConfig::parseArgs accepts (torch 2.x); the modelled ones first.
 _MODELLED = ("max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
@@ -356,12 +358,13 @@ class _Block:
 class _Pool:
     """Free mapped blocks of one pool and one stream, ordered by (size, address): PyTorch's BlockPool
     orders by (stream, size, address) and never serves a request from another stream's blocks, which
-    is a pool per stream."""
+    is a pool per stream. ``keys`` holds ``size << _ADDR_BITS | addr``, one int per block, sorted: the same
+    order as (size, address) pairs, compared without building tuples (the replay's hottest path)."""
 
     __slots__ = ("keys", "blocks", "small", "calls", "unmapped", "page", "stream", "base")
 
     def __init__(self, small: bool, page: int, stream=0, calls: list[int] | None = None):
-        self.keys: list[tuple[int, int]] = []
+        self.keys: list[int] = []
         self.blocks: dict[int, _Block] = {}
         self.small, self.page, self.stream = small, page, stream
         self.calls = calls if calls is not None else [0]  # get_free_block calls, shared by the streams' pools
@@ -369,15 +372,21 @@ class _Pool:
         self.base: int | None = None  # start address of this pool's expandable segment
 
     def insert(self, b: _Block) -> None:
-        bisect.insort(self.keys, (b.size, b.addr))
+        insort(self.keys, b.size << _ADDR_BITS | b.addr)
         self.blocks[b.addr] = b
         b.born = self.calls[0]
 
     def remove(self, b: _Block) -> None:
         keys = self.keys
-        i = bisect.bisect_left(keys, (b.size, b.addr))
-        del keys[i]
+        del keys[bisect_left(keys, b.size << _ADDR_BITS | b.addr)]
         del self.blocks[b.addr]
+
+    def first_at_least(self, size: int) -> int:
+        """The index in ``keys`` of the smallest block of at least ``size`` bytes (``len(keys)``: none)."""
+        return bisect_left(self.keys, size << _ADDR_BITS)
+
+    def block(self, i: int) -> _Block:
+        return self.blocks[self.keys[i] & _ADDR_MASK]
 
 
 class CachingAllocator:
@@ -399,6 +408,7 @@ class CachingAllocator:
         self._next_addr = 1 << 60
         self._next_seg = 0
         self._plain_rounding = not any(self.cfg.roundup_power2_divisions)
+        self._gc = capacity is not None and self.cfg.garbage_collection_threshold > 0.0  # garbage collection on
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -421,24 +431,22 @@ class CachingAllocator:
             return remaining >= K_MIN_BLOCK
         return size < self.cfg.max_split_size and remaining > K_SMALL_SIZE
 
-    def _gc_on(self) -> bool:
-        return self.capacity is not None and self.cfg.garbage_collection_threshold > 0.0
-
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
-        if self._gc_on():
+        if self._gc:
             pool.calls[0] += 1
         keys = pool.keys
-        i = bisect.bisect_left(keys, (size, -1))
-        if i == len(keys):
+        i = bisect_left(keys, size << _ADDR_BITS)  # pool.first_at_least, inlined: the replay's hottest path
+        n = len(keys)
+        if i == n:
             return None
-        b = pool.blocks[keys[i][1]]
+        b = pool.blocks[keys[i] & _ADDR_MASK]
         cfg = self.cfg
         if cfg.expandable_segments:
             def grow(x: _Block) -> int:
                 return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
-            while i + 1 < len(keys) and grow(pool.blocks[keys[i + 1][1]]) < grow(b):
+            while i + 1 < n and grow(pool.block(i + 1)) < grow(b):
                 i += 1
-                b = pool.blocks[keys[i][1]]
+                b = pool.block(i)
         else:
             if size < cfg.max_split_size and b.size >= cfg.max_split_size:
                 return None
@@ -474,14 +482,13 @@ class CachingAllocator:
         if cfg.max_split_size == NO_LIMIT or cfg.expandable_segments:
             return False
         key = max(size, cfg.max_split_size)
-        keys = pool.keys
-        i = bisect.bisect_left(keys, (key, -1))
-        if i < len(keys):
-            self._release_segment(pool.blocks[keys[i][1]], pool)
+        i = pool.first_at_least(key)
+        if i < len(pool.keys):
+            self._release_segment(pool.block(i), pool)
             return True
-        released, j = 0, len(keys) - 1
+        released, j = 0, len(pool.keys) - 1
         while j >= 0 and released < key:
-            b = pool.blocks[keys[j][1]]
+            b = pool.block(j)
             if b.size < cfg.max_split_size:
                 break
             self._release_segment(b, pool)
@@ -649,7 +656,7 @@ class CachingAllocator:
         pool = (self.small if small else self.large) if stream == 0 else self._pool(stream, small)
         b = self._get_free_block(pool, size)
         if b is None:
-            if self._gc_on():
+            if self._gc:
                 self._garbage_collect()
             b = self._alloc_block(pool, size)
             if b is None and self._release_available(pool, size):
@@ -660,27 +667,28 @@ class CachingAllocator:
             if b is None:
                 return None
         if self._should_split(b, size):
-            rest = _Block(b.addr + size, b.size - size, b.small, b.seg, pool)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
+            rest = _Block(b.addr + size, b.size - size, small, b.seg, pool)
+            nxt = rest.next = b.next
+            rest.prev = b
+            if nxt is not None:
+                nxt.prev = rest
             b.next = rest
             b.size = size
             pool.insert(rest)
         b.allocated = True
-        self.allocated += b.size
-        self.requested += nbytes
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-        if self.allocated + self.deferred_bytes > self.peak_active:
-            self.peak_active = self.allocated + self.deferred_bytes
-        if self.requested > self.peak_requested:
-            self.peak_requested = self.requested
+        allocated = self.allocated = self.allocated + b.size
+        requested = self.requested = self.requested + nbytes
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
+        if allocated + self.deferred_bytes > self.peak_active:
+            self.peak_active = allocated + self.deferred_bytes
+        if requested > self.peak_requested:
+            self.peak_requested = requested
         reserved = self.reserved
         if reserved >= self.peak_reserved:
-            if reserved > self.peak_reserved or reserved - self.allocated < self.frag_at_peak * reserved:
+            if reserved > self.peak_reserved or reserved - allocated < self.frag_at_peak * reserved:
                 self.peak_reserved = reserved
-                self.frag_at_peak = (reserved - self.allocated) / reserved if reserved else 0.0
+                self.frag_at_peak = (reserved - allocated) / reserved if reserved else 0.0
                 self.segments_at_peak = self.segments
         return b
 
@@ -707,23 +715,24 @@ class CachingAllocator:
         return True
 
     def _to_pool(self, b: _Block) -> None:
+        """Into its pool, merged with the free mapped neighbours of its segment."""
         pool = b.pool
         b.allocated = False
-        for other in (b.prev, b.next):
-            if other is None or other.allocated or not other.mapped:
-                continue
-            pool.remove(other)
-            if other is b.prev:
-                other.size += b.size
-                other.next = b.next
-                if b.next is not None:
-                    b.next.prev = other
-                b = other
-            else:
-                b.size += other.size
-                b.next = other.next
-                if other.next is not None:
-                    other.next.prev = b
+        prev = b.prev
+        if prev is not None and not prev.allocated and prev.mapped:
+            pool.remove(prev)
+            prev.size += b.size
+            nxt = prev.next = b.next
+            if nxt is not None:
+                nxt.prev = prev
+            b = prev
+        nxt = b.next
+        if nxt is not None and not nxt.allocated and nxt.mapped:
+            pool.remove(nxt)
+            b.size += nxt.size
+            after = b.next = nxt.next
+            if after is not None:
+                after.prev = b
         pool.insert(b)
 
 
@@ -745,23 +754,25 @@ def replay(events: Iterable[Sequence], capacity: int | None = None,
     for n, ev in enumerate(events, 1):
         kind = ev[0]
         if kind == "alloc" or kind == "a":
-            nbytes = int(ev[2])
-            if ev[1] in live:
-                raise ValueError(f"allocator stream: id {ev[1]!r} allocated twice without a free (event {n - 1})")
-            stream = ev[3] if len(ev) > 3 else 0
+            key, nbytes = ev[1], int(ev[2])
+            if key in live:
+                raise ValueError(f"allocator stream: id {key!r} allocated twice without a free (event {n - 1})")
             if len(ev) > 3:
+                stream = ev[3]
                 try:
                     hash(stream)
                 except TypeError:
-                    raise ValueError(f"allocator stream: stream {stream!r} of id {ev[1]!r} is not a name "
+                    raise ValueError(f"allocator stream: stream {stream!r} of id {key!r} is not a name "
                                      f"(event {n - 1})") from None
-            b = malloc(nbytes, stream)
+                b = malloc(nbytes, stream)
+            else:
+                b = malloc(nbytes)
             if b is None:
                 reserved = a.reserved
                 oom = OutOfMemory(event=n - 1, request=nbytes, allocated=a.allocated, reserved=reserved,
                                   capacity=capacity or 0, free=max(0, (capacity or 0) - reserved))
                 break
-            live[ev[1]] = (b, nbytes)
+            live[key] = (b, nbytes)
         elif kind == "free" or kind == "f":
             got = live.pop(ev[1], None)
             if got is None:
