@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.estimate.allocator import (K_LARGE_BUFFER, K_SMALL_BUFFER, MIB, CachingAllocator, allocation_size,
-                                        parse_alloc_conf, replay, round_size)
+                                        parse_alloc_conf, replay, replay_pair, round_size)
 
 
 def A(i, n):
@@ -316,6 +316,43 @@ def test_deferred_frees_keep_the_allocators_books(ops, capacity, conf):
     if capacity is None:
         plain = replay([F(e[1]) if e[0] == "defer" else e for e in evs if e[0] != "return"], None, conf)
         assert plain.peak_allocated == r.peak_allocated
+
+
+def test_replay_pair_is_the_two_replays_with_their_common_prefix_run_once():
+    # 100 MiB freed and kept cached, 3 MiB split off it, then 120 MiB: the unbounded allocator makes a second
+    # segment (223 MiB); under 200 MiB that request is where the two part (the bounded one fails: the split
+    # segment cannot be released)
+    evs = [A(1, 100 * MIB), F(1), A(0, 3 * MIB), A(2, 120 * MIB), F(2), A(3, 10 * MIB)]
+    free, bounded = replay_pair(evs, 200 * MIB)
+    assert free == replay(evs) and bounded == replay(evs, 200 * MIB)
+    assert free.oom is None and free.peak_reserved == 220 * MIB
+    assert bounded.oom is not None and bounded.oom.event == 3 and bounded.events == 4
+    free, bounded = replay_pair(evs, 300 * MIB)  # never beyond the capacity: one replay, one result
+    assert bounded is free and free == replay(evs, 300 * MIB)
+    # a cached 12 MiB segment: under 40 MiB the bounded run releases it for the 30 MiB request and has no room
+    # for the second 12 MiB; the unbounded run must still hold it and serve the second 12 MiB from it (42 MiB)
+    evs = [A(1, 12 * MIB), F(1), A(2, 30 * MIB), A(3, 12 * MIB)]
+    free, bounded = replay_pair(evs, 40 * MIB)
+    assert free == replay(evs) and free.peak_reserved == 42 * MIB and free.segments_end == 2
+    assert bounded == replay(evs, 40 * MIB) and bounded.oom is not None and bounded.oom.event == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "defer", "return"]),
+                              st.sampled_from([700, 300 * 1024, 3 * MIB, 12 * MIB, 30 * MIB]),
+                              st.integers(0, 1000)), max_size=80),
+       capacity=st.sampled_from([0, 40 * MIB, 64 * MIB, 128 * MIB]),
+       side=st.integers(0, 3),
+       conf=st.sampled_from(["", "max_split_size_mb:32", "roundup_power2_divisions:4", "expandable_segments:True",
+                             "garbage_collection_threshold:0.6"]))
+def test_replay_pair_equals_the_unbounded_and_the_bounded_replay(ops, capacity, side, conf):
+    """On any stream (deferred frees and a side stream's allocations included) and setting, the pair is exactly
+    what the two replays give, whatever request the runs part at."""
+    evs = [e + ("reduce",) if e[0] == "alloc" and side and e[1] % side == 0 else e
+           for e in _deferring_stream(ops, capacity)]
+    free, bounded = replay_pair(evs, capacity, conf)
+    assert free == replay(evs, None, conf)
+    assert bounded == replay(evs, capacity, conf)
 
 
 def test_broken_streams_are_errors():

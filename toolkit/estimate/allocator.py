@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Iterable, Sequence
 
 from ..errors import ConfigError
@@ -409,6 +410,7 @@ class CachingAllocator:
         self._next_seg = 0
         self._plain_rounding = not any(self.cfg.roundup_power2_divisions)
         self._gc = capacity is not None and self.cfg.garbage_collection_threshold > 0.0  # garbage collection on
+        self._watch: int | None = None  # unbounded, watched for this capacity (replay_pair): _Diverged beyond it
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -530,6 +532,8 @@ class CachingAllocator:
         nbytes = allocation_size(size, self.cfg)
         if not self._room(nbytes):
             return None
+        if self._watch is not None and self.reserved + nbytes > self._watch:
+            raise _Diverged()
         self.reserved += nbytes
         self.segments += 1
         return self._new_segment(nbytes, pool)
@@ -736,6 +740,134 @@ class CachingAllocator:
         pool.insert(b)
 
 
+class _Diverged(Exception):
+    """An unbounded allocator watched for ``capacity`` asked the driver for more than it: a bounded one would
+    release its cache or fail here, so the two replays part (raised before the request changed any state)."""
+
+
+class _Run:
+    """One replay's allocator and books (live ids, deferred ids, marks), resumable at an event index."""
+
+    __slots__ = ("a", "live", "deferred", "marks")
+
+    def __init__(self, a: CachingAllocator, live: dict, deferred: dict, marks: list):
+        self.a, self.live, self.deferred, self.marks = a, live, deferred, marks
+
+    def go(self, events: Iterable[Sequence], start: int = 0) -> Replay:
+        """Replay ``events`` (from index ``start`` of a sequence) to their end or the first OOM; ``_Diverged``
+        propagates with ``.event`` set to the index of the request that raised it."""
+        a, live, deferred, marks = self.a, self.live, self.deferred, self.marks
+        capacity = a.capacity
+        oom = None
+        n = start
+        malloc, free = a.malloc, a.free
+        if start:
+            events = islice(events, start, None)
+        for n, ev in enumerate(events, start + 1):
+            kind = ev[0]
+            if kind == "alloc" or kind == "a":
+                key, nbytes = ev[1], int(ev[2])
+                if key in live:
+                    raise ValueError(f"allocator stream: id {key!r} allocated twice without a free (event {n - 1})")
+                try:
+                    if len(ev) > 3:
+                        stream = ev[3]
+                        try:
+                            hash(stream)
+                        except TypeError:
+                            raise ValueError(f"allocator stream: stream {stream!r} of id {key!r} is not a name "
+                                             f"(event {n - 1})") from None
+                        b = malloc(nbytes, stream)
+                    else:
+                        b = malloc(nbytes)
+                except _Diverged as e:
+                    e.event = n - 1
+                    raise
+                if b is None:
+                    reserved = a.reserved
+                    oom = OutOfMemory(event=n - 1, request=nbytes, allocated=a.allocated, reserved=reserved,
+                                      capacity=capacity or 0, free=max(0, (capacity or 0) - reserved))
+                    break
+                live[key] = (b, nbytes)
+            elif kind == "free" or kind == "f":
+                got = live.pop(ev[1], None)
+                if got is None:
+                    raise ValueError(f"allocator stream: free of id {ev[1]!r} that is not live (event {n - 1})")
+                free(*got)
+            elif kind == "defer":
+                got = live.pop(ev[1], None)
+                if got is None:
+                    raise ValueError(f"allocator stream: defer of id {ev[1]!r} that is not live (event {n - 1})")
+                a.defer(*got)
+                deferred[ev[1]] = got[0]
+            elif kind == "return":
+                b = deferred.pop(ev[1], None)
+                if b is None:
+                    raise ValueError(f"allocator stream: return of id {ev[1]!r} that was not deferred "
+                                     f"(event {n - 1})")
+                a.give_back(b)
+            elif kind == "mark":
+                marks.append((str(ev[1]), a.allocated, a.reserved))
+            else:
+                raise ValueError(f"allocator stream: unknown event {kind!r} (event {n - 1})")
+        return Replay(peak_allocated=a.peak_allocated, peak_requested=a.peak_requested,
+                      peak_reserved=a.peak_reserved, reserved_end=a.reserved, allocated_end=a.allocated,
+                      fragmentation=a.frag_at_peak if a.peak_reserved else 0.0, segments=a.segments_at_peak,
+                      segments_end=a.segments, oom=oom, events=n, config=a.cfg, marks=tuple(marks),
+                      peak_active=a.peak_active)
+
+    def fork(self, capacity: int | None) -> "_Run":
+        """An independent copy of this run (its allocator's blocks, pools and books) under ``capacity``."""
+        a = self.a
+        new = object.__new__(CachingAllocator)
+        new.__dict__.update(a.__dict__)
+        new.capacity = capacity
+        new._gc = capacity is not None and a.cfg.garbage_collection_threshold > 0.0
+        new._watch = None
+        calls: dict[int, list[int]] = {}
+        pools: dict[int, _Pool] = {}
+        for key, p in a._pools.items():
+            q = object.__new__(_Pool)
+            q.keys, q.small, q.page, q.stream, q.base = list(p.keys), p.small, p.page, p.stream, p.base
+            q.calls = calls.setdefault(id(p.calls), list(p.calls))
+            pools[id(p)] = q
+        made: dict[int, _Block] = {}  # id(old block) -> its copy
+
+        def copy_segment(b: _Block) -> None:
+            while b.prev is not None:
+                b = b.prev
+            prev = None
+            while b is not None:
+                c = object.__new__(_Block)
+                c.addr, c.size, c.allocated, c.mapped, c.small, c.seg, c.born = (
+                    b.addr, b.size, b.allocated, b.mapped, b.small, b.seg, b.born)
+                c.pool, c.prev, c.next = pools[id(b.pool)], prev, None
+                if prev is not None:
+                    prev.next = c
+                made[id(b)] = prev = c
+                b = b.next
+
+        known = [b for p in a._pools.values() for b in (*p.blocks.values(), *p.unmapped.values())]
+        known += [b for b, _ in self.live.values()]
+        known += a.deferred.values()
+        for b in known:
+            if id(b) not in made:
+                copy_segment(b)
+        new._pools = {key: pools[id(p)] for key, p in a._pools.items()}
+        new.small, new.large = new._pools[(0, True)], new._pools[(0, False)]
+        for p in a._pools.values():
+            q = pools[id(p)]
+            q.blocks = {addr: made[id(b)] for addr, b in p.blocks.items()}
+            q.unmapped = {addr: made[id(b)] for addr, b in p.unmapped.items()}
+        new.deferred = {addr: made[id(b)] for addr, b in a.deferred.items()}
+        return _Run(new, {k: (made[id(b)], n) for k, (b, n) in self.live.items()},
+                    {k: made[id(b)] for k, b in self.deferred.items()}, list(self.marks))
+
+
+def _config(config: AllocatorConfig | str | None) -> AllocatorConfig:
+    return config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
+
+
 def replay(events: Iterable[Sequence], capacity: int | None = None,
            config: AllocatorConfig | str | None = None) -> Replay:
     """Replay ``events`` (``("alloc", id, nbytes)``, ``("free", id)``, ``("defer", id)``, ``("return", id)``,
@@ -743,61 +875,29 @@ def replay(events: Iterable[Sequence], capacity: int | None = None,
     the caching allocator under ``capacity`` bytes (None: unbounded) and ``config`` (an
     ``AllocatorConfig`` or a ``PYTORCH_CUDA_ALLOC_CONF`` string). Stops at the first OOM.
     Freeing an id that is not live is a ValueError (a broken stream, not a memory fact)."""
-    cfg = config if isinstance(config, AllocatorConfig) else parse_alloc_conf(config)
-    a = CachingAllocator(capacity, cfg)
-    live: dict = {}
-    deferred: dict = {}  # id -> block, from its defer to its return
-    marks: list[tuple[str, int, int]] = []
-    oom = None
-    n = 0
-    malloc, free = a.malloc, a.free
-    for n, ev in enumerate(events, 1):
-        kind = ev[0]
-        if kind == "alloc" or kind == "a":
-            key, nbytes = ev[1], int(ev[2])
-            if key in live:
-                raise ValueError(f"allocator stream: id {key!r} allocated twice without a free (event {n - 1})")
-            if len(ev) > 3:
-                stream = ev[3]
-                try:
-                    hash(stream)
-                except TypeError:
-                    raise ValueError(f"allocator stream: stream {stream!r} of id {key!r} is not a name "
-                                     f"(event {n - 1})") from None
-                b = malloc(nbytes, stream)
-            else:
-                b = malloc(nbytes)
-            if b is None:
-                reserved = a.reserved
-                oom = OutOfMemory(event=n - 1, request=nbytes, allocated=a.allocated, reserved=reserved,
-                                  capacity=capacity or 0, free=max(0, (capacity or 0) - reserved))
-                break
-            live[key] = (b, nbytes)
-        elif kind == "free" or kind == "f":
-            got = live.pop(ev[1], None)
-            if got is None:
-                raise ValueError(f"allocator stream: free of id {ev[1]!r} that is not live (event {n - 1})")
-            free(*got)
-        elif kind == "defer":
-            got = live.pop(ev[1], None)
-            if got is None:
-                raise ValueError(f"allocator stream: defer of id {ev[1]!r} that is not live (event {n - 1})")
-            a.defer(*got)
-            deferred[ev[1]] = got[0]
-        elif kind == "return":
-            b = deferred.pop(ev[1], None)
-            if b is None:
-                raise ValueError(f"allocator stream: return of id {ev[1]!r} that was not deferred (event {n - 1})")
-            a.give_back(b)
-        elif kind == "mark":
-            marks.append((str(ev[1]), a.allocated, a.reserved))
-        else:
-            raise ValueError(f"allocator stream: unknown event {kind!r} (event {n - 1})")
-    if a.peak_reserved == 0:
-        frag = 0.0
-    else:
-        frag = a.frag_at_peak
-    return Replay(peak_allocated=a.peak_allocated, peak_requested=a.peak_requested, peak_reserved=a.peak_reserved,
-                  reserved_end=a.reserved, allocated_end=a.allocated, fragmentation=frag,
-                  segments=a.segments_at_peak, segments_end=a.segments, oom=oom, events=n, config=cfg,
-                  marks=tuple(marks), peak_active=a.peak_active)
+    return _Run(CachingAllocator(capacity, _config(config)), {}, {}, []).go(events)
+
+
+def replay_pair(events: Sequence[Sequence], capacity: int,
+                config: AllocatorConfig | str | None = None) -> tuple[Replay, Replay]:
+    """``(replay(events, None, config), replay(events, capacity, config))``, their common prefix replayed once.
+
+    The two allocators do the same, event by event, until the unbounded one first asks the driver for a
+    segment beyond ``capacity`` (there the bounded one releases its cache or fails): the run is copied at that
+    request and each goes on alone. When that never happens the bounded replay is the unbounded one (the
+    same object). Garbage collection (its clock runs only under a capacity) and expandable segments (a
+    request maps pages before it can fail) part earlier or mid-request: those replay twice."""
+    cfg = _config(config)
+    if cfg.expandable_segments or cfg.garbage_collection_threshold > 0.0:
+        return replay(events, None, cfg), replay(events, capacity, cfg)
+    events = events if isinstance(events, (list, tuple)) else list(events)
+    run = _Run(CachingAllocator(None, cfg), {}, {}, [])
+    run.a._watch = capacity
+    try:
+        free = run.go(events)
+        return free, free
+    except _Diverged as e:
+        at = e.event
+    bounded = run.fork(capacity).go(events, at)
+    run.a._watch = None
+    return run.go(events, at), bounded

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from .allocator import AllocatorConfig, OutOfMemory, Replay, parse_alloc_conf, replay
+from .allocator import AllocatorConfig, OutOfMemory, Replay, parse_alloc_conf, replay, replay_pair
 
 MIB = 1024 * 1024
 
@@ -67,17 +67,39 @@ _CACHE: "OrderedDict[tuple, Replay]" = OrderedDict()
 _CACHE_SIZE = 4096
 
 
-def _replay(key, events: Callable[[], Sequence] | Sequence, capacity: int | None, cfg: AllocatorConfig) -> Replay:
-    full = None if key is None else (key, capacity, cfg.text)
-    if full is not None and full in _CACHE:
+def _lookup(full) -> Replay | None:
+    r = None if full is None else _CACHE.get(full)
+    if r is not None:
         _CACHE.move_to_end(full)
-        return _CACHE[full]
-    r = replay(events() if callable(events) else events, capacity, cfg)
+    return r
+
+
+def _store(full, r: Replay) -> Replay:
     if full is not None:
         _CACHE[full] = r
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return r
+
+
+def _replay(key, events: Callable[[], Sequence] | Sequence, capacity: int | None, cfg: AllocatorConfig) -> Replay:
+    full = None if key is None else (key, capacity, cfg.text)
+    r = _lookup(full)
+    return r if r is not None else _store(full, replay(events() if callable(events) else events, capacity, cfg))
+
+
+def _replay_pair(key, events: Callable[[], Sequence], capacity: int, cfg: AllocatorConfig) -> tuple[Replay, Replay]:
+    """The unbounded and the bounded replay (``allocator.replay_pair``: their common prefix once), cached."""
+    free_key, bounded_key = (None, None) if key is None else ((key, None, cfg.text), (key, capacity, cfg.text))
+    free = _lookup(free_key)
+    if free is not None and free.peak_reserved <= capacity:
+        return free, free  # no cudaMalloc ever failed
+    bounded = _lookup(bounded_key)
+    if free is None or bounded is None:
+        free, bounded = replay_pair(events(), capacity, cfg)
+        _store(free_key, free)
+        _store(bounded_key, bounded)
+    return free, bounded
 
 
 def device_memory(events: Callable[[], Sequence] | Sequence, *, capacity_mib: float | None, alloc_conf: str = "",
@@ -94,12 +116,11 @@ def device_memory(events: Callable[[], Sequence] | Sequence, *, capacity_mib: fl
             made.append(events() if callable(events) else events)
         return made[0]
 
-    free = _replay(key, stream, None, cfg)
     cap = None if capacity_mib is None else max(0, int(capacity_mib * MIB))
-    if cap is None or free.peak_reserved <= cap:
-        bounded = free  # no cudaMalloc ever fails: the bounded replay is the same
-    else:
-        bounded = _replay(key, stream, cap, cfg)
+    if cap is None:
+        free = bounded = _replay(key, stream, None, cfg)
+    else:  # the same object when no cudaMalloc ever fails
+        free, bounded = _replay_pair(key, stream, cap, cfg)
     fits = bounded.oom is None
     fits_alloc = cap is None or free.peak_allocated <= cap
     fix = fix_peak = None
