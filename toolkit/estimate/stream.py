@@ -631,21 +631,37 @@ REDUCE_STREAM = "reduce"
 ZeRO-1/2's ``reduction_stream``)"""
 
 
+class _Bucket:
+    """DeepSpeed's gradient bucket by elements (``reduce_bucket_size``): a gradient that would overflow it
+    reduces what it holds first (``reduce_independent_p_g_buckets_and_remove_grads``)."""
+
+    __slots__ = ("cap", "fill")
+
+    def __init__(self, cap: float):
+        self.cap, self.fill = cap, 0
+
+    def take(self, numel: int) -> bool:
+        """A gradient enters; True when the bucket was reduced (emptied) before it."""
+        flushed = bool(self.fill) and self.fill + numel > self.cap
+        if flushed:
+            self.fill = 0
+        self.fill += numel
+        return flushed
+
+
 class _Flush:
-    """DeepSpeed ZeRO-3's gradient bucket, by elements: a gradient that would overflow it reduces it first, the
-    backward's epilogue reduces the rest; each reduction copies the bucket's gradients into one new tensor
-    (``ModelStates.flush_bucket_elements``), on the reduce stream with ``overlap_comm``."""
+    """DeepSpeed ZeRO-3's bucket reductions: each (a gradient overflowing the ``_Bucket``, and the backward's
+    epilogue) copies the bucket's gradients into one new tensor (``ModelStates.flush_bucket_elements``), on the
+    reduce stream with ``overlap_comm``."""
 
     def __init__(self, cap: float, elem: int, alloc, free, stream=DEFAULT_STREAM):
-        self.cap, self.fill, self.elem, self.stream = cap, 0, elem, stream
+        self.bucket, self.elem, self.stream = _Bucket(cap), elem, stream
         self.alloc, self.free = alloc, free
 
     def add(self, numel: int) -> None:
-        if self.cap <= 0:
-            return
-        if self.fill and self.fill + numel > self.cap:
-            self.epilogue()
-        self.fill += numel
+        held = self.bucket.fill
+        if self.bucket.cap > 0 and self.bucket.take(numel):  # cap 0: no copies
+            self._reduce(held)
 
     def within(self, order=()) -> None:
         """Transients of a reduction on its stream: a recipe (``ModelStates.reduce_order``'s form), replayed; the
@@ -656,11 +672,14 @@ class _Flush:
 
     def epilogue(self, inside=()) -> None:
         """Reduce what the bucket holds; ``inside``: a recipe of transients made and freed during the reduction."""
-        copy = self.alloc(self.elem * self.fill, self.stream) if self.fill else None
+        self._reduce(self.bucket.fill, inside)
+        self.bucket.fill = 0
+
+    def _reduce(self, held: int, inside=()) -> None:
+        copy = self.alloc(self.elem * held, self.stream) if held else None
         self.within(inside)
         if copy is not None:
             self.free(copy)
-        self.fill = 0
 
 
 class _Deferred:
@@ -672,22 +691,19 @@ class _Deferred:
     backward's epilogue, which synchronizes the reduce stream. ``lag`` 0: a plain free."""
 
     def __init__(self, lag: int, cap: float, emit, free):
-        self.lag, self.cap, self.fill, self.count = lag, cap, 0, 0
+        self.lag, self.bucket, self.count = lag, _Bucket(cap), 0
         self.emit, self._free = emit, free
         self.waiting: list[tuple[int, int]] = []  # (the flush by which it is back, id)
 
     def add(self, numel: int) -> None:
         """A gradient enters the bucket: a bucket that would overflow is reduced first (one more flush)."""
-        if not self.lag:
+        if not self.lag or not self.bucket.take(numel):
             return
-        if self.fill and self.fill + numel > self.cap:
-            self.count += 1
-            self.fill = 0
-            due = [w for w in self.waiting if w[0] <= self.count]
-            self.waiting = [w for w in self.waiting if w[0] > self.count]
-            for _, i in due:
-                self.emit(("return", i))
-        self.fill += numel
+        self.count += 1
+        due = [w for w in self.waiting if w[0] <= self.count]
+        self.waiting = [w for w in self.waiting if w[0] > self.count]
+        for _, i in due:
+            self.emit(("return", i))
 
     def free(self, i: int) -> None:
         if not self.lag:
@@ -699,7 +715,7 @@ class _Deferred:
     def drain(self) -> None:
         for _, i in self.waiting:
             self.emit(("return", i))
-        self.waiting, self.fill = [], 0
+        self.waiting, self.bucket.fill = [], 0
 
 
 @lru_cache(maxsize=256)
