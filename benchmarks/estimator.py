@@ -8,8 +8,8 @@
    tensors, CPU behaviour). Goal: peak_allocated within 5 %.
 2. Speed: the planner's whole candidate ladder with the analytic method for the shipped specs
    (goal < 1 s), and the traced method on the 7B-class config (goal < 90 s on 2 cores).
-GPU accuracy (device_used vs nvidia-smi, peak vs torch.cuda.max_memory_allocated) needs a GPU
-machine: no GPU was lent to the session that wrote this, so no GPU table exists yet.
+GPU accuracy (device_used and peak reserved/allocated against published GPU measurements and hpcmem's own
+H100 session) is benchmarks/estimator_gpu.py's; benchmarks/gpu_session/ makes new GPU measurements on a GPU.
 """
 
 from __future__ import annotations
