@@ -573,10 +573,7 @@ class CachingAllocator:
             elif not self._map(nxt, min(nxt.size, size - c.size), pool):
                 pool.insert(c)
                 return None
-            c.size += nxt.size
-            c.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = c
+            _merge(c, nxt)
         return c
 
     def _map(self, b: _Block, nbytes: int, pool: _Pool) -> bool:
@@ -637,10 +634,7 @@ class CachingAllocator:
             if other is not None and not other.mapped and not other.allocated:
                 del pool.unmapped[other.addr]
                 lo, hi = (other, hole) if other.addr < hole.addr else (hole, other)
-                lo.size += hi.size
-                lo.next = hi.next
-                if hi.next is not None:
-                    hi.next.prev = lo
+                _merge(lo, hi)
                 hole = lo
         pool.unmapped[hole.addr] = hole
 
@@ -722,22 +716,23 @@ class CachingAllocator:
         """Into its pool, merged with the free mapped neighbours of its segment."""
         pool = b.pool
         b.allocated = False
-        prev = b.prev
+        prev, nxt = b.prev, b.next
         if prev is not None and not prev.allocated and prev.mapped:
             pool.remove(prev)
-            prev.size += b.size
-            nxt = prev.next = b.next
-            if nxt is not None:
-                nxt.prev = prev
+            _merge(prev, b)
             b = prev
-        nxt = b.next
         if nxt is not None and not nxt.allocated and nxt.mapped:
             pool.remove(nxt)
-            b.size += nxt.size
-            after = b.next = nxt.next
-            if after is not None:
-                after.prev = b
+            _merge(b, nxt)
         pool.insert(b)
+
+
+def _merge(lo: _Block, hi: _Block) -> None:
+    """``hi``, the block after ``lo`` in its segment, becomes part of ``lo``."""
+    lo.size += hi.size
+    after = lo.next = hi.next
+    if after is not None:
+        after.prev = lo
 
 
 class _Diverged(Exception):
