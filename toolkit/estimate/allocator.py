@@ -739,6 +739,9 @@ class _Diverged(Exception):
     """An unbounded allocator watched for ``capacity`` asked the driver for more than it: a bounded one would
     release its cache or fail here, so the two replays part (raised before the request changed any state)."""
 
+    event = -1
+    """the index of the request in the stream (set by ``_Run.go``)"""
+
 
 class _Run:
     """One replay's allocator and books (live ids, deferred ids, marks), resumable at an event index."""
