@@ -417,6 +417,18 @@ def test_device_memory_names_the_setting_that_makes_a_fragmented_step_fit():
     assert device_memory(evs, capacity_mib=200, alloc_conf="expandable_segments:True").fits
 
 
+def test_device_memory_shows_what_garbage_collection_keeps_under_the_capacity():
+    from toolkit.estimate.device import device_memory
+
+    # 30 MiB cached, 32 MiB a new segment (62 reserved), freed; 34 MiB misses the cache with 62 MiB reserved, above
+    # half of the 100 MiB capacity: the collector frees the cached segments at least as old as their mean age (the
+    # 30 MiB one, 2 calls old against 1.5; it covers the 12 MiB over the threshold), and 34 MiB makes 66. Unbounded
+    # the three segments stay: 96 MiB, which fits under the capacity too, so the bounded replay cannot be skipped.
+    evs = [A(1, 30 * MIB), F(1), A(2, 32 * MIB), F(2), A(3, 34 * MIB)]
+    dm = device_memory(evs, capacity_mib=100, alloc_conf="garbage_collection_threshold:0.5")
+    assert dm.fits and dm.peak_reserved_mib == 66 and dm.unbounded.peak_reserved == 96 * MIB
+
+
 def test_device_memory_caches_replays_by_key():
     from toolkit.estimate.device import device_memory
 

@@ -883,12 +883,16 @@ def replay_pair(events: Sequence[Sequence], capacity: int,
     The two allocators do the same, event by event, until the unbounded one first asks the driver for a
     segment beyond ``capacity`` (there the bounded one releases its cache or fails): the run is copied at that
     request and each goes on alone. When that never happens the bounded replay is the unbounded one (the
-    same object). Garbage collection (its clock runs only under a capacity) and expandable segments (a
-    request maps pages before it can fail) part earlier or mid-request: those replay twice."""
+    same object). Expandable segments part mid-request (a request maps pages before it can fail): the bounded
+    run is replayed from the start when the unbounded one went beyond the capacity. Garbage collection frees
+    cached segments under a capacity before any request fails (its clock runs only there): replayed twice."""
     cfg = _config(config)
-    if cfg.expandable_segments or cfg.garbage_collection_threshold > 0.0:
-        return replay(events, None, cfg), replay(events, capacity, cfg)
     events = events if isinstance(events, (list, tuple)) else list(events)
+    if cfg.garbage_collection_threshold > 0.0:
+        return replay(events, None, cfg), replay(events, capacity, cfg)
+    if cfg.expandable_segments:
+        free = replay(events, None, cfg)
+        return free, (free if free.peak_reserved <= capacity else replay(events, capacity, cfg))
     run = _Run(CachingAllocator(None, cfg), {}, {}, [])
     run.a._watch = capacity
     try:

@@ -91,10 +91,7 @@ def _replay(key, events: Callable[[], Sequence] | Sequence, capacity: int | None
 def _replay_pair(key, events: Callable[[], Sequence], capacity: int, cfg: AllocatorConfig) -> tuple[Replay, Replay]:
     """The unbounded and the bounded replay (``allocator.replay_pair``: their common prefix once), cached."""
     free_key, bounded_key = (None, None) if key is None else ((key, None, cfg.text), (key, capacity, cfg.text))
-    free = _lookup(free_key)
-    if free is not None and free.peak_reserved <= capacity:
-        return free, free  # no cudaMalloc ever failed
-    bounded = _lookup(bounded_key)
+    free, bounded = _lookup(free_key), _lookup(bounded_key)
     if free is None or bounded is None:
         free, bounded = replay_pair(events(), capacity, cfg)
         _store(free_key, free)
