@@ -6,7 +6,6 @@ Each expected figure is worked out by hand from the policy of c10/cuda/CUDACachi
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -387,11 +386,15 @@ def test_invariants_on_random_streams(conf):
     assert 0.0 <= r.fragmentation < 1.0
 
 
-def test_a_100k_event_stream_replays_in_well_under_a_second():
-    evs = _stream(100_000)
-    t0 = time.perf_counter()
-    replay(evs)
-    assert time.perf_counter() - t0 < 1.0
+def test_a_long_stream_forked_midway_gives_the_two_replays():
+    """The fork copies a run holding many blocks (thousands of events in): the pair is still the two replays.
+    (How fast a replay is is measured in benchmarks/estimator.py, not asserted here.)"""
+    evs = _stream(20_000)
+    free = replay(evs)
+    cap = free.peak_reserved * 3 // 4
+    pair = replay_pair(evs, cap)
+    assert pair[0] == free and pair[1] == replay(evs, cap)
+    assert pair[1].oom is not None or pair[1].peak_reserved <= cap
 
 
 # -- device_memory: fit, reserved over capacity, the setting that fixes it ----------------------------
