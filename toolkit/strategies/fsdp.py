@@ -224,7 +224,7 @@ class FSDP(Strategy):
         if half is None:
             return Layout("float32")
         return Layout(half, master_weights=True, loss_scaling=plan.precision == "fp16-mixed",
-                      note="FSDP2 mixed precision: weights gathered in 16-bit, the sharded fp32 weights are the master")
+                      note="FSDP mixed precision: weights gathered in 16-bit, the sharded fp32 weights are the master")
 
     def model_states(self, shape, plan, dt: Dtypes, engine_config=None, runtime=None) -> ModelStates:
         psi = float(shape.n_params)
