@@ -539,7 +539,13 @@ _SIGNATURES = (
      _sig(r"Watchdog caught collective operation timeout", r"Timeout at NCCL work")),
     ("not_oom", "disk full", "", _sig(r"No space left on device", r"\[Errno 28\]")),
     ("not_oom", "disk quota exceeded", "", _sig(r"Disk quota exceeded", r"\[Errno 122\]")),
-    ("not_oom", "import error", "", _sig(r"^(?:\[stderr\])?(?:[\w.]+\.)?(?:ImportError|ModuleNotFoundError)\b")),
+    ("not_oom", "import error", "", _sig(
+        r"^(?:\[stderr\])?(?:[\w.]+\.)?(?:ImportError|ModuleNotFoundError)\b",
+        # runpy, for `python -m torch.distributed.run` (or deepspeed's launcher) when the package is missing:
+        # "python3: Error while finding module specification for 'x.y' (ModuleNotFoundError: No module named 'x')"
+        # and "python3: No module named x"
+        r"Error while finding module specification for '[\w.]+' \((?:ModuleNotFoundError|ImportError)\b",
+        r"^\S*python[\d.]*: No module named [\w.]+\s*$")),
     ("not_oom", "command not found", "",
      _sig(r"command not found\s*$", r"execve\(\): .*No such file or directory")),
     ("not_oom", "NaN/Inf in the loss or gradients", "", _sig(  # the stops, not a loss scaler's skipped steps
@@ -590,7 +596,7 @@ _PREFILTER_WORDS = (
     "Timeout at NCCL", "No space", "Errno", "quota", "not found", "execve", "-9", "137", "SIGKILL", "SIGSEGV",
     "Killed", "killed", "Killing subprocess", "CUDNN_STATUS", "CUBLAS_STATUS", "Error", "Exception", "Interrupt",
     "Exit", "Failure", "Tried to allocate", "cuda runtime error", "THCudaCheck", "not enough memory",
-    "posix_memalign", "WinError 1455", "MPS backend", "XPU out", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
+    "posix_memalign", "WinError 1455", "No module named", "MPS backend", "XPU out", "nan values", r"s (?:nan|NaN|NAN|inf)\b", "NAN", "NaN", "on-finite", "Segmentation",
     r"exit ?code", "return code", "Signal", "terminate called", "Aborted", "0xC0000005", "remote peer",
     "network error",
 )

@@ -585,6 +585,24 @@ def test_not_oom(text, label):
     assert label in v.reason and (3, text) in v.evidence
 
 
+@pytest.mark.parametrize("line", [
+    # runpy's own lines when `python -m torch.distributed.run` (the rendered launch) finds no torch: the job's log
+    # of a login-node install without hpcmem[job] (no traceback follows them)
+    "/opt/venv/bin/python3: Error while finding module specification for 'torch.distributed.run' "
+    "(ModuleNotFoundError: No module named 'torch')",
+    "/usr/bin/python3: No module named deepspeed",
+])
+def test_a_launch_without_the_package_is_an_import_error(line):
+    log = f"hpcmem: job 4242 attempt 1 on node7 at 2026-11-28T18:19:31+00:00\n{line}\n"
+    v = classify({"state": "FAILED", "exit_code": 1}, log)
+    assert v.kind == "not_oom" and not v.is_oom and "import error" in v.reason and (2, line) in v.evidence
+
+
+def test_a_log_line_that_quotes_no_module_named_is_not_an_import_error():
+    v = classify({"state": "FAILED", "exit_code": 1}, "step 3: the fallback for 'No module named apex' was used\n")
+    assert "import error" not in v.reason
+
+
 @pytest.mark.parametrize(
     "state, label",
     [("TIMEOUT", "time limit"), ("CANCELLED by 1000", "cancelled"), ("CANCELLED+", "cancelled"),

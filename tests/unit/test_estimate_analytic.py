@@ -1640,3 +1640,17 @@ def test_a_bad_zero_section_is_named_in_one_line(zero, words):
 
     with pytest.raises(ConfigError, match=words):
         ZeroSettings.from_config(zero, stage=2)
+
+
+def test_the_traced_method_without_torch_is_one_line(monkeypatch):
+    # A login node's core install (no hpcmem[job]): `estimate --method traced` names what is missing and the way out.
+    import sys
+
+    from toolkit.estimate import ModelRef, estimate
+
+    monkeypatch.delitem(sys.modules, "toolkit.estimate.traced", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ModuleNotFoundError, as when it is absent
+    ref = ModelRef(load_model_config("gpt2"), "causal-lm", None, "gpt2")
+    with pytest.raises(ConfigError, match=r"^the traced method needs torch, which is not installed here: use "
+                                          r"--method analytic, or pip install 'hpcmem\[job\]'$"):
+        estimate(ref, Plan(), sites.load_site("local").partition("default"), "traced")

@@ -134,7 +134,11 @@ def estimate(model: ModelRef, plan, partition, method: str = "analytic", *, runt
         return estimate_analytic(shape, plan, partition, allocator_overhead_frac=overhead, runtime=runtime,
                                  allocator_model=allocator_model)
     if method == "traced":
-        from .traced import estimate_traced  # imports torch: only when asked for
+        try:
+            from .traced import estimate_traced  # imports torch: only when asked for
+        except ModuleNotFoundError as exc:  # a login node's core install (no hpcmem[job])
+            raise ConfigError(f"the traced method needs {exc.name or 'torch'}, which is not installed here: use "
+                              f"--method analytic, or pip install 'hpcmem[job]'") from exc
 
         kwargs = {} if overhead is None else {"allocator_overhead_frac": overhead}
         if runtime is not None:
