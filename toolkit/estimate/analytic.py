@@ -219,8 +219,10 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     gpu = partition.has_gpu
     dt = dtypes_for(plan, gpu)
     states = model_states(shape, plan, dt, runtime)
-    if gpu and not runtime.frees_grads and not states.persistent_grads:
-        states = replace(states, persistent_grads=True)  # torch 1.x: zero_grad kept them allocated
+    if gpu and not runtime.frees_grads and not states.persistent_grads and not states.grads_end_with_backward:
+        # torch 1.x (or zero_grad(set_to_none=False)): zero_grad keeps them allocated. Not where the device grads
+        # end with the backward (FSDP1's CPU offload hands the optimizer a host .grad, which zero_grad keeps)
+        states = replace(states, persistent_grads=True)
     acts = activations(shape, plan, dt, runtime)
     workspaces = float(sum(map(sum, gemm_workspaces(partition.gpu_model, runtime)))) if gpu else 0.0
     peak = max(phases(shape, plan, dt, states, acts, runtime, workspaces), key=lambda ph: ph.total)

@@ -347,7 +347,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                                           if states.reduce_temp_bytes > 0 else ())
     head_reduce = reduce_temp if shape.task == "causal-lm" and not shape.tied else ()
     micro = 1 if plan.grad_accum == 1 else 2
-    keep_grads = states.persistent_grads or not runtime.frees_grads
+    keep_grads = states.persistent_grads or (not runtime.frees_grads and not states.grads_end_with_backward)
     # zero_grad between the loss and the backward: the step's grads are freed before the next backward
     late_zero = runtime.grads_through_forward and not keep_grads
 
