@@ -137,6 +137,8 @@ def estimate(model: ModelRef, plan, partition, method: str = "analytic", *, runt
         try:
             from .traced import estimate_traced  # imports torch: only when asked for
         except ModuleNotFoundError as exc:  # a login node's core install (no hpcmem[job])
+            if (exc.name or "").partition(".")[0] == "toolkit":
+                raise  # hpcmem's own module: a bug, not an install
             raise ConfigError(f"the traced method needs {exc.name or 'torch'}, which is not installed here: use "
                               f"--method analytic, or pip install 'hpcmem[job]'") from exc
 
