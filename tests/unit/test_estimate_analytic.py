@@ -1671,3 +1671,49 @@ def test_fsdp1_cpu_offload_keeps_no_device_grads_between_steps_whatever_zero_gra
     kept, dropped = est("cpu", False), est("cpu", True)
     assert kept.peak_allocated_mib == dropped.peak_allocated_mib and kept.peak_reserved_mib == dropped.peak_reserved_mib
     assert kept.components["grads"] == dropped.components["grads"]
+
+
+def test_fsdp_gathers_unit_by_unit_on_the_stream_each_version_allocates_them():
+    """FSDP in the allocator stream (FULL_SHARD and SHARD_GRAD_OP, FSDP1 with its rate limiter and FSDP2): the root
+    unit (embeddings, final norm, head) stays gathered from the forward's start to its backward's end; each layer's
+    unit is its own block, at most two at once when resharding after the forward (the phases' ModelStates count),
+    all of them at the backward's start without resharding. FSDP1 makes the units under its unshard stream; FSDP2
+    gathers into a flat block on its all-gather stream and copies out into units on the compute stream. Until
+    session 19 the stream made one block of the root and two units per layer, two of them alive: the replay of
+    Lightning Thunder's Open-LLaMA-3B SHARD_GRAD_OP run then held a second copy of every gathered weight."""
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import DEFAULT_STREAM, GATHER_STREAM, step_events
+
+    shape = ModelShape.from_config(load_model_config("llama-7b"))
+    unit = 2 * shape.layer_params
+    root = 2 * (shape.n_params - shape.layers * shape.layer_params)
+    for reshard in (True, False):
+        for api in ("fsdp1", "fsdp2"):
+            p = plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=1, seq_len=512,
+                     checkpointing=True, reshard_after_forward=reshard)
+            rt = Runtime(fsdp_api=api)
+            dt = an.dtypes_for(p, True)
+            states, acts = an.model_states(shape, p, dt, rt), inv.activations(shape, p, dt, rt)
+            assert states.gathered_bytes == 2 * (shape.n_params - shape.layers * shape.layer_params) + \
+                dt.param * shape.layer_params * (2 if reshard else shape.layers)
+            events = step_events(shape, p, dt, states, acts, runtime=rt, steps=2, sharded=True)
+            unit_stream = GATHER_STREAM if api == "fsdp1" else DEFAULT_STREAM
+            live: dict[int, int] = {}
+            units_most = flat_most = 0
+            roots = []
+            for e in events:
+                if e[0] == "alloc":
+                    stream = e[3] if len(e) == 4 else DEFAULT_STREAM
+                    if e[2] in (unit, root) and stream == unit_stream:
+                        live[e[1]] = e[2]
+                        if e[2] == root:
+                            roots.append(e[1])
+                    elif stream == GATHER_STREAM:  # FSDP2's flat output: freed by the next event
+                        assert api == "fsdp2" and e[2] in (unit, root), e
+                        flat_most = max(flat_most, 1)
+                elif e[0] == "free":
+                    live.pop(e[1], None)
+                units_most = max(units_most, sum(1 for v in live.values() if v == unit))
+            assert units_most == (2 if reshard else shape.layers), (api, reshard)
+            assert len(roots) == 2 and not live  # one root per step, everything freed by the step's end
+            assert flat_most == (1 if api == "fsdp2" else 0)

@@ -317,12 +317,31 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                      and runtime.fsdp_flat_params and states.gathered_bytes > 0)
     shard_copy = -(-int(unit) // world) if fsdp1_offload else 0
     root_copy = -(-int(root) // world) if fsdp1_offload else 0
-    # gathered weights: blocks of gathered_bytes, two in flight; where the engine schedules them module by module
-    # (ZeRO-3's coordinator: ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak
+    # gathered weights: where the engine schedules them module by module (ZeRO-3's coordinator:
+    # ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak. FSDP (with its rate
+    # limiter, or FSDP2) gathers unit by unit: the root unit (what no block holds: embeddings, final norm, head) from
+    # the forward's start to the end of its backward (a root is not resharded after its forward); each block's unit
+    # for its forward, one more in flight (FSDP1's limiter allows two all-gathers, FSDP2's prefetch one unit ahead),
+    # freed after it when resharding after the forward, else kept to its backward; in the backward each unit from the
+    # previous unit's backward (BACKWARD_PRE / FSDP2's backward prefetch) to the end of its own. The phases count
+    # the root and two units at every moment (ModelStates.gathered_bytes), the most this holds at once.
+    # Streams, read in torch 2.13: FSDP1 allocates each unsharded flat parameter under its unshard stream
+    # (FlatParamHandle.unshard inside _unshard's `stream(unshard_stream)`), so those blocks are that stream's and
+    # only other all-gathers reuse them; FSDP2 all-gathers into one flat output made under its copy-in stream
+    # (foreach_all_gather) and copies it out into the unsharded parameters, made on the compute stream
+    # (foreach_all_gather_copy_out), so its side stream holds a unit-sized block and the units are the compute's.
     g_block, g_depth = states.gathered_bytes, 1
     g_stream = GATHER_STREAM if states.side_streams else DEFAULT_STREAM
+    fsdp_units = (sharded and plan.launcher == "fsdp" and states.gathered_bytes > 0 and not unlimited
+                  and states.gathered_moments is None and unit > 0)
+    ag_buffer = fsdp_units and not runtime.fsdp_flat_params  # FSDP2's flat all-gather output
+    if fsdp_units and runtime.fsdp_flat_params:
+        g_stream = GATHER_STREAM
+    reshard = getattr(plan, "reshard_after_forward", True)
     if states.gathered_moments is not None and unit > 0:
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
+    elif fsdp_units:
+        g_block, g_depth = unit, 1 if reshard else shape.layers
     ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
         if per_tensor and builds_ddp(plan):
@@ -393,8 +412,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             kept_ids: list[list[int]] = []
             gathered = []
             pending = [alloc(root_copy)] if root_copy and unlimited else []
+            root_id = None
             if unlimited and root > 0:  # FSDP1 keeps the root gathered
                 pending.append(alloc(root))
+            elif fsdp_units and root > 0:
+                root_id = _gather(alloc, free, root, root_copy, g_stream, ag_buffer)
             elif root_copy:
                 free(alloc(root_copy))
             for li in range(shape.layers):
@@ -402,6 +424,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     if shard_copy:
                         pending.append(alloc(shard_copy))
                     pending.append(alloc(unit))
+                elif fsdp_units:
+                    gathered.append(_gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
                 elif states.gathered_bytes > 0 and sharded:
                     copy = alloc(shard_copy) if shard_copy else None
                     gathered.append(alloc(g_block, g_stream))
@@ -419,6 +443,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     kept_ids.append([alloc(x) for x in layer.saved])
                 if gathered and len(gathered) > g_depth:
                     free(gathered.pop(0))
+            if fsdp_units and reshard:  # the last unit is resharded after its forward too
+                for i in gathered:
+                    free(i)
+                gathered = []
             cast_ids += [alloc(x) for x in head_casts]
             # the loss: a causal LM's logits tensors in their order, then the log-probs it saves; another model's
             # transients after its log-probs
@@ -441,6 +469,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
             if lp is not None:
                 free(lp)
+            if fsdp_units and reshard:  # the root's pre-backward prefetches the last block's unit
+                gathered.append(_gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
             head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
             for i in loss_bwd:
                 free(i)
@@ -457,9 +487,12 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     if shard_copy:
                         pending.append(alloc(shard_copy))
                     pending.append(alloc(unit))
+                elif fsdp_units:
+                    if reshard and li > 0:  # this unit's pre-backward prefetches the next one
+                        gathered.insert(0, _gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
                 elif gathered:
                     late.free(gathered.pop())
-                if sharded and states.gathered_bytes > 0 and not unlimited:
+                if sharded and states.gathered_bytes > 0 and not unlimited and not fsdp_units:
                     copy = alloc(shard_copy) if shard_copy else None
                     gathered.append(alloc(g_block, g_stream))
                     if copy is not None:
@@ -476,6 +509,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     free(i)
                 for i in kept_ids[li]:
                     free(i)
+                if fsdp_units and gathered:  # resharded after its backward
+                    free(gathered.pop())
             for i in gathered:
                 late.free(i)
             for i in pending:
@@ -488,6 +523,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             grads_of(emb, mb == micro - 1)
             for i in t:
                 free(i)
+            if root_id is not None:  # the root's post-backward reshards it
+                free(root_id)
             # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient
             # to the host inside that reduction (offload), and then releases ZeRO-1/2's buckets
             # (independent_gradient_partition_epilogue: reduce_ipg_grads, then _release_ipg_buffers)
@@ -680,6 +717,19 @@ class _Flush:
         self.within(inside)
         if copy is not None:
             self.free(copy)
+
+
+def _gather(alloc, free, unit: int, shard_copy: int, stream, flat_output: bool) -> int:
+    """One FSDP unit's all-gather: its unsharded block, made while the device copy of its shard (FSDP1's CPU
+    offload) lives; FSDP2 (``flat_output``) gathers into a flat block on its all-gather stream first and copies
+    out of it."""
+    copy = alloc(shard_copy) if shard_copy else None
+    flat = alloc(unit, GATHER_STREAM) if flat_output else None
+    block = alloc(unit, stream)
+    for i in (copy, flat):
+        if i is not None:
+            free(i)
+    return block
 
 
 class _Deferred:
