@@ -1700,7 +1700,7 @@ def test_fsdp_gathers_unit_by_unit_on_the_stream_each_version_allocates_them():
             unit_stream = GATHER_STREAM if api == "fsdp1" else DEFAULT_STREAM
             live: dict[int, int] = {}
             units_most = flat_most = 0
-            roots = []
+            roots, flat = [], set()
             for e in events:
                 if e[0] == "alloc":
                     stream = e[3] if len(e) == 4 else DEFAULT_STREAM
@@ -1708,12 +1708,14 @@ def test_fsdp_gathers_unit_by_unit_on_the_stream_each_version_allocates_them():
                         live[e[1]] = e[2]
                         if e[2] == root:
                             roots.append(e[1])
-                    elif stream == GATHER_STREAM:  # FSDP2's flat output: freed by the next event
+                    elif stream == GATHER_STREAM:  # FSDP2's flat output, freed once copied out
                         assert api == "fsdp2" and e[2] in (unit, root), e
-                        flat_most = max(flat_most, 1)
+                        flat.add(e[1])
+                        flat_most = max(flat_most, len(flat))
                 elif e[0] == "free":
                     live.pop(e[1], None)
+                    flat.discard(e[1])
                 units_most = max(units_most, sum(1 for v in live.values() if v == unit))
             assert units_most == (2 if reshard else shape.layers), (api, reshard)
-            assert len(roots) == 2 and not live  # one root per step, everything freed by the step's end
+            assert len(roots) == 2 and not live and not flat  # one root per step, all freed by the step's end
             assert flat_most == (1 if api == "fsdp2" else 0)

@@ -167,14 +167,17 @@ def test_a_step_mark_writes_nothing(tmp_path, monkeypatch):
     # The monitor's cost (goal: < 1 % of a step) is measured by benchmarks/foundation.py, not timed here; what
     # keeps it small is that a step mark only appends to lists: the rank file is written by the flusher thread,
     # at the end, or when a step is longer than the plan's sequence (begin_step), never by step() itself.
-    mon = MemoryMonitor(tmp_path, rank_info=Ranks(), flush_interval_s=3600)
-    writes = []
-    monkeypatch.setattr(metrics, "write_json_atomic", lambda *a, **k: writes.append(a))
-    mon._started = True
-    for i in range(1000):
-        mon.begin_step(i, None)
-        mon.step(samples=8, loss=1.0)
-    assert writes == [] and mon.steps == 1000 and len(mon.samples) == 1000 and mon.loss == 1.0
+    mon = MemoryMonitor(tmp_path, rank_info=Ranks(), flush_interval_s=3600).start()
+    try:
+        writes = []
+        monkeypatch.setattr(metrics, "write_json_atomic", lambda *a, **k: writes.append(a))
+        for i in range(1000):
+            mon.begin_step(i, None)
+            mon.step(samples=8, loss=1.0)
+        assert writes == [] and mon.steps == 1000 and len(mon.samples) == 1000 and mon.loss == 1.0
+    finally:
+        monkeypatch.undo()
+        mon.stop()
 
 
 class FakeNvml:
