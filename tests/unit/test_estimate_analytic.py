@@ -957,7 +957,8 @@ def test_fsdp1_cpu_offload_copies_each_units_shard_to_the_device_and_keeps_its_g
         assert allocs.count(copy) >= 2 * 2 * VIT_BASE.layers and allocs.count(root) >= 2
         phases = {ph.name: ph for ph in an.phases(VIT_BASE, base, dt, states, inv.activations(VIT_BASE, base, dt,
                                                                                               runtime), runtime)}
-        assert phases["backward end"].grads == states.grads_bytes and phases["optimizer step"].grads == 0
+        # (with the head's unsharded gradient, held until the root is reduced)
+        assert phases["backward end"].grads >= states.grads_bytes and phases["optimizer step"].grads == 0
     # without the limiter every copy of the step is held until the backward's end; with it, one at a time
     assert most_copies_at_once(stream(old)[1]) == 2 * VIT_BASE.layers
     assert most_copies_at_once(stream(new)[1]) == 1
@@ -1046,21 +1047,117 @@ def test_fsdp_no_sync_keeps_the_whole_unsharded_gradient_between_micro_batches()
 
 
 def test_fsdp2_reduce_scatters_from_a_new_flat_input_whatever_the_dtypes():
-    """FSDP2's foreach_reduce (torch 2.13's _fsdp_collectives.py) copies a unit's unsharded gradients into a new
-    flat reduce-scatter input in the reduce dtype, then frees them; FSDP1 reduce-scatters its flat gradient in
-    place, with a copy only to cast it to another reduce dtype."""
+    """A unit's reduction, read in torch 2.13: FSDP2's foreach_reduce (_fsdp_collectives.py) copies the unit's
+    unsharded gradients into a new flat reduce-scatter input in the reduce dtype, frees them, then makes the output
+    shard; FSDP1's flat gradient is the cat that the backward of its views' split makes while the views' gradients
+    are alive (_flat_param.py), then cast to the reduce dtype where that differs. The unsharded gradients go with
+    the unit's backward (grad_bucket_bytes); the rest comes once its computation is done (reduce_extra_bytes)."""
     from toolkit.estimate.gpu import Runtime
 
-    unit = VIT_BASE.layer_params
+    unit, n = VIT_BASE.layer_params, 4
     for precision, reduce_dtype, grad, reduce in (("bf16-mixed", "param", 2, 2), ("bf16-mixed", "fp32", 2, 4),
                                                   ("fp32", "param", 4, 4), ("bf16-true", "param", 2, 2)):
-        p = plan(launcher="fsdp", gpus_per_node=4, precision=precision, reduce_dtype=reduce_dtype, micro_batch=8,
+        p = plan(launcher="fsdp", gpus_per_node=n, precision=precision, reduce_dtype=reduce_dtype, micro_batch=8,
                  seq_len=197)
         dt = an.dtypes_for(p, True)
         fsdp2 = an.model_states(VIT_BASE, p, dt, Runtime())
         fsdp1 = an.model_states(VIT_BASE, p, dt, Runtime(torch_version="2.3"))
-        assert fsdp2.buffer_bytes == pytest.approx(unit * (grad + reduce)), (precision, reduce_dtype)
-        assert fsdp1.buffer_bytes == pytest.approx(unit * (grad + (reduce if reduce != grad else 0)))
+        for states in (fsdp2, fsdp1):
+            assert states.buffer_bytes == 0, "nothing of the reduction lives through the forward"
+            assert states.grad_bucket_bytes == pytest.approx(unit * grad)
+        after_copy_in = unit * reduce * (1 + 1 / n)  # the input and the output shard, the gradients freed
+        assert fsdp2.reduce_extra_bytes + unit * grad == pytest.approx(max(unit * (grad + reduce), after_copy_in))
+        assert fsdp1.reduce_extra_bytes + unit * grad == pytest.approx(
+            max(unit * (grad + max(grad, reduce)), after_copy_in)), (precision, reduce_dtype)
+
+
+def test_fsdp_root_unit_is_reduced_at_the_backward_end_holding_the_head_gradient():
+    """The root unit (embeddings, final norm, head) has no input that needs a gradient, so FSDP reduces it in the
+    backward's final callback (FSDP2's _root_post_backward_final_callback, read in torch 2.13): the head's unsharded
+    gradient is held from its backward to there, where the whole root is reduced at once. A job that wraps the
+    embedding as a unit of its own (Runtime.fsdp_embedding_unit, an untied head) reduces the root (norm + head)
+    in the head's backward instead, and only the embedding at the end."""
+    from math import prod
+
+    from toolkit.estimate.gpu import Runtime
+
+    LLAMA_8B = ModelShape.from_config({  # Meta-Llama-3-8B's config.json: an untied head over a 128256-token vocabulary
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
+    p = plan(launcher="fsdp", gpus_per_node=8, precision="bf16-mixed", reduce_dtype="fp32", micro_batch=1,
+             seq_len=512, checkpointing=True)
+    dt = an.dtypes_for(p, True)
+    root = LLAMA_8B.n_params - LLAMA_8B.layers * LLAMA_8B.layer_params
+    states = an.model_states(LLAMA_8B, p, dt, Runtime())
+    assert states.held_head_bytes == pytest.approx(2 * LLAMA_8B.head_linear_params)
+    assert states.end_reduce_bytes == pytest.approx(root * (2 + 4))  # unsharded bf16 grads + the fp32 input
+    assert states.head_reduce_bytes == 0
+    ph = {x.name: x for x in an.phases(LLAMA_8B, p, dt, states, inv.activations(LLAMA_8B, p, dt, Runtime()),
+                                       Runtime())}
+    assert ph["backward, last layer"].grads == pytest.approx(states.held_head_bytes)
+    # the root is resharded before it reduces: no gathered weights, and its own gradient shard not made yet
+    root_red = ph["root reduction"]
+    assert root_red.params == states.params_bytes and root_red.temporaries >= states.end_reduce_bytes
+    assert root_red.grads == pytest.approx(states.grads_bytes * (1 - root / LLAMA_8B.n_params))
+    # the root of Llama-3-8B (two 128256 x 4096 matrices) is five layers' worth: its reduction is the backward's peak
+    assert root_red.total > max(ph[name].total for name in ("backward, first layer", "backward end"))
+
+    # the allocator stream: each backward holds the head's gradient from the head to the root's reduction, made
+    # after the embedding's gradient (the rest of the root's unsharded gradients and its reduce-scatter buffers)
+    from toolkit.estimate.stream import step_events
+
+    events = step_events(LLAMA_8B, p, dt, states, inv.activations(LLAMA_8B, p, dt, Runtime()), runtime=Runtime(),
+                         steps=2, sharded=True)
+    live: dict[int, tuple[int, int]] = {}  # id -> (size, event index)
+    found = 0
+    for k, e in enumerate(events):
+        if e[0] == "alloc":
+            if e[2] == int(states.end_reduce_bytes - states.held_head_bytes):
+                # the head's gradient is alive, made before the layers' backward (the embedding's transients, of
+                # the same vocab x hidden size, are gone by now)
+                held = [at for size, at in live.values() if size == int(states.held_head_bytes)]
+                assert len(held) == 1 and k - held[0] > LLAMA_8B.layers, (k, held)
+                found += 1
+            live[e[1]] = (e[2], k)
+        elif e[0] == "free":
+            live.pop(e[1], None)
+    assert found == 2  # one per step
+
+    own = an.model_states(LLAMA_8B, p, dt, Runtime(fsdp_embedding_unit=True))
+    emb = max(prod(d) for _n, d, k in LLAMA_8B.other_tensors if k == "embedding")
+    assert own.held_head_bytes == 0
+    assert own.head_reduce_bytes == pytest.approx((root - emb) * (2 + 4))
+    assert own.end_reduce_bytes == pytest.approx(emb * (2 + 4))
+    with pytest.raises(ValueError, match="fsdp_embedding_unit"):
+        Runtime(fsdp_embedding_unit="yes")
+
+
+def test_fsdp_gathered_weights_follow_the_step_moment_by_moment():
+    """FSDP2's gathered weights at the phases' moments: the root throughout; with resharding, by the loss none of the
+    layers' units, in the backward the unit computing and the one prefetched (the first layer has none after it);
+    without resharding every unit until its backward, then only the first layer's; at the embeddings' backward no
+    layer's unit (each is resharded after its backward). Measured on one CPU rank with hpcmem's own FSDP2 sharding
+    by benchmarks/fsdp_cpu_check.py (docs/estimator.md, session 20). Also: FSDP2 reshards the root after its
+    forward from torch 2.8 when the job passes reshard_after_forward=True, not before."""
+    from toolkit.estimate.gpu import Runtime
+
+    root = 2 * (LLAMA7B.n_params - LLAMA7B.layers * LLAMA7B.layer_params)
+    unit = 2 * LLAMA7B.layer_params
+    for reshard in (True, False):
+        p = plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=1, seq_len=512,
+                 reshard_after_forward=reshard)
+        at = an.model_states(LLAMA7B, p, an.dtypes_for(p, True), Runtime()).gathered_moments
+        middle = 2 if reshard else LLAMA7B.layers
+        assert at.forward_end == pytest.approx(root + (0 if reshard else middle * unit))
+        assert at.last_layer == pytest.approx(root + middle * unit)
+        assert at.first_layer == pytest.approx(root + unit) and at.backward_end == pytest.approx(root)
+    # FSDP1: the root and two units at every moment, as before (no trace of an FSDP1 step says otherwise)
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=1, seq_len=512)
+    assert an.model_states(LLAMA7B, p, an.dtypes_for(p, True), Runtime(fsdp_api="fsdp1")).gathered_moments is None
+    assert Runtime(torch_version="2.8").fsdp_root_reshards_after_forward
+    assert not Runtime(torch_version="2.7").fsdp_root_reshards_after_forward
+    assert not Runtime(fsdp_api="fsdp1").fsdp_root_reshards_after_forward
 
 
 def test_fsdp_optimizer_steps_over_the_shards_as_torch_sees_them():
@@ -1701,21 +1798,27 @@ def test_fsdp_gathers_unit_by_unit_on_the_stream_each_version_allocates_them():
             live: dict[int, int] = {}
             units_most = flat_most = 0
             roots, flat = [], set()
+            copy_out = False  # FSDP2: the block made next is the unit its flat output is copied out into
             for e in events:
                 if e[0] == "alloc":
                     stream = e[3] if len(e) == 4 else DEFAULT_STREAM
-                    if e[2] in (unit, root) and stream == unit_stream:
+                    # (a unit's unsharded bf16 gradient is unit-sized too, but no gather makes it)
+                    if e[2] in (unit, root) and stream == unit_stream and (api == "fsdp1" or copy_out):
                         live[e[1]] = e[2]
+                        copy_out = False
                         if e[2] == root:
                             roots.append(e[1])
                     elif stream == GATHER_STREAM:  # FSDP2's flat output, freed once copied out
                         assert api == "fsdp2" and e[2] in (unit, root), e
                         flat.add(e[1])
                         flat_most = max(flat_most, len(flat))
+                        copy_out = True
                 elif e[0] == "free":
                     live.pop(e[1], None)
                     flat.discard(e[1])
                 units_most = max(units_most, sum(1 for v in live.values() if v == unit))
             assert units_most == (2 if reshard else shape.layers), (api, reshard)
-            assert len(roots) == 2 and not live and not flat  # one root per step, all freed by the step's end
+            # one root per step, all freed by the step's end; FSDP2 (torch >= 2.8) reshards the root after the forward
+            # when told to reshard and gathers it again for the backward
+            assert len(roots) == (4 if api == "fsdp2" and reshard else 2) and not live and not flat
             assert flat_most == (1 if api == "fsdp2" else 0)

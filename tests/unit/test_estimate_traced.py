@@ -356,9 +356,28 @@ def test_zero_stages_shard_the_traced_categories():
     three, _, notes = shard(trace, ds(zero_stage=3), engine)
     assert three["params"] == 100 + 70 + 10 + 3 + 5
     assert any("gathered weights (its parameter coordinator)" in n for n in notes)
-    assert shard(trace, Plan(launcher="fsdp", nodes=1, gpus_per_node=4, micro_batch=1, global_batch=4),
-                 engine)[0] == shard(trace, Plan(launcher="fsdp", nodes=1, gpus_per_node=4, micro_batch=1,
-                                                  global_batch=4))[0]  # only DeepSpeed's
+
+
+def test_fsdp_engine_memory_replaces_the_gathered_arithmetic_and_the_root_reduction_is_a_moment():
+    """With the model's shape, FSDP's own device memory (strategies.fsdp.model_states) is added in the forward and
+    backward, each part at its largest, in place of the traced weights scaled up (not at the optimizer step); the
+    root's reduction in the backward's final callback is a moment of its own: the last backward sample's states,
+    its gradient shard not made yet, with the root's unsharded gradients and reduce-scatter buffers."""
+    from toolkit.strategies import ModelStates
+
+    trace = literal_trace()
+    fsdp = Plan(launcher="fsdp", nodes=1, gpus_per_node=4, micro_batch=1, global_batch=4)
+    engine = ModelStates(params_bytes=0, grads_bytes=0, optimizer_bytes=0, persistent_grads=False, buffer_bytes=0,
+                         gathered_bytes=60, step_temp_bytes=0, host_bytes_per_rank=0, grad_bucket_bytes=4,
+                         reduce_extra_bytes=6, held_head_bytes=9, end_reduce_bytes=50, end_reduce_share=20)
+    gpu, _, notes = shard(trace, fsdp, engine)
+    # forward: 100 + 300 + 300 + (60 + 4 + max(6, 9)) = 773 > the root's reduction (100 + 75 - 20 + 300 + 50 = 505)
+    assert gpu["params"] == 100 + 60 + 4 + 9 and gpu["activations"] == 300
+    assert any("FSDP's own device memory" in n for n in notes)
+    big_root = ModelStates(**{**engine.__dict__, "end_reduce_bytes": 600})
+    end, _, _ = shard(trace, fsdp, big_root)
+    assert end == {**dict.fromkeys(CATEGORIES, 0.0), "params": 100, "grads": 75 - 20, "temporaries": 600,
+                   "optimizer": 300}
 
 
 def test_fsdp_without_resharding_keeps_the_whole_model_gathered_through_forward_and_backward_only():

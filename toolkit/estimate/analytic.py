@@ -137,7 +137,10 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     # are alive through the forward (and freed before the backward starts)
     fwd_live = grads if runtime.grads_through_forward and not (states.persistent_grads
                                                                or states.grads_end_with_backward) else live
-    head_g = (grads - live) * shape.head_linear_params / shape.n_params
+    head_share = (grads - live) * shape.head_linear_params / shape.n_params
+    # (FSDP: the head's unsharded gradient, held until its unit is reduced at the backward's end)
+    head_g = max(head_share, states.held_head_bytes)
+    held_extra = head_g - head_share
     layer_g = (grads - live) * shape.layer_params / shape.n_params
     # FSDP's no_sync accumulation: the whole unsharded gradient is alive from the first micro-batch's backward
     # through the next forwards and backwards, each unit's turned into its shard only by the last micro-batch's
@@ -147,7 +150,7 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     accumulated = states.accumulated_grads_bytes
     if accumulated > 0:
         live = fwd_live = accumulated + (grads if states.persistent_grads else 0.0)
-        head_g = layer_g = 0.0
+        head_g = layer_g = held_extra = 0.0
     kept = L * acts.kept_layer_bytes
     pixels = acts.input_bytes  # an image model's input, saved by its first op: kept to the end of the backward
     layer_casts = 0.0 if ckpt else L * acts.layer_cast_bytes  # recomputed layers re-cast their weights
@@ -174,14 +177,20 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
         Phase("backward start", moment("head_backward"), live, opt, kept + acts.outside_bytes,
               buf + layer_casts + acts.head_cast_bytes + acts.loss_backward_temp_bytes),
         Phase("head backward", moment("head_backward"), live + head_g, opt, kept + pixels,
-              bwd_buf + layer_casts + head_temp + head_reduce),
+              bwd_buf + layer_casts + max(head_temp, states.head_reduce_bytes) + head_reduce),
         Phase("backward, last layer", moment("last_layer"), live + head_g, opt, kept + pixels,
-              bwd_buf + layer_casts + acts.layer_backward_temp_bytes),
+              bwd_buf + layer_casts + max(acts.layer_backward_temp_bytes, states.reduce_extra_bytes)),
         Phase("backward, first layer", moment("first_layer"), live + head_g + (L - 1) * layer_g, opt,
               acts.kept_layer_bytes + pixels,
-              bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes) + acts.layer_backward_temp_bytes + flush_mid),
-        Phase("backward end", moment("backward_end"), max(grads, accumulated), opt, 0.0,
+              bwd_buf + (0.0 if ckpt else acts.layer_cast_bytes)
+              + max(acts.layer_backward_temp_bytes, states.reduce_extra_bytes) + flush_mid),
+        Phase("backward end", moment("backward_end"), max(grads, accumulated) + held_extra, opt, 0.0,
               bwd_buf + max(emb_temp, flush_end) + reduce_temp),
+        # FSDP's last unit (the root) reduced in the backward's final callback: resharded first, so no gathered
+        # weights; the layers' gradient shards, its unsharded gradients and the reduce-scatter's buffers
+        *((Phase("root reduction", params, grads - (0.0 if states.persistent_grads else states.end_reduce_share),
+                 opt, 0.0,
+                 buf + states.end_reduce_bytes),) if states.end_reduce_bytes > 0 else ()),
         # the overflow check's masks (ZeRO-3 fp16) and the norm's fp64 copies come and go before the step's own
         # transients
         Phase("optimizer step", params, 0.0 if states.grads_end_with_backward else grads, opt, 0.0,

@@ -155,6 +155,12 @@ class Runtime:
     """FSDP1's ``use_orig_params`` as the job passes it (False: FSDP1's default; Lightning's ``FSDPStrategy``
     passes True): the optimizer steps over each original parameter's piece of the rank's shard instead of one
     flat parameter per unit (``strategies.fsdp.optimizer_tensors``)"""
+    fsdp_embedding_unit: bool = False
+    """the job's FSDP wraps the input embedding as a unit of its own (an auto-wrap policy naming ``nn.Embedding``,
+    as Lambda's distributed-training guide does), so the root unit keeps the final norm and an untied head only
+    and is reduced as soon as their gradients exist, in the head's backward; False: hpcmem's, HF Accelerate's and
+    Lightning's wrap (the transformer blocks, the rest in the root), whose root is reduced at the backward's end.
+    A tied head shares the embedding's weight and so its unit: no difference there"""
 
     ddp_side_stream: bool = False
     """DistributedDataParallel is built inside a stream of its own: Lightning's ``DDPStrategy`` (Fabric's and the
@@ -235,7 +241,7 @@ class Runtime:
 
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
-                     "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores"):
+                     "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores", "fsdp_embedding_unit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:
@@ -333,6 +339,16 @@ class Runtime:
         if self.fsdp_api is not None:
             return self.fsdp_api == "fsdp1"
         return self.torch_version is not None and version_tuple(self.torch_version) < FSDP2_TORCH
+
+    @property
+    def fsdp_root_reshards_after_forward(self) -> bool:
+        """FSDP2 frees the root unit's gathered weights after its forward and gathers them again for its backward,
+        where the job passes ``reshard_after_forward=True`` (hpcmem's runtime and HF Accelerate pass the plan's
+        value): from torch 2.8 (pytorch PRs #154704 and #155319, merged 2025-06; read in torch 2.13's
+        ``FSDPState._lazy_init``, which keeps the root only when the job passes nothing). Before, FSDP2 kept the
+        root gathered whatever the job said (pytorch issue #154655); FSDP1 keeps its root (``_post_forward_reshard``).
+        The root's forward holds the loss, so this changes the allocator's blocks, not the peaks."""
+        return not self.fsdp_flat_params and version_tuple(self.torch_version) >= (2, 8)
 
     @property
     def fsdp_unlimited_all_gathers(self) -> bool:

@@ -333,15 +333,15 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     g_block, g_depth = states.gathered_bytes, 1
     g_stream = GATHER_STREAM if states.side_streams else DEFAULT_STREAM
     fsdp_units = (sharded and plan.launcher == "fsdp" and states.gathered_bytes > 0 and not unlimited
-                  and states.gathered_moments is None and unit > 0)
+                  and unit > 0)
     ag_buffer = fsdp_units and not runtime.fsdp_flat_params  # FSDP2's flat all-gather output
     if fsdp_units and runtime.fsdp_flat_params:
         g_stream = GATHER_STREAM
     reshard = getattr(plan, "reshard_after_forward", True)
-    if states.gathered_moments is not None and unit > 0:
-        g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
-    elif fsdp_units:
+    if fsdp_units:
         g_block, g_depth = unit, 1 if reshard else shape.layers
+    elif states.gathered_moments is not None and unit > 0:
+        g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
     ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
         if per_tensor and builds_ddp(plan):
@@ -458,6 +458,11 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             for i in cast_ids:  # autocast's cache is cleared when the forward's context exits
                 free(i)
+            # FSDP2 from torch 2.8 reshards the root after its forward (the loss is inside it) and gathers it again
+            # as its backward starts (Runtime.fsdp_root_reshards_after_forward)
+            root_again = root_id is not None and reshard and runtime.fsdp_root_reshards_after_forward
+            if root_again:
+                free(root_id)
             # backward
             if step == 1 and mb == 0:
                 for size in backward_ws:  # the autograd device thread's first GEMM; kept for the process
@@ -466,6 +471,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 for i in grads.values():
                     free(i)
                 grads.clear()
+            if root_again:
+                root_id = _gather(alloc, free, root, root_copy, g_stream, ag_buffer)
             loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
             if lp is not None:
                 free(lp)
@@ -475,9 +482,14 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             for i in loss_bwd:
                 free(i)
             # ZeRO-1/2's gradient buckets, made at the first gradient hook, released in the backward's epilogue
-            grad_buckets = [alloc(x) for x in _flat_chunks(states.grad_bucket_bytes)]
+            grad_buckets = [] if unlimited else [alloc(x) for x in _flat_chunks(states.grad_bucket_bytes)]
             head_params = head_idx
             grads_of(head_params, mb == micro - 1)
+            # FSDP: the head's unsharded gradient, held until its unit is reduced (at the end: the root's), or that
+            # unit's reduction now
+            held = alloc(int(states.held_head_bytes)) if states.held_head_bytes > 0 else None
+            if states.head_reduce_bytes > 0:
+                free(alloc(int(states.head_reduce_bytes)))
             if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
                 flush.within(head_reduce)
             for i in head_tmp:
@@ -505,6 +517,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 grads_of(idx, mb == micro - 1)
                 for i in tmp:
                     free(i)
+                if states.reduce_extra_bytes > 0 and not unlimited:  # the unit's reduction, its computation done
+                    free(alloc(int(states.reduce_extra_bytes)))
                 for i in recast:
                     free(i)
                 for i in kept_ids[li]:
@@ -523,8 +537,14 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             grads_of(emb, mb == micro - 1)
             for i in t:
                 free(i)
-            if root_id is not None:  # the root's post-backward reshards it
+            # the root's post-backward: its resharding, then its unsharded gradients (the held head's among them)
+            # with the reduce-scatter's buffers
+            if root_id is not None:
                 free(root_id)
+            if states.end_reduce_bytes > 0:
+                free(alloc(int(max(states.end_reduce_bytes - states.held_head_bytes, 0))))
+            if held is not None:
+                free(held)
             # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient
             # to the host inside that reduction (offload), and then releases ZeRO-1/2's buckets
             # (independent_gradient_partition_epilogue: reduce_ipg_grads, then _release_ipg_buffers)

@@ -65,7 +65,7 @@ import contextlib
 import gc
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -202,9 +202,9 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
 
 
 def _engine_states(model_config, task: str, plan: Plan, runtime, gpu: bool):
-    """DeepSpeed's ModelStates of the plan's model (``strategies.deepspeed``), or None (another engine, or a
-    model whose shape the config does not give)."""
-    if plan.launcher != "deepspeed" or model_config is None:
+    """DeepSpeed's or FSDP's ModelStates of the plan's model (``strategies.deepspeed``, ``strategies.fsdp``), or None
+    (another engine, or a model whose shape the config does not give)."""
+    if plan.launcher not in ("deepspeed", "fsdp") or model_config is None:
         return None
     from ..errors import ConfigError as _ConfigError
     from ..modelshape import ModelShape
@@ -255,8 +255,19 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
     states = an.model_states(shape, plan, dt, runtime or an.DEFAULT_RUNTIME)
     acts = an.activations(shape, plan, dt, runtime or an.DEFAULT_RUNTIME)
     notes.append(f"{plan.launcher}: the allocator's overhead over the tensors is the analytic stream's, replayed")
-    return plan_device_memory(shape, plan, dt, states, acts, gpu_model=partition.gpu_model, capacity_mib=capacity,
-                              runtime=runtime)
+    dm = plan_device_memory(shape, plan, dt, states, acts, gpu_model=partition.gpu_model, capacity_mib=capacity,
+                            runtime=runtime)
+    # the overhead is taken over the analytic method's own allocated peak (its phases) where that is lower than the
+    # stream's: the stream holds as allocated the blocks whose frees wait on another stream where it keeps them to
+    # the step's end (FSDP1 without its all-gather limiter), which max_memory_allocated does not count
+    rt = runtime or an.DEFAULT_RUNTIME
+    workspaces = float(sum(map(sum, gemm_workspaces(partition.gpu_model, rt))))
+    kept = states if rt.frees_grads or states.persistent_grads or states.grads_end_with_backward else \
+        replace(states, persistent_grads=True)  # as estimate_analytic: zero_grad keeps them allocated
+    phased = max(ph.total for ph in an.phases(shape, plan, dt, kept, acts, rt, workspaces)) / MIB
+    if dm is not None and phased < dm.peak_allocated_mib:
+        dm = replace(dm, peak_allocated_mib=phased)
+    return dm
 
 
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
@@ -352,6 +363,20 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
     # the traced weights are in the engine's layout dtype (FSDP mixed precision: the 16-bit compute copy, the
     # fp32 shards being the master), which is the dtype the gathered weights are kept in
     gathered = place.gathered_params
+    fsdp = engine is not None and plan.launcher == "fsdp"
+    if fsdp:
+        # FSDP's own device memory in the forward and backward, each part at its largest: the gathered units and the
+        # root (its moments' largest, in place of the traced weights scaled), the unsharded gradients kept across a
+        # no_sync accumulation, a unit's unsharded gradients and the reduction's buffers (or the head's gradient
+        # held to the backward's end); the root's reduction at the backward's end is a moment of its own (below)
+        gathered = 0.0
+        extra = int(engine.gathered_bytes + engine.accumulated_grads_bytes + engine.grad_bucket_bytes
+                    + max(engine.reduce_extra_bytes, engine.head_reduce_bytes, engine.held_head_bytes))
+        extras = ("", f"); FSDP's own device memory added in the forward and backward, each part at its largest: "
+                      f"{engine.gathered_bytes / MIB:.0f} MiB of gathered weights, "
+                      f"{engine.accumulated_grads_bytes / MIB:.0f} MiB of gradients kept unsharded across micro-batches, "
+                      f"{(engine.grad_bucket_bytes + max(engine.reduce_extra_bytes, engine.head_reduce_bytes, engine.held_head_bytes)) / MIB:.0f} "
+                      "MiB reducing a unit's gradients")
     notes: list[str] = []
     if plan.strategy.sharded:
         kept = (f", and the whole model's weights gathered from each layer's forward to its backward (x{gathered:.3g})"
@@ -359,7 +384,10 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
         notes.append(f"{plan.strategy.describe(plan)} over {n} rank(s) is arithmetic on the traced unsharded step "
                      f"(on the device: parameters x{place.params:.3g}, gradients x{place.grads:.3g}, optimizer "
                      f"x{place.optimizer:.3g}{extras[0]}{kept}{extras[1]}")
-    at, gpu = trace.peak(scale, extra, gathered)
+    if fsdp:
+        at, gpu = _fsdp_peak(trace, scale, extra, engine)
+    else:
+        at, gpu = trace.peak(scale, extra, gathered)
     step, phase = trace.samples[at][:2]
     notes.append(f"peak first reached in the {PHASES[phase]} pass of step {step + 1} of {len(trace.step_ends)} "
                  f"({len(trace.samples)} operators traced in {trace.seconds:.1f} s)")
@@ -373,6 +401,38 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
         notes.append(f"NVMe offload keeps {nvme * ranks_per_node / MIB:.0f} MiB per node in nvme_path "
                      "(host buffers for it are not counted)")
     return gpu, host, notes
+
+
+def _fsdp_peak(trace: Trace, scale: Mapping[str, float], extra: int, engine) -> tuple[int, dict[str, float]]:
+    """FSDP's peak over the traced step: the forward and backward samples with FSDP's own memory (``extra``), the
+    optimizer's without it (nothing is gathered or reduced then), and the root's reduction in the backward's final
+    callback: the last backward sample's states (its weights resharded, its own gradient shard not made yet) with
+    the root's unsharded gradients and reduce-scatter buffers (``ModelStates.end_reduce_bytes``)."""
+    step_phase = PHASES.index("optimizer")
+    best: tuple[float, int, dict[str, float]] | None = None
+    for i, sample in enumerate(trace.samples):
+        total = 0.0
+        cats = {}
+        for name, b in zip(CATEGORIES, sample[2:]):
+            cats[name] = float(scale.get(name, 1.0)) * b
+            total += cats[name]
+        if sample[1] != step_phase:
+            total += extra
+        if best is None or total > best[0]:
+            best = (total, i, cats)
+    total, at, cats = best
+    cats = dict(cats)
+    if trace.samples[at][1] != step_phase:
+        cats["params"] += extra
+    last_backward = max((i for i, smp in enumerate(trace.samples) if smp[1] == PHASES.index("backward")), default=None)
+    if engine.end_reduce_bytes > 0 and last_backward is not None:
+        end = {name: float(scale.get(name, 1.0)) * b for name, b in zip(CATEGORIES, trace.samples[last_backward][2:])}
+        end["activations"] = 0.0
+        end["grads"] = max(end["grads"] - engine.end_reduce_share, 0.0)
+        end["temporaries"] = float(engine.end_reduce_bytes)
+        if sum(end.values()) > sum(cats.values()):
+            return last_backward, end
+    return at, cats
 
 
 def _scaled_peak(samples: Sequence[tuple], scale: Mapping[str, float], extra: int,

@@ -140,6 +140,23 @@ class ModelStates:
     """optimizer states (bytes, one tensor each, in creation order) that the optimizer makes at its first step
     (``zeros_like`` on the first ``step``) rather than at start-up: part of ``optimizer_bytes``, made in step 1
     while the step's gradient copy is alive, and kept"""
+    held_head_bytes: float = 0.0
+    """gradient bytes the head holds from its backward to the backward's end in place of its share of
+    ``grads_bytes`` (FSDP: the head is in the root unit, which reduce-scatters only in the backward's final
+    callback, so the head's unsharded gradient waits there in the compute dtype)"""
+    reduce_extra_bytes: float = 0.0
+    """made as each unit's backward computation ends, beside ``grad_bucket_bytes`` but after the layer's own
+    backward temporaries are gone, and freed before the next unit's (FSDP: the reduce-scatter's input and output
+    beyond the unit's unsharded gradients, or FSDP1's flat gradient, the cat of its views' gradients)"""
+    head_reduce_bytes: float = 0.0
+    """alive at once in the head's backward while the unit that holds the head is reduced, where that unit is
+    reduced there (FSDP whose embeddings are units of their own: the root, final norm and head)"""
+    end_reduce_bytes: float = 0.0
+    """alive at once at the backward's end while the last unit is reduced (FSDP: the root unit's unsharded
+    gradients with its reduce-scatter buffers), its gathered weights already freed (FSDP reshards a unit before
+    it reduces its gradients); 0: nothing of the kind"""
+    end_reduce_share: float = 0.0
+    """the part of ``grads_bytes`` that reduction makes (the unit's gradient shard, its output), not there yet"""
 
 
 AUTOGRAD_GRADIENT = "gradient"

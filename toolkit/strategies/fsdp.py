@@ -13,7 +13,9 @@ ranks (the sharded parameters are the master copy, so there is no separate one):
 - in the backward, one block's unsharded gradients (compute dtype) and the reduce-scatter input in the
   reduce dtype (``reduce_dtype``: fp32, or the compute dtype with ``param``), a new flat buffer that
   ``foreach_reduce`` copies the gradients into whatever the dtypes (FSDP1, which published runs of torch < 2.4
-  used, reduce-scatters its flat gradient in place unless it casts it).
+  used, makes its flat gradient as a cat of its views' gradients and reduce-scatters it in place unless it casts
+  it); the head's unsharded gradient from its backward to the backward's end, where the root is reduced last
+  (its inputs need no gradient: the final callback), its unsharded gradients and reduce-scatter buffers at once.
 
 Knobs: ``reshard_after_forward`` (true/false), ``reduce_dtype`` (fp32/param), ``offload_params=cpu``
 (``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states live in pinned host memory and the
@@ -29,7 +31,7 @@ from typing import Any, Mapping
 
 from .. import optimizers
 from ..errors import PlanError
-from .base import MIXED, SIXTEEN_BIT, Dtypes, Layout, ModelStates, Placement, Strategy, register
+from .base import MIXED, SIXTEEN_BIT, Dtypes, Gathered, Layout, ModelStates, Placement, Strategy, register
 
 REDUCE_DTYPES = ("fp32", "param")
 
@@ -243,10 +245,17 @@ class FSDP(Strategy):
         optimizer = float(sum(sum(opt.state_tensor_bytes(dims, storage)) for dims in tensors))
         numels = [prod(dims) for dims in tensors]
         step = opt.step_temp_bytes(sum(numels), max(numels, default=0), storage, storage, dt.gpu)
-        # one block's unsharded grads and the reduce-scatter input in the reduce dtype: FSDP2's foreach_reduce always
-        # copies the unit's gradients into a new flat input (read in torch 2.13's _fsdp_collectives.py); FSDP1
-        # reduce-scatters its flat gradient itself, cast only when the dtype differs
-        buffers = block * (dt.grad + (reduce if reduce != dt.grad or not flat else 0))
+        # a unit's gradients as it is reduced, read in torch 2.13: FSDP2's foreach_reduce copies the unit's unsharded
+        # gradients (compute dtype) into a new flat reduce-scatter input (reduce dtype), frees them, then makes the
+        # output shard (_fsdp_collectives.py). FSDP1's flat gradient is made by the backward of the views' split
+        # (_flat_param.py: torch.split of the flat parameter), a cat of the views' gradients while they are still
+        # alive; the post-backward hook casts it to the reduce dtype where that differs and reduce-scatters it in
+        # place into a new shard. Per unit of u elements, the most alive at once:
+        def reducing(u: float) -> float:
+            second = max(dt.grad, reduce) if flat else reduce
+            return max(u * (dt.grad + second), u * reduce * (1.0 + 1.0 / n))
+
+        buffers = reducing(block)
         # accumulation without the gradient sync (Runtime.fsdp_no_sync): every unit keeps its unsharded gradient
         # between micro-batches, FSDP1 as its flat parameter's .grad in the unsharded (compute) dtype (the
         # post-backward hook returns before _reduce_grad; prepare_gradient_for_backward keeps an unsharded .grad);
@@ -263,10 +272,44 @@ class FSDP(Strategy):
             # as _saved_grad_shard until the backward's final callback hands the optimizer the host copy
             # (_accumulate_sharded_grad, prepare_gradient_for_optim; read in torch 2.13, the same since 2.0)
             grads = grads if flat else 0.0
+        # the root unit (what no block holds: embeddings, final norm, head) has no input that needs a gradient, so
+        # its post-backward runs in the backward's final callback (FSDP2's _root_post_backward_final_callback; FSDP1's
+        # flat gradient waits for the embedding's too): the head's unsharded gradient is held from its backward to
+        # there, where the whole root is reduced at once. Where the job wraps each embedding as a unit of its own
+        # (Runtime.fsdp_embedding_unit, an untied head), those are reduced at the end one by one and the root, now
+        # the final norm and the head, as soon as their gradients exist, in the head's backward.
+        embeddings = [prod(dims) for _name, dims, kind in shape.other_tensors if kind == "embedding"]
+        own_embeddings = getattr(runtime, "fsdp_embedding_unit", False) and not shape.tied and bool(embeddings)
+        if own_embeddings:
+            held_head, head_reduce, last = 0.0, reducing(root - sum(embeddings)), max(embeddings)
+        else:
+            held_head, head_reduce, last = dt.grad * shape.head_linear_params, 0.0, root
+        # FSDP2's gathered weights moment by moment: the root throughout (an embedding unit of its own only for its
+        # forward and its backward); with resharding, in the forward the unit computing and the one prefetched,
+        # none by the loss, and in the backward the unit computing and the one prefetched (the root's pre-backward
+        # prefetches the last; the first has none after it); without, every unit from its forward to the end of
+        # its backward. A unit is resharded after its backward, before its gradients are reduced. Measured on one
+        # CPU rank (benchmarks/fsdp_cpu_check.py). FSDP1 is counted as before, the root and two units (or all of
+        # them) at every moment: its published runs are under by up to 9 points with the moments (the 405B row;
+        # docs/estimator.md, session 20), and no trace of an FSDP1 step says which moment holds more
+        u, r = dt.param * block, dt.param * (root - (sum(embeddings) if own_embeddings else 0.0))
+        whole, layers = dt.param * root, shape.layers
+        if flat:
+            moments = None
+        elif plan.reshard_after_forward:
+            moments = Gathered(forward_end=r, head_backward=r + u * min(1, layers),
+                               last_layer=r + u * min(PREFETCHED_UNITS, layers), first_layer=r + u * min(1, layers),
+                               backward_end=whole)
+        else:
+            moments = Gathered(forward_end=r + u * layers, head_backward=r + u * layers, last_layer=r + u * layers,
+                               first_layer=r + u * min(1, layers), backward_end=whole)
         return ModelStates(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, persistent_grads=False,
                            grads_end_with_backward=plan.offload_params == "cpu" and grads > 0,
-                           buffer_bytes=buffers, gathered_bytes=gathered, step_temp_bytes=step,
-                           host_bytes_per_rank=host, accumulated_grads_bytes=accumulated)
+                           buffer_bytes=0.0, grad_bucket_bytes=block * dt.grad,
+                           reduce_extra_bytes=buffers - block * dt.grad, gathered_bytes=gathered, step_temp_bytes=step,
+                           host_bytes_per_rank=host, accumulated_grads_bytes=accumulated,
+                           held_head_bytes=held_head, head_reduce_bytes=head_reduce, end_reduce_bytes=reducing(last),
+                           end_reduce_share=grads * last / psi if psi else 0.0, gathered_moments=moments)
 
     def placement(self, plan) -> Placement:
         share = 1.0 / plan.world_size
