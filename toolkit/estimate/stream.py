@@ -517,8 +517,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 grads_of(idx, mb == micro - 1)
                 for i in tmp:
                     free(i)
-                if states.reduce_extra_bytes > 0 and not unlimited:  # the unit's reduction, its computation done
-                    free(alloc(int(states.reduce_extra_bytes)))
+                if states.reduce_extra_bytes > 0 and not unlimited:
+                    free(alloc(int(states.reduce_extra_bytes)))  # the unit's reduction, its computation done
                 for i in recast:
                     free(i)
                 for i in kept_ids[li]:

@@ -370,13 +370,13 @@ def shard(trace: Trace, plan: Plan, engine=None) -> tuple[dict[str, float], floa
         # no_sync accumulation, a unit's unsharded gradients and the reduction's buffers (or the head's gradient
         # held to the backward's end); the root's reduction at the backward's end is a moment of its own (below)
         gathered = 0.0
-        extra = int(engine.gathered_bytes + engine.accumulated_grads_bytes + engine.grad_bucket_bytes
-                    + max(engine.reduce_extra_bytes, engine.head_reduce_bytes, engine.held_head_bytes))
+        reducing = engine.grad_bucket_bytes + max(engine.reduce_extra_bytes, engine.head_reduce_bytes,
+                                                  engine.held_head_bytes)
+        extra = int(engine.gathered_bytes + engine.accumulated_grads_bytes + reducing)
         extras = ("", f"); FSDP's own device memory added in the forward and backward, each part at its largest: "
                       f"{engine.gathered_bytes / MIB:.0f} MiB of gathered weights, "
-                      f"{engine.accumulated_grads_bytes / MIB:.0f} MiB of gradients kept unsharded across micro-batches, "
-                      f"{(engine.grad_bucket_bytes + max(engine.reduce_extra_bytes, engine.head_reduce_bytes, engine.held_head_bytes)) / MIB:.0f} "
-                      "MiB reducing a unit's gradients")
+                      f"{engine.accumulated_grads_bytes / MIB:.0f} MiB of gradients kept unsharded across "
+                      f"micro-batches, {reducing / MIB:.0f} MiB reducing a unit's gradients")
     notes: list[str] = []
     if plan.strategy.sharded:
         kept = (f", and the whole model's weights gathered from each layer's forward to its backward (x{gathered:.3g})"
