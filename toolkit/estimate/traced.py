@@ -260,11 +260,7 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
     # the overhead is taken over the analytic method's own allocated peak (its phases) where that is lower than the
     # stream's: the stream holds as allocated the blocks whose frees wait on another stream where it keeps them to
     # the step's end (FSDP1 without its all-gather limiter), which max_memory_allocated does not count
-    rt = runtime or an.DEFAULT_RUNTIME
-    workspaces = float(sum(map(sum, gemm_workspaces(partition.gpu_model, rt))))
-    kept = states if rt.frees_grads or states.persistent_grads or states.grads_end_with_backward else \
-        replace(states, persistent_grads=True)  # as estimate_analytic: zero_grad keeps them allocated
-    phased = max(ph.total for ph in an.phases(shape, plan, dt, kept, acts, rt, workspaces)) / MIB
+    phased = an.estimate_analytic(shape, plan, partition, runtime=runtime, allocator_model=False).peak_allocated_mib
     if dm is not None and phased < dm.peak_allocated_mib:
         dm = replace(dm, peak_allocated_mib=phased)
     return dm
