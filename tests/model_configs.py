@@ -13,6 +13,11 @@ TINY_GEMMA = {**TINY_LLAMA, "model_type": "gemma", "num_key_value_heads": 1, "he
 """Gemma's layout: RMSNorms that keep their fp32 normalised tensor (scaled by 1 + weight after), GeGLU, multi-query
 attention, tied head (its config's default)."""
 
+TINY_PHI3 = {**TINY_LLAMA, "model_type": "phi3", "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""Phi-3's layout: one qkv_proj and one gate_up_proj, whose outputs the layer slices into views (GQA: two key/value
+heads for four query heads); no window (Phi3Config's default). Its own pad token (Phi3Config's 32000) would lie
+outside the tiny vocabulary."""
+
 TINY_ROBERTA = {"model_type": "roberta", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 512, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
                 "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 514, "type_vocab_size": 1,

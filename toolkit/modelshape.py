@@ -59,19 +59,29 @@ class LlamaVariant:
     gelu_is: str = "gelu"
     """What an exact "gelu" in the config runs as: Gemma's config turns it into the tanh approximation, its
     default (transformers' GemmaConfig: "a legacy value of the official releases")."""
+    fused: bool = False
+    """One ``qkv_proj`` for the queries, keys and values and one ``gate_up_proj`` for the gated MLP's two inputs
+    (Phi-3), whose outputs the layer slices into views (``ModelShape.fused``)."""
+    sliding_window: str | None = None
+    """How the config's ``sliding_window`` is honoured: "always" (Mistral, Phi-3: every layer attends within it),
+    "flag" (Qwen2, Qwen3: only with ``use_sliding_window``, which is refused), None (no window: LLaMA, Gemma)."""
+    dropout_key: str | None = None
+    """The config field of the dropout on each residual branch (Phi-3's ``resid_pdrop``); None: none."""
 
 
 LLAMA_VARIANTS = {
     "llama": LlamaVariant(mlp_bias=True),
-    "mistral": LlamaVariant(attention_bias=False, kv_heads=8),
-    "qwen2": LlamaVariant(qkv_bias=True, o_bias=False, kv_heads=32),
-    "qwen3": LlamaVariant(qk_norm=True, head_dim=128, kv_heads=32),
+    "mistral": LlamaVariant(attention_bias=False, kv_heads=8, sliding_window="always"),
+    "qwen2": LlamaVariant(qkv_bias=True, o_bias=False, kv_heads=32, sliding_window="flag"),
+    "qwen3": LlamaVariant(qk_norm=True, head_dim=128, kv_heads=32, sliding_window="flag"),
     "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=16, activation="gelu_pytorch_tanh",
                           activation_keys=("hidden_activation", "hidden_act"), gelu_is="gelu_pytorch_tanh"),
+    "phi3": LlamaVariant(attention_bias=False, fused=True, sliding_window="always", dropout_key="resid_pdrop"),
 }
-"""The model types the "llama" layout covers. Not among them, and refused rather than guessed: Gemma 2/3
-(logit soft-capping, four norms per layer), Phi-3 (fused qkv_proj and gate_up_proj, whose shared output buffer
-SDPA's saved views keep alive), mixtures of experts."""
+"""The model types the "llama" layout covers (Phi-3's "phi3" also covers Phi-3.5-mini, Phi-4 and Phi-4-mini,
+which transformers builds with the same classes). Not among them, and refused rather than guessed: Gemma 2/3
+(logit soft-capping, four norms per layer), Phi-3-small ("phi3small": block-sparse attention), mixtures of
+experts."""
 
 # model_type -> block layout. "gpt2": fused QKV, LayerNorm, plain MLP; "bert": separate
 # Q/K/V, post-LayerNorm, plain MLP (RoBERTa's layers are BERT's; its embeddings and heads hold the
@@ -126,7 +136,13 @@ def ffn_size(cfg: Mapping[str, Any]) -> int:
 
 
 def largest_param_numel(cfg: Mapping[str, Any]) -> int:
-    """Elements of the largest single weight: the embedding or an FFN matrix (or fused QKV)."""
+    """Elements of the largest single weight: the embedding or an FFN matrix (or fused QKV, or Phi-3's fused
+    gate and up projections): exact for a family the analytic shapes know, else the largest of those."""
+    if cfg.get("model_type") in FAMILIES and FAMILIES[cfg["model_type"]] not in IMAGE_FAMILIES:
+        try:
+            return ModelShape.from_config(cfg, task="causal-lm").largest_param_numel
+        except ConfigError:
+            pass  # a config the shapes cannot read: the rough rule below
     h = hidden_size(cfg)
     vocab = _optional(cfg, "vocab_size", default=0)
     return max(vocab * h, ffn_size(cfg) * h, 3 * h * h)
@@ -179,6 +195,11 @@ class ModelShape:
     """Each layer normalises its queries and keys per head (``LlamaVariant.qk_norm``)."""
     norm_fp32: bool = False
     """The RMSNorms keep their fp32 normalised tensor (``LlamaVariant.norm_fp32``)."""
+    fused: bool = False
+    """Queries, keys and values come from one projection and the gated MLP's two inputs from another
+    (``LlamaVariant.fused``): SDPA's saved value, a view, keeps the whole query/key/value output alive."""
+    sliding_window: int | None = None
+    """Every layer attends within this many tokens (Mistral, Phi-3); None: no window."""
 
     # -- constructors --------------------------------------------------------------
 
@@ -295,6 +316,7 @@ class ModelShape:
                 "layers": self.layers, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "ffn": self.ffn, "activation": self.activation, "gated": self.gated, "vocab": self.vocab,
                 "max_positions": self.max_positions, "tied": self.tied, "n_params": self.n_params,
+                "fused": self.fused, "sliding_window": self.sliding_window,
                 "largest_param_numel": self.largest_param_numel, "seq_len": self.seq_len,
                 "image": list(self.image) if self.image else None}
 
@@ -485,7 +507,9 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
     tied = bool(_first(cfg, "tie_word_embeddings", default=variant.tied))
     q_dim, kv_dim = heads * d, kv * d
     layer: list[Tensor] = []
-    for name, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+    projections = ((("qkv_proj", q_dim + 2 * kv_dim),) if variant.fused
+                   else (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)))
+    for name, out_dim in projections:
         layer.append((f"self_attn.{name}.weight", (out_dim, h), "linear"))
         if qkv_bias:
             layer.append((f"self_attn.{name}.bias", (out_dim,), "bias"))
@@ -494,7 +518,8 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         layer.append(("self_attn.o_proj.bias", (h,), "bias"))
     if variant.qk_norm:  # registered after o_proj, as transformers' named_parameters() lists them
         layer += [("self_attn.q_norm.weight", (d,), "norm"), ("self_attn.k_norm.weight", (d,), "norm")]
-    for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+    mlp = ((("gate_up_proj", (2 * f, h)),) if variant.fused else (("gate_proj", (f, h)), ("up_proj", (f, h))))
+    for name, shape in (*mlp, ("down_proj", (h, f))):
         layer.append((f"mlp.{name}.weight", shape, "linear"))
         if mlp_bias:
             layer.append((f"mlp.{name}.bias", (shape[0],), "bias"))
@@ -510,10 +535,25 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                       kv_heads=kv, head_dim=d, ffn=f, activation=act, gated=True, vocab=vocab,
                       max_positions=_optional(cfg, "max_position_embeddings", default=None), tied=tied,
                       num_labels=labels,
-                      attn_dropout=_rate(cfg, "attention_dropout", 0.0), hidden_dropout=0.0, embd_dropout=0.0,
-                      kv_cache=_kv_cache(cfg, task),
+                      attn_dropout=_rate(cfg, "attention_dropout", 0.0),
+                      hidden_dropout=_rate(cfg, variant.dropout_key, 0.0) if variant.dropout_key else 0.0,
+                      embd_dropout=0.0, kv_cache=_kv_cache(cfg, task),
                       layer_tensors=tuple(layer), other_tensors=tuple(other),
-                      qk_norm=variant.qk_norm, norm_fp32=variant.norm_fp32)
+                      qk_norm=variant.qk_norm, norm_fp32=variant.norm_fp32, fused=variant.fused,
+                      sliding_window=_window(cfg, variant))
+
+
+def _window(cfg: Mapping[str, Any], variant: LlamaVariant) -> int | None:
+    """The attention window every layer keeps (``LlamaVariant.sliding_window``); None: none. Qwen's
+    ``use_sliding_window`` (a window on some layers only, from ``max_window_layers``) is refused by name."""
+    if variant.sliding_window == "flag":
+        if cfg.get("use_sliding_window"):
+            raise ConfigError(f"model config ({cfg.get('model_type')}) sets use_sliding_window: the analytic "
+                              "estimator does not model a window on some layers only; use --method traced")
+        return None
+    if variant.sliding_window != "always":
+        return None
+    return _optional(cfg, "sliding_window", default=None)
 
 
 def _opt(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:

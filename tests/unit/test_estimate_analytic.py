@@ -377,11 +377,15 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 from toolkit.estimate.measure import LiveTensorBytes, measured_peak_bytes, train_setup  # noqa: E402
 
-from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
+from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
           "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit"), "tiny-qwen3": TINY_QWEN3,
-          "tiny-gemma": TINY_GEMMA, "tiny-roberta": TINY_ROBERTA, "tiny-opt": TINY_OPT}
+          "tiny-gemma": TINY_GEMMA, "tiny-roberta": TINY_ROBERTA, "tiny-opt": TINY_OPT, "tiny-phi3": TINY_PHI3,
+          # a window shorter than the tests' sequences: SDPA gets a mask, and K and V are repeated for it
+          "tiny-phi3-window": {**TINY_PHI3, "sliding_window": 64},
+          "tiny-phi3-mha-window": {**TINY_PHI3, "num_key_value_heads": 4, "sliding_window": 64},
+          "tiny-mistral-window": {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 64}}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
@@ -406,7 +410,8 @@ def forward_saved_bytes(cfg, task, p: Plan) -> int:
 
 
 @pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma",
-                                    "tiny-roberta", "tiny-opt"])
+                                    "tiny-roberta", "tiny-opt", "tiny-phi3", "tiny-phi3-window",
+                                    "tiny-phi3-mha-window", "tiny-mistral-window"])
 @pytest.mark.parametrize("precision, attention", [("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     """The per-layer inventory against the real forward: a 3-layer minus a 2-layer model."""
@@ -440,6 +445,13 @@ CASES = [
     ("tiny-qwen3", "causal-lm", dict(precision="bf16-true", micro_batch=4, seq_len=128, checkpointing=True)),
     ("tiny-gemma", "causal-lm", dict(precision="bf16-true", attention="eager", micro_batch=4, seq_len=128)),
     ("tiny-gemma", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
+    ("tiny-phi3", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),
+    ("tiny-phi3", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
+    ("tiny-phi3", "causal-lm", dict(precision="bf16-true", attention="eager", micro_batch=4, seq_len=128)),
+    ("tiny-phi3", "causal-lm", dict(precision="bf16-true", micro_batch=4, seq_len=128, checkpointing=True)),
+    ("tiny-phi3", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
+    ("tiny-phi3-window", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
+    ("tiny-mistral-window", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),
     ("tiny-roberta", "seq-cls", dict(precision="bf16-mixed", micro_batch=8, seq_len=128)),
     ("tiny-roberta", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
     ("tiny-opt", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
+from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
 
 _NO_KV = {k: v for k, v in TINY_LLAMA.items() if k != "num_key_value_heads"}
 TINY = {
@@ -36,6 +36,12 @@ TINY = {
     "qwen3-biases-default-head-dim": {**{k: v for k, v in TINY_QWEN3.items() if k != "head_dim"},
                                       "attention_bias": True},
     "gemma": TINY_GEMMA,
+    "phi3": TINY_PHI3,
+    # Phi-4-mini's shape of things: tied, more query heads than key/value heads, a partial rotary embedding
+    "phi3-tied-partial-rotary": {**TINY_PHI3, "tie_word_embeddings": True,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.75}},
+    "phi3-wide-mlp": {**TINY_PHI3, "intermediate_size": 8192},  # gate_up_proj outgrows the embedding
     "roberta": TINY_ROBERTA,
     "xlm-roberta-5-labels": {**TINY_ROBERTA, "model_type": "xlm-roberta", "num_labels": 5},
     "opt": TINY_OPT,
@@ -85,6 +91,11 @@ def test_well_known_counts():
     assert ModelShape.from_config(qwen3_06b).n_params == 596_049_920
     assert ModelShape.from_config(gemma_2b).n_params == 2_506_172_416
     assert ModelShape.from_config(roberta_base, "seq-cls").n_params == 124_647_170
+    phi3_mini = {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 32064, "sliding_window": 2047,
+                 "tie_word_embeddings": False}  # microsoft/Phi-3-mini-4k-instruct
+    assert ModelShape.from_config(phi3_mini).n_params == 3_821_079_552
+    assert ModelShape.from_config(phi3_mini).sliding_window == 2047
     opt_13b = {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
                "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 5120}
     opt_125m = {**opt_13b, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "ffn_dim": 3072,
@@ -138,6 +149,8 @@ def test_kv_cache_only_for_decoder_classifiers():
 def test_legacy_helpers_keep_their_behaviour():
     cfg = load_model_config("gpt2")
     assert (hidden_size(cfg), ffn_size(cfg), largest_param_numel(cfg)) == (768, 3072, 50257 * 768)
+    # Phi-3's fused gate and up projections (2 x ffn x hidden) are the largest weight of a wide enough MLP
+    assert largest_param_numel(TINY["phi3-wide-mlp"]) == 2 * 8192 * 128
     llama = load_model_config("llama-7b")
     assert (hidden_size(llama), ffn_size(llama), largest_param_numel(llama)) == (4096, 11008, 32000 * 4096)
     assert largest_param_numel({"hidden_size": 64}) == 4 * 64 * 64  # the default FFN (4 h) beats QKV (3 h^2)
@@ -171,11 +184,17 @@ def test_bad_configs_are_refused():
         ModelShape.from_config({**TINY_LLAMA, "num_hidden_layers": 10_000_000})
     with pytest.raises(ConfigError, match="model_type"):
         ModelShape.from_config({**TINY_LLAMA, "model_type": ["llama"]})
-    for near_llama in ("phi3", "gemma2", "mixtral"):  # LLaMA-like, but not in what they keep: named, not guessed
+    for near_llama in ("phi3small", "gemma2", "mixtral"):  # LLaMA-like, but not in what they keep: named
         with pytest.raises(ConfigError, match=f"'{near_llama}' is not one the analytic estimator knows"):
             ModelShape.from_config({**TINY_LLAMA, "model_type": near_llama})
     with pytest.raises(ConfigError, match="multiple"):
         ModelShape.from_config({**TINY_LLAMA, "num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="use_sliding_window") as err:  # a window on some layers only
+        ModelShape.from_config({**TINY_LLAMA, "model_type": "qwen2", "use_sliding_window": True,
+                                "sliding_window": 64})
+    assert "traced" in str(err.value)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        ModelShape.from_config({**TINY_PHI3, "sliding_window": "2047"})
     # OPT-350m's layout (a projected embedding, post-LayerNorm layers): named, not guessed
     for field, value in (("word_embed_proj_dim", 64), ("do_layer_norm_before", False),
                          ("_remove_final_layer_norm", True)):

@@ -62,9 +62,23 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     c, a, s = dt.compute, shape.heads, sequence_length(shape, plan)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not stores_scores(shape, plan, dt):
-        if runtime.sdpa_repeats_kv:
-            kv_dim = q_dim  # K and V repeated to every query head before SDPA (Runtime.sdpa_repeats_kv)
-        return (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
+        masked = window_masked(shape, plan)
+        repeated = kv_dim != q_dim and (runtime.sdpa_repeats_kv or masked)
+        if repeated:
+            # K and V repeated to every query head before SDPA: older transformers always
+            # (Runtime.sdpa_repeats_kv), today's whenever a mask is passed (use_gqa_in_sdpa)
+            kv_dim = q_dim
+        saved = (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
+        if masked:
+            saved += s * c  # the window's mask, made additive in the compute dtype by each layer's SDPA call
+        if shape.fused:
+            # the saved value is a view of the fused projection, whose q and k parts then live on too, unless
+            # it was repeated or a KV cache (a classifier's, kept off by checkpointing) concatenated a copy
+            if not repeated and not (shape.kv_cache and not plan.checkpointing):
+                saved += (q_dim + shape.kv_heads * shape.head_dim) * c
+            if output_follows_query(plan, dt, masked):
+                saved += q_dim * c  # o_proj's input: the output made contiguous again
+        return saved
     if runtime.eager_clamps_scores:
         # the clamp's input (the masked scores: fp32 under autocast), softmax's output (fp32 for fp16 or fp32
         # scores, else their own dtype), and what the second matmul takes: dropout's output, or the 16-bit copy
@@ -86,6 +100,24 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     if runtime.softmax_saves_input:
         extra += soft
     return 4 * q_dim * c + a * s * (soft + extra)
+
+
+def window_masked(shape: ModelShape, plan: Plan) -> bool:
+    """Whether SDPA gets a mask: the model's attention window is no longer than the sequence (transformers skips
+    the mask only while the keys are fewer than the window, ``masking_utils._ignore_causal_mask_sdpa``). Flash
+    attention takes the window as an argument, and eager attention adds its one mask to the scores it keeps."""
+    return plan.attention == "sdpa" and shape.sliding_window is not None and plan.seq_len >= shape.sliding_window
+
+
+def output_follows_query(plan: Plan, dt: Dtypes, masked: bool) -> bool:
+    """Whether the attention kernel lays its output out as its query (``empty_like``): the CPU's SDPA kernel,
+    CUDA's flash kernel (16-bit, no mask: ``flash_api.cpp`` ``at::empty_like(q_padded)``) and the flash-attn
+    package. Phi-3's rotary embedding ends in a ``cat`` that leaves the query in (batch, heads, tokens) order, so
+    there the output needs a copy to become (batch, tokens, hidden) again. CUDA's memory-efficient kernel (fp32,
+    or a mask) allocates (batch, tokens, heads, dim) itself."""
+    if plan.attention == "flash" or not dt.gpu:
+        return True
+    return dt.compute == 2 and not masked
 
 
 def stores_scores(shape: ModelShape, plan: Plan, dt: Dtypes) -> bool:
@@ -131,8 +163,9 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Ru
         return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
     # llama: RMSNorm in python keeps its fp32 input, rstd and the normalised tensor
     rms = rms_norm_bytes(shape, h, p)
-    qkv_in = 3 * h * c if dt.autocast else h * p
-    mlp_in = 2 * h * c if dt.autocast else h * p
+    projections = 1 if shape.fused else 3  # autocast casts the norm's output once per projection
+    qkv_in = projections * h * c if dt.autocast else h * p
+    mlp_in = (1 if shape.fused else 2) * h * c if dt.autocast else h * p
     qk = 0
     if shape.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, whose input is the projection's output
         qk = (rms_norm_bytes(shape, shape.heads * shape.head_dim, c, shape.heads)

@@ -158,7 +158,7 @@ class _Layer:
 
 def layer_tensors(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> _Layer:
     """Split a layer's totals from ``analytic.activations`` into tensors of the sizes the runtime makes."""
-    from .activations import _attention_bytes, _ffn_bytes, sequence_length, stores_scores
+    from .activations import _attention_bytes, _ffn_bytes, sequence_length, stores_scores, window_masked
 
     seq = sequence_length(shape, plan)
     b = plan.micro_batch
@@ -174,6 +174,10 @@ def layer_tensors(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_
         scores = _split(score_total, square * c)
         saved += scores
         total -= sum(scores)
+    elif window_masked(shape, plan):  # the additive window mask SDPA made for this layer: b x s x s, one tensor
+        mask = min(b * seq * seq * c, total)
+        saved.append(int(mask))
+        total -= mask
     ffn_total = min(_ffn_bytes(shape, dt) * tokens, total)
     ffn = _split(ffn_total, tokens * shape.ffn * c)
     saved += ffn
