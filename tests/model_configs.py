@@ -18,6 +18,12 @@ TINY_PHI3 = {**TINY_LLAMA, "model_type": "phi3", "pad_token_id": 0, "bos_token_i
 heads for four query heads); no window (Phi3Config's default). Its own pad token (Phi3Config's 32000) would lie
 outside the tiny vocabulary."""
 
+TINY_GEMMA2 = {**TINY_LLAMA, "model_type": "gemma2", "num_key_value_heads": 2, "head_dim": 64,
+               "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 64, "sliding_window": 64}
+"""Gemma 2's layout: Gemma's norms, four to a layer; the attention scores and the logits soft-capped; a window on
+every other layer (shorter than the tests' sequences); tied head. transformers runs it eager or flash, not SDPA."""
+
 TINY_ROBERTA = {"model_type": "roberta", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 512, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
                 "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 514, "type_vocab_size": 1,

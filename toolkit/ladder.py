@@ -101,6 +101,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 from . import optimizers, peaks, strategies
 from .classify import Verdict
 from .errors import PlanError, UnknownNameError
+from .estimate import attention_refusal
 from .failures import is_host, text_of
 from .plan import Plan, with_changes
 from .predict import EXPANDABLE, MARGIN, Footprint, Predictor, footprint
@@ -282,7 +283,10 @@ def _attention(plan: Plan, ctx: _Ctx) -> list[Plan]:
     if not ctx.allows("attention") or plan.attention != "eager":
         return []
     flash = ctx.partition.flash_attention and plan.precision != "fp32"  # flash kernels are 16-bit only
-    return _valid([ctx.make(plan, attention="flash" if flash else "sdpa")])
+    new = ctx.make(plan, attention="flash" if flash else "sdpa")
+    if new is not None and attention_refusal(ctx.model, new):
+        return []  # the model's class cannot run it (Gemma 2 has no SDPA path)
+    return _valid([new])
 
 
 def _micro_batch(plan: Plan, ctx: _Ctx) -> list[Plan]:

@@ -67,6 +67,15 @@ class LlamaVariant:
     "flag" (Qwen2, Qwen3: only with ``use_sliding_window``, which is refused), None (no window: LLaMA, Gemma)."""
     dropout_key: str | None = None
     """The config field of the dropout on each residual branch (Phi-3's ``resid_pdrop``); None: none."""
+    sandwich_norms: bool = False
+    """Four norms per layer (Gemma 2): after the attention and after the MLP too, each normalising a projection's
+    output before it joins the residual stream (``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+    ``post_feedforward_layernorm``)."""
+    softcaps: bool = False
+    """The config's ``attn_logit_softcapping`` and ``final_logit_softcapping`` squash the attention scores and the
+    logits through ``cap * tanh(x / cap)`` (Gemma 2), whose backward keeps the tanh's output."""
+    sdpa: bool = True
+    """transformers runs the model on SDPA (Gemma 2 does not: ``_supports_sdpa = False``, SDPA has no soft-capping)."""
 
 
 LLAMA_VARIANTS = {
@@ -77,11 +86,14 @@ LLAMA_VARIANTS = {
     "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=16, activation="gelu_pytorch_tanh",
                           activation_keys=("hidden_activation", "hidden_act"), gelu_is="gelu_pytorch_tanh"),
     "phi3": LlamaVariant(attention_bias=False, fused=True, sliding_window="always", dropout_key="resid_pdrop"),
+    # eager or flash attention only, so its window (on every other layer) changes nothing kept: not read
+    "gemma2": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=4, activation="gelu_pytorch_tanh",
+                           activation_keys=("hidden_activation",), sandwich_norms=True, softcaps=True, sdpa=False),
 }
 """The model types the "llama" layout covers (Phi-3's "phi3" also covers Phi-3.5-mini, Phi-4 and Phi-4-mini,
-which transformers builds with the same classes). Not among them, and refused rather than guessed: Gemma 2/3
-(logit soft-capping, four norms per layer), Phi-3-small ("phi3small": block-sparse attention), mixtures of
-experts."""
+which transformers builds with the same classes). Not among them, and refused rather than guessed: Gemma 3 (its
+sliding and full layers keep different tensors under SDPA, and the query/key norms), Phi-3-small ("phi3small":
+block-sparse attention), mixtures of experts."""
 
 # model_type -> block layout. "gpt2": fused QKV, LayerNorm, plain MLP; "bert": separate
 # Q/K/V, post-LayerNorm, plain MLP (RoBERTa's layers are BERT's; its embeddings and heads hold the
@@ -198,6 +210,14 @@ class ModelShape:
     fused: bool = False
     """Queries, keys and values come from one projection and the gated MLP's two inputs from another
     (``LlamaVariant.fused``): SDPA's saved value, a view, keeps the whole query/key/value output alive."""
+    sandwich_norms: bool = False
+    """Each layer also normalises its attention's and its MLP's outputs (``LlamaVariant.sandwich_norms``)."""
+    attn_softcap: bool = False
+    """The attention scores are soft-capped (``attn_logit_softcapping``): eager attention keeps the tanh's output."""
+    final_softcap: bool = False
+    """The logits are soft-capped (``final_logit_softcapping``): the tanh's output is kept for backward."""
+    sdpa: bool = True
+    """transformers can run the model's attention on SDPA (``LlamaVariant.sdpa``)."""
     sliding_window: int | None = None
     """Every layer attends within this many tokens (Mistral, Phi-3); None: no window."""
 
@@ -316,7 +336,8 @@ class ModelShape:
                 "layers": self.layers, "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "ffn": self.ffn, "activation": self.activation, "gated": self.gated, "vocab": self.vocab,
                 "max_positions": self.max_positions, "tied": self.tied, "n_params": self.n_params,
-                "fused": self.fused, "sliding_window": self.sliding_window,
+                "fused": self.fused, "sliding_window": self.sliding_window, "sandwich_norms": self.sandwich_norms,
+                "attn_softcap": self.attn_softcap, "final_softcap": self.final_softcap,
                 "largest_param_numel": self.largest_param_numel, "seq_len": self.seq_len,
                 "image": list(self.image) if self.image else None}
 
@@ -524,6 +545,8 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         if mlp_bias:
             layer.append((f"mlp.{name}.bias", (shape[0],), "bias"))
     layer += [("input_layernorm.weight", (h,), "norm"), ("post_attention_layernorm.weight", (h,), "norm")]
+    if variant.sandwich_norms:
+        layer += [("pre_feedforward_layernorm.weight", (h,), "norm"), ("post_feedforward_layernorm.weight", (h,), "norm")]
     other: list[Tensor] = [("embed_tokens", (vocab, h), "embedding"), ("norm.weight", (h,), "norm")]
     if task == "seq-cls":
         other.append(("score.weight", (labels, h), "linear"))
@@ -540,7 +563,19 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                       embd_dropout=0.0, kv_cache=_kv_cache(cfg, task),
                       layer_tensors=tuple(layer), other_tensors=tuple(other),
                       qk_norm=variant.qk_norm, norm_fp32=variant.norm_fp32, fused=variant.fused,
-                      sliding_window=_window(cfg, variant))
+                      sliding_window=_window(cfg, variant), sandwich_norms=variant.sandwich_norms,
+                      attn_softcap=variant.softcaps and _softcap(cfg, "attn_logit_softcapping"),
+                      final_softcap=variant.softcaps and _softcap(cfg, "final_logit_softcapping"), sdpa=variant.sdpa)
+
+
+def _softcap(cfg: Mapping[str, Any], name: str) -> bool:
+    """Whether a soft-capping value is set (a positive number; null or absent: none)."""
+    value = cfg.get(name)
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"model config {name!r} must be a positive number or null, got {value!r}")
+    return True
 
 
 def _window(cfg: Mapping[str, Any], variant: LlamaVariant) -> int | None:

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 from . import ladder, optimizers
 from .errors import PlanError
-from .estimate import Estimate, ModelRef, estimate
+from .estimate import Estimate, ModelRef, attention_refusal, estimate
 from .plan import Plan, with_changes
 from .predict import MARGIN, Predictor, alloc_conf_value, fit_fields  # noqa: F401 (MARGIN: the one margin, re-exported)
 from .sites import Partition
@@ -120,7 +120,8 @@ def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: It
     fit does not fit, and a screened plan is never chosen. Traced: every candidate is traced.
     """
     base_speed = speed(base, partition)
-    plans = candidate_plans(base, partition, allow)
+    # a move to an attention the model's class cannot run is no candidate (the base itself is refused by estimate)
+    plans = [p for p in candidate_plans(base, partition, allow) if p == base or not attention_refusal(model, p)]
     pred = Predictor(partition, model=model, method=method)
     if method != "analytic":
         cands = [_candidate(pred, p, speed(p, partition) / base_speed, base) for p in plans]

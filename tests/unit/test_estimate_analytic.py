@@ -377,7 +377,8 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 from toolkit.estimate.measure import LiveTensorBytes, measured_peak_bytes, train_setup  # noqa: E402
 
-from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
+from model_configs import (TINY_GEMMA, TINY_GEMMA2, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3,  # noqa: E402
+                           TINY_ROBERTA)
 
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
           "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit"), "tiny-qwen3": TINY_QWEN3,
@@ -385,7 +386,8 @@ MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_c
           # a window shorter than the tests' sequences: SDPA gets a mask, and K and V are repeated for it
           "tiny-phi3-window": {**TINY_PHI3, "sliding_window": 64},
           "tiny-phi3-mha-window": {**TINY_PHI3, "num_key_value_heads": 4, "sliding_window": 64},
-          "tiny-mistral-window": {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 64}}
+          "tiny-mistral-window": {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 64},
+          "tiny-gemma2": TINY_GEMMA2}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
@@ -409,10 +411,12 @@ def forward_saved_bytes(cfg, task, p: Plan) -> int:
     return saved
 
 
-@pytest.mark.parametrize("family", ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma",
-                                    "tiny-roberta", "tiny-opt", "tiny-phi3", "tiny-phi3-window",
-                                    "tiny-phi3-mha-window", "tiny-mistral-window"])
-@pytest.mark.parametrize("precision, attention", [("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager")])
+@pytest.mark.parametrize("family, precision, attention", [
+    (family, precision, attention)
+    for family in ("tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma", "tiny-roberta",
+                   "tiny-opt", "tiny-phi3", "tiny-phi3-window", "tiny-phi3-mha-window", "tiny-mistral-window")
+    for precision, attention in (("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager"))
+] + [("tiny-gemma2", precision, "eager") for precision in ("fp32", "bf16-mixed", "bf16-true")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     """The per-layer inventory against the real forward: a 3-layer minus a 2-layer model."""
     cfg, layers_key = MODELS[family], "n_layer" if family == "tiny-gpt2" else "num_hidden_layers"
@@ -451,6 +455,11 @@ CASES = [
     ("tiny-phi3", "causal-lm", dict(precision="bf16-true", micro_batch=4, seq_len=128, checkpointing=True)),
     ("tiny-phi3", "seq-cls", dict(precision="fp32", micro_batch=8, seq_len=128)),
     ("tiny-phi3-window", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
+    ("tiny-gemma2", "causal-lm", dict(precision="fp32", attention="eager", micro_batch=4, seq_len=128)),
+    ("tiny-gemma2", "causal-lm", dict(precision="bf16-mixed", attention="eager", micro_batch=4, seq_len=128)),
+    ("tiny-gemma2", "causal-lm", dict(precision="bf16-true", attention="eager", micro_batch=4, seq_len=128,
+                                      checkpointing=True)),
+    ("tiny-gemma2", "seq-cls", dict(precision="fp32", attention="eager", micro_batch=8, seq_len=128)),
     ("tiny-mistral-window", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),
     ("tiny-roberta", "seq-cls", dict(precision="bf16-mixed", micro_batch=8, seq_len=128)),
     ("tiny-roberta", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),

@@ -684,3 +684,24 @@ def test_phi3_fused_projections_cost_the_same_traced_and_analytic(window, precis
     copy = 4 * 512 * 512 * (4 if precision == "fp32" else 2) * 4 / MIB if memory_efficient else 0.0
     assert added["analytic"] > 0 or precision == "bf16-mixed"  # autocast's saved copies offset the view there
     assert added["traced"] - copy == pytest.approx(added["analytic"], abs=0.5)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_gemma2_sandwich_norms_and_softcaps_cost_the_same_traced_and_analytic(precision):
+    """What Gemma 2 adds to Gemma's layer and head (two more norms per layer, each keeping its fp32 input; the
+    soft-capped scores' and logits' tanh outputs), derived twice on a GPU partition: the traced CUDA step and the
+    arithmetic, to the MiB (eager attention: transformers gives Gemma 2 no SDPA path)."""
+    from model_configs import TINY_GEMMA, TINY_GEMMA2
+    from toolkit.estimate import ModelRef, estimate
+
+    sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+             "intermediate_size": 2048, "num_hidden_layers": 4, "vocab_size": 32000}
+    p = plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd", attention="eager")
+    added = {}
+    for method in ("traced", "analytic"):
+        peaks = [estimate(ModelRef({**base, **sizes}, "causal-lm", None, name), p, gpu_partition(),
+                          method=method).peak_allocated_mib
+                 for base, name in ((TINY_GEMMA2, "gemma2"), (TINY_GEMMA, "gemma"))]
+        added[method] = peaks[0] - peaks[1]
+    assert added["analytic"] > 200  # MiB: the norms alone are 2 x 4 layers x 2048 tokens x 512 x 4 bytes
+    assert added["traced"] == pytest.approx(added["analytic"], abs=0.5)

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from model_configs import TINY_GEMMA, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3, TINY_ROBERTA  # noqa: E402
+from model_configs import (TINY_GEMMA, TINY_GEMMA2, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3,  # noqa: E402
+                           TINY_ROBERTA)
 
 _NO_KV = {k: v for k, v in TINY_LLAMA.items() if k != "num_key_value_heads"}
 TINY = {
@@ -36,6 +37,8 @@ TINY = {
     "qwen3-biases-default-head-dim": {**{k: v for k, v in TINY_QWEN3.items() if k != "head_dim"},
                                       "attention_bias": True},
     "gemma": TINY_GEMMA,
+    "gemma2": TINY_GEMMA2,
+    "gemma2-no-softcaps": {**TINY_GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None},
     "phi3": TINY_PHI3,
     # Phi-4-mini's shape of things: tied, more query heads than key/value heads, a partial rotary embedding
     "phi3-tied-partial-rotary": {**TINY_PHI3, "tie_word_embeddings": True,
@@ -52,11 +55,12 @@ TASKS = ("causal-lm", "seq-cls")
 
 
 def real_model(cfg, task, meta=False):
+    """The transformers model (eager attention: its parameters are the same, and Gemma 2 has no SDPA path)."""
     config = transformers_config(cfg, task)
     if meta:
         with torch.device("meta"):
-            return build_model(config, task)
-    return build_model(config, task)
+            return build_model(config, task, attn_implementation="eager")
+    return build_model(config, task, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -96,6 +100,12 @@ def test_well_known_counts():
                  "tie_word_embeddings": False}  # microsoft/Phi-3-mini-4k-instruct
     assert ModelShape.from_config(phi3_mini).n_params == 3_821_079_552
     assert ModelShape.from_config(phi3_mini).sliding_window == 2047
+    gemma2_2b = {"model_type": "gemma2", "hidden_size": 2304, "num_hidden_layers": 26, "num_attention_heads": 8,
+                 "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 256000,
+                 "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # google/gemma-2-2b
+    shape = ModelShape.from_config(gemma2_2b)
+    assert shape.n_params == 2_614_341_888
+    assert (shape.sandwich_norms, shape.attn_softcap, shape.final_softcap, shape.sdpa) == (True, True, True, False)
     opt_13b = {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
                "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 5120}
     opt_125m = {**opt_13b, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "ffn_dim": 3072,
@@ -184,7 +194,7 @@ def test_bad_configs_are_refused():
         ModelShape.from_config({**TINY_LLAMA, "num_hidden_layers": 10_000_000})
     with pytest.raises(ConfigError, match="model_type"):
         ModelShape.from_config({**TINY_LLAMA, "model_type": ["llama"]})
-    for near_llama in ("phi3small", "gemma2", "mixtral"):  # LLaMA-like, but not in what they keep: named
+    for near_llama in ("phi3small", "gemma3_text", "mixtral"):  # LLaMA-like, but not in what they keep: named
         with pytest.raises(ConfigError, match=f"'{near_llama}' is not one the analytic estimator knows"):
             ModelShape.from_config({**TINY_LLAMA, "model_type": near_llama})
     with pytest.raises(ConfigError, match="multiple"):
@@ -195,6 +205,9 @@ def test_bad_configs_are_refused():
     assert "traced" in str(err.value)
     with pytest.raises(ConfigError, match="sliding_window"):
         ModelShape.from_config({**TINY_PHI3, "sliding_window": "2047"})
+    for bad in (0, -30.0, "30", True, float("inf")):
+        with pytest.raises(ConfigError, match="final_logit_softcapping"):
+            ModelShape.from_config({**TINY_GEMMA2, "final_logit_softcapping": bad})
     # OPT-350m's layout (a projected embedding, post-LayerNorm layers): named, not guessed
     for field, value in (("word_embed_proj_dim", 64), ("do_layer_norm_before", False),
                          ("_remove_final_layer_norm", True)):

@@ -230,3 +230,34 @@ def test_the_planner_the_ladder_and_triage_agree_on_fit(job, part):
     assert pred.peak(starved) <= pred.target_mib and not estimate(model, starved, partition).fits
     assert not Predictor(partition, model=model).fits(starved)
     assert not ctx.fits(starved) and not remedies._score([starved], pred)[0].fits
+
+
+def test_a_model_without_an_sdpa_path_never_gets_sdpa():
+    """Gemma 2 has no SDPA path in transformers (its attention soft-caps the scores): an estimate of it under
+    SDPA is refused in one line naming what to use, the planner offers no SDPA candidate, and after an OOM the
+    ladder's attention rung (eager -> SDPA on a card without flash) is not taken."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from model_configs import TINY_GEMMA2
+
+    from toolkit.errors import ConfigError
+    from toolkit.estimate import ModelRef, estimate
+
+    part = load_site("testcluster").partition("v100")  # no flash attention there
+    model = ModelRef({**TINY_GEMMA2, "hidden_size": 1024, "num_hidden_layers": 8}, "causal-lm", None, "gemma2")
+    eager = Plan(global_batch=64, micro_batch=64, seq_len=2048, precision="fp16-mixed", attention="eager")
+    with pytest.raises(ConfigError, match="eager or flash") as err:
+        estimate(model, eager.replace(attention="sdpa"), part)
+    assert "\n" not in str(err.value)
+    allow = ["attention", "micro_batch", "checkpointing"]
+    cands = planner.plan_candidates(model, eager, part, allow)
+    assert len(cands) > 1 and {c.plan.attention for c in cands} == {"eager"}
+    msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+           "15.77 GiB of which 189.44 MiB is free.")
+    decision = next_plan(eager, classify(JobRecord("FAILED", 1, 0), msg), part, allow=allow, model=model)
+    assert decision.action == "retry" and decision.plan.attention == "eager"
+    # the same rung is taken for a model that has the path
+    llama = ModelRef({**model.config, "model_type": "llama"}, "causal-lm", None, "llama")
+    assert next_plan(eager, classify(JobRecord("FAILED", 1, 0), msg), part, allow=["attention"],
+                     model=llama).plan.attention == "sdpa"

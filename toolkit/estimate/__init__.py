@@ -112,6 +112,24 @@ def spec_model(spec) -> ModelRef:
     return model_ref(name, model.get("task", "causal-lm"), model.get("num_labels"))
 
 
+def attention_refusal(model: ModelRef | None, plan) -> str | None:
+    """Why the model's transformers class cannot run ``plan.attention`` (its job would fail as it builds the
+    model); None when it can, or when the analytic shapes do not know the model (the job's build says then)."""
+    from ..errors import ConfigError
+    from ..modelshape import ModelShape
+
+    if model is None or plan.attention != "sdpa":
+        return None
+    try:
+        shape = ModelShape.from_config(model.config, task=model.task, num_labels=model.num_labels)
+    except ConfigError:
+        return None
+    if shape.sdpa:
+        return None
+    return (f"model_type {shape.model_type!r} has no SDPA path in transformers (its attention soft-caps the scores, "
+            "which SDPA cannot): set attention to eager or flash")
+
+
 def estimate(model: ModelRef, plan, partition, method: str = "analytic", *, runtime=None,
              allocator_model: bool = True) -> Estimate:
     """The memory of one training step of ``model`` under ``plan`` on ``partition`` (MiB).
@@ -125,6 +143,9 @@ def estimate(model: ModelRef, plan, partition, method: str = "analytic", *, runt
     """
     from ..errors import ConfigError
 
+    refusal = attention_refusal(model, plan)
+    if refusal:
+        raise ConfigError(refusal)
     overhead = partition.allocator_overhead_frac
     if method == "analytic":
         from ..modelshape import ModelShape

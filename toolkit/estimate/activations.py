@@ -99,6 +99,8 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
         extra = c if soft != c else 0
     if runtime.softmax_saves_input:
         extra += soft
+    if shape.attn_softcap:
+        extra += c  # cap * tanh(scores / cap): the tanh's output, in the scores' dtype
     return 4 * q_dim * c + a * s * (soft + extra)
 
 
@@ -170,6 +172,8 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Ru
     if shape.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, whose input is the projection's output
         qk = (rms_norm_bytes(shape, shape.heads * shape.head_dim, c, shape.heads)
               + rms_norm_bytes(shape, shape.kv_heads * shape.head_dim, c, shape.kv_heads))
+    if shape.sandwich_norms:  # Gemma 2's norms of the attention's and the MLP's outputs (the compute dtype)
+        rms += rms_norm_bytes(shape, h, c)
     return core + 2 * rms + qkv_in + mlp_in + qk
 
 
@@ -204,7 +208,8 @@ def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
         else:  # the pooler's first-token view keeps the whole last hidden state, unless autocast copied it
             head = 0 if dt.autocast else h * p
         return ids + emb + head + logprobs
-    return ids + rms_norm_bytes(shape, h, p) + h * c + logprobs
+    softcap = shape.vocab * c if causal and shape.final_softcap else 0  # the logits' tanh output, kept for backward
+    return ids + rms_norm_bytes(shape, h, p) + h * c + logprobs + softcap
 
 
 def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
