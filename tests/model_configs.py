@@ -24,6 +24,11 @@ TINY_GEMMA2 = {**TINY_LLAMA, "model_type": "gemma2", "num_key_value_heads": 2, "
 """Gemma 2's layout: Gemma's norms, four to a layer; the attention scores and the logits soft-capped; a window on
 every other layer (shorter than the tests' sequences); tied head. transformers runs it eager or flash, not SDPA."""
 
+TINY_GEMMA3 = {**TINY_LLAMA, "model_type": "gemma3_text", "num_key_value_heads": 2, "head_dim": 64,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64, "sliding_window": 64}
+"""Gemma 3's text model: Gemma 2's four norms per layer, Gemma-style norms on each head's queries and keys, no soft-capping
+(its config's default), a window shorter than the tests' sequences on five layers of every six (the first five)."""
+
 TINY_ROBERTA = {"model_type": "roberta", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 512, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
                 "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 514, "type_vocab_size": 1,

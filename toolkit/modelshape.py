@@ -64,7 +64,9 @@ class LlamaVariant:
     (Phi-3), whose outputs the layer slices into views (``ModelShape.fused``)."""
     sliding_window: str | None = None
     """How the config's ``sliding_window`` is honoured: "always" (Mistral, Phi-3: every layer attends within it),
-    "flag" (Qwen2, Qwen3: only with ``use_sliding_window``, which is refused), None (no window: LLaMA, Gemma)."""
+    "layers" (Gemma 3: the layers ``layer_types`` names ``sliding_attention``), "flag" (Qwen2, Qwen3: only with
+    ``use_sliding_window``, which is refused), None (no window: LLaMA, Gemma, and Gemma 2, which never runs on
+    SDPA)."""
     dropout_key: str | None = None
     """The config field of the dropout on each residual branch (Phi-3's ``resid_pdrop``); None: none."""
     sandwich_norms: bool = False
@@ -86,14 +88,17 @@ LLAMA_VARIANTS = {
     "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=16, activation="gelu_pytorch_tanh",
                           activation_keys=("hidden_activation", "hidden_act"), gelu_is="gelu_pytorch_tanh"),
     "phi3": LlamaVariant(attention_bias=False, fused=True, sliding_window="always", dropout_key="resid_pdrop"),
+    "gemma3_text": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=4, activation="gelu_pytorch_tanh",
+                                activation_keys=("hidden_activation",), sandwich_norms=True, softcaps=True,
+                                qk_norm=True, sliding_window="layers"),
     # eager or flash attention only, so its window (on every other layer) changes nothing kept: not read
     "gemma2": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=4, activation="gelu_pytorch_tanh",
                            activation_keys=("hidden_activation",), sandwich_norms=True, softcaps=True, sdpa=False),
 }
 """The model types the "llama" layout covers (Phi-3's "phi3" also covers Phi-3.5-mini, Phi-4 and Phi-4-mini,
-which transformers builds with the same classes). Not among them, and refused rather than guessed: Gemma 3 (its
-sliding and full layers keep different tensors under SDPA, and the query/key norms), Phi-3-small ("phi3small":
-block-sparse attention), mixtures of experts."""
+which transformers builds with the same classes; Gemma 3's text model "gemma3_text", the 1B model and the
+language model of the larger ones). Not among them, and refused rather than guessed: Gemma 3's multimodal
+"gemma3" (a vision tower), Phi-3-small ("phi3small": block-sparse attention), mixtures of experts."""
 
 # model_type -> block layout. "gpt2": fused QKV, LayerNorm, plain MLP; "bert": separate
 # Q/K/V, post-LayerNorm, plain MLP (RoBERTa's layers are BERT's; its embeddings and heads hold the
@@ -219,7 +224,8 @@ class ModelShape:
     sdpa: bool = True
     """transformers can run the model's attention on SDPA (``LlamaVariant.sdpa``)."""
     sliding_window: int | None = None
-    """Every layer attends within this many tokens (Mistral, Phi-3); None: no window."""
+    """Layers attend within this many tokens (Mistral, Phi-3: every layer; Gemma 3: most, and where the others
+    keep less, every layer is taken as keeping what a windowed one does: a bound); None: no window."""
 
     # -- constructors --------------------------------------------------------------
 
@@ -586,9 +592,29 @@ def _window(cfg: Mapping[str, Any], variant: LlamaVariant) -> int | None:
             raise ConfigError(f"model config ({cfg.get('model_type')}) sets use_sliding_window: the analytic "
                               "estimator does not model a window on some layers only; use --method traced")
         return None
-    if variant.sliding_window != "always":
+    if variant.sliding_window not in ("always", "layers"):
         return None
-    return _optional(cfg, "sliding_window", default=None)
+    if cfg.get("use_bidirectional_attention"):  # EmbeddingGemma's encoder: no causal mask to skip
+        raise ConfigError(f"model config ({cfg.get('model_type')}) sets use_bidirectional_attention: the analytic "
+                          "estimator models causal attention only; use --method traced")
+    window = _optional(cfg, "sliding_window", default=None)
+    if variant.sliding_window == "layers" and window is not None and not _sliding_layers(cfg):
+        return None
+    return window
+
+
+def _sliding_layers(cfg: Mapping[str, Any]) -> int:
+    """How many layers attend within the window (Gemma 3): those ``layer_types`` names "sliding_attention", else
+    every layer but each ``sliding_window_pattern``-th (transformers' default pattern, 6)."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != _need(cfg, "num_hidden_layers") \
+                or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ConfigError(f"model config ({cfg.get('model_type')}) layer_types must list 'sliding_attention' or "
+                              "'full_attention' for each of its num_hidden_layers")
+        return types.count("sliding_attention")
+    pattern = _optional(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6)
+    return sum(1 for i in range(_need(cfg, "num_hidden_layers")) if (i + 1) % pattern)
 
 
 def _opt(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:

@@ -377,8 +377,8 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 from toolkit.estimate.measure import LiveTensorBytes, measured_peak_bytes, train_setup  # noqa: E402
 
-from model_configs import (TINY_GEMMA, TINY_GEMMA2, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3,  # noqa: E402
-                           TINY_ROBERTA)
+from model_configs import (TINY_GEMMA, TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_OPT, TINY_PHI3,  # noqa: E402
+                           TINY_QWEN3, TINY_ROBERTA)
 
 MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_config("tiny-bert"),
           "tiny-llama": TINY_LLAMA, "tiny-vit": load_model_config("tiny-vit"), "tiny-qwen3": TINY_QWEN3,
@@ -387,7 +387,11 @@ MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_c
           "tiny-phi3-window": {**TINY_PHI3, "sliding_window": 64},
           "tiny-phi3-mha-window": {**TINY_PHI3, "num_key_value_heads": 4, "sliding_window": 64},
           "tiny-mistral-window": {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 64},
-          "tiny-gemma2": TINY_GEMMA2}
+          "tiny-gemma2": TINY_GEMMA2, "tiny-gemma3": TINY_GEMMA3,
+          "tiny-gemma3-no-window": {**TINY_GEMMA3, "sliding_window": 4096},
+          # one full-attention layer under SDPA's mask-free path beside a windowed one: the estimate takes both as
+          # windowed (a bound)
+          "tiny-gemma3-mixed": {**TINY_GEMMA3, "layer_types": ["full_attention", "sliding_attention"]}}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
@@ -414,7 +418,8 @@ def forward_saved_bytes(cfg, task, p: Plan) -> int:
 @pytest.mark.parametrize("family, precision, attention", [
     (family, precision, attention)
     for family in ("tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma", "tiny-roberta",
-                   "tiny-opt", "tiny-phi3", "tiny-phi3-window", "tiny-phi3-mha-window", "tiny-mistral-window")
+                   "tiny-opt", "tiny-phi3", "tiny-phi3-window", "tiny-phi3-mha-window", "tiny-mistral-window",
+                   "tiny-gemma3", "tiny-gemma3-no-window")
     for precision, attention in (("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager"))
 ] + [("tiny-gemma2", precision, "eager") for precision in ("fp32", "bf16-mixed", "bf16-true")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
@@ -460,6 +465,11 @@ CASES = [
     ("tiny-gemma2", "causal-lm", dict(precision="bf16-true", attention="eager", micro_batch=4, seq_len=128,
                                       checkpointing=True)),
     ("tiny-gemma2", "seq-cls", dict(precision="fp32", attention="eager", micro_batch=8, seq_len=128)),
+    ("tiny-gemma3", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
+    ("tiny-gemma3", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),
+    ("tiny-gemma3-no-window", "causal-lm", dict(precision="bf16-true", micro_batch=4, seq_len=128,
+                                                checkpointing=True)),
+    ("tiny-gemma3-mixed", "causal-lm", dict(precision="bf16-mixed", micro_batch=4, seq_len=128)),
     ("tiny-mistral-window", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128)),
     ("tiny-roberta", "seq-cls", dict(precision="bf16-mixed", micro_batch=8, seq_len=128)),
     ("tiny-roberta", "causal-lm", dict(precision="fp32", micro_batch=4, seq_len=128, checkpointing=True)),
@@ -479,6 +489,17 @@ CASES = [
     ("tiny-vit", "image-cls", dict(precision="fp32", micro_batch=16, grad_accum=2, optimizer="sgd",
                                    checkpointing=True)),
 ]
+
+
+def test_gemma3_takes_its_full_attention_layers_as_windowed_ones():
+    """Gemma 3 mixes windowed and full-attention layers; under SDPA only the windowed ones get a mask (and K and V
+    repeated). The estimate keeps one layer size for all, the windowed one's: a bound, above a real step."""
+    p = plan(precision="bf16-mixed", micro_batch=4, seq_len=128)
+    real_mib = measured_peak_bytes(MODELS["tiny-gemma3-mixed"], "causal-lm", p) / MIB
+    mixed = estimate_analytic(ModelShape.from_config(MODELS["tiny-gemma3-mixed"], "causal-lm"), p, CPU)
+    windowed = estimate_analytic(ModelShape.from_config(MODELS["tiny-gemma3"], "causal-lm"), p, CPU)
+    assert mixed.peak_allocated_mib == windowed.peak_allocated_mib
+    assert real_mib < mixed.peak_allocated_mib < real_mib * 1.02
 
 
 @pytest.mark.parametrize("family, task, knobs", CASES, ids=[f"{f}-{t}-{i}" for i, (f, t, _) in enumerate(CASES)])

@@ -705,3 +705,25 @@ def test_gemma2_sandwich_norms_and_softcaps_cost_the_same_traced_and_analytic(pr
         added[method] = peaks[0] - peaks[1]
     assert added["analytic"] > 200  # MiB: the norms alone are 2 x 4 layers x 2048 tokens x 512 x 4 bytes
     assert added["traced"] == pytest.approx(added["analytic"], abs=0.5)
+
+
+@pytest.mark.parametrize("window, precision", [(4096, "bf16-mixed"), (256, "bf16-mixed"), (256, "fp32")])
+def test_gemma3_norms_and_window_cost_the_same_traced_and_analytic(window, precision):
+    """What Gemma 3's text model adds to Gemma's (four norms per layer, Gemma-style norms on each head's queries
+    and keys; with a window no longer than the sequence, SDPA's mask on the windowed layers), derived twice on a
+    GPU partition under SDPA: the traced CUDA step and the arithmetic, to the MiB. Five layers: all windowed
+    (transformers' default pattern makes every sixth layer a full one)."""
+    from model_configs import TINY_GEMMA, TINY_GEMMA3
+    from toolkit.estimate import ModelRef, estimate
+
+    sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+             "intermediate_size": 2048, "num_hidden_layers": 5, "vocab_size": 32000, "sliding_window": window}
+    p = plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd")
+    added = {}
+    for method in ("traced", "analytic"):
+        peaks = [estimate(ModelRef({**base, **sizes}, "causal-lm", None, name), p, gpu_partition(),
+                          method=method).peak_allocated_mib
+                 for base, name in ((TINY_GEMMA3, "gemma3"), (TINY_GEMMA, "gemma"))]
+        added[method] = peaks[0] - peaks[1]
+    assert added["analytic"] > 100
+    assert added["traced"] == pytest.approx(added["analytic"], abs=0.5)

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from model_configs import (TINY_GEMMA, TINY_GEMMA2, TINY_LLAMA, TINY_OPT, TINY_PHI3, TINY_QWEN3,  # noqa: E402
-                           TINY_ROBERTA)
+from model_configs import (TINY_GEMMA, TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_OPT, TINY_PHI3,  # noqa: E402
+                           TINY_QWEN3, TINY_ROBERTA)
 
 _NO_KV = {k: v for k, v in TINY_LLAMA.items() if k != "num_key_value_heads"}
 TINY = {
@@ -39,6 +39,8 @@ TINY = {
     "gemma": TINY_GEMMA,
     "gemma2": TINY_GEMMA2,
     "gemma2-no-softcaps": {**TINY_GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "gemma3": TINY_GEMMA3,
+    "gemma3-biases-softcapped": {**TINY_GEMMA3, "attention_bias": True, "final_logit_softcapping": 30.0},
     "phi3": TINY_PHI3,
     # Phi-4-mini's shape of things: tied, more query heads than key/value heads, a partial rotary embedding
     "phi3-tied-partial-rotary": {**TINY_PHI3, "tie_word_embeddings": True,
@@ -106,6 +108,16 @@ def test_well_known_counts():
     shape = ModelShape.from_config(gemma2_2b)
     assert shape.n_params == 2_614_341_888
     assert (shape.sandwich_norms, shape.attn_softcap, shape.final_softcap, shape.sdpa) == (True, True, True, False)
+    gemma3_1b = {"model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4,
+                 "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912, "vocab_size": 262144,
+                 "sliding_window": 512, "query_pre_attn_scalar": 256}  # google/gemma-3-1b-pt
+    shape = ModelShape.from_config(gemma3_1b)
+    assert shape.n_params == 999_885_952
+    assert (shape.qk_norm, shape.sandwich_norms, shape.final_softcap, shape.sdpa, shape.sliding_window) == \
+        (True, True, False, True, 512)
+    # no layer windowed (every layer full attention): no window
+    full = {**gemma3_1b, "layer_types": ["full_attention"] * 26}
+    assert ModelShape.from_config(full).sliding_window is None
     opt_13b = {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
                "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 5120}
     opt_125m = {**opt_13b, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "ffn_dim": 3072,
@@ -194,7 +206,7 @@ def test_bad_configs_are_refused():
         ModelShape.from_config({**TINY_LLAMA, "num_hidden_layers": 10_000_000})
     with pytest.raises(ConfigError, match="model_type"):
         ModelShape.from_config({**TINY_LLAMA, "model_type": ["llama"]})
-    for near_llama in ("phi3small", "gemma3_text", "mixtral"):  # LLaMA-like, but not in what they keep: named
+    for near_llama in ("phi3small", "gemma3", "mixtral"):  # LLaMA-like, but not in what they keep: named
         with pytest.raises(ConfigError, match=f"'{near_llama}' is not one the analytic estimator knows"):
             ModelShape.from_config({**TINY_LLAMA, "model_type": near_llama})
     with pytest.raises(ConfigError, match="multiple"):
@@ -205,6 +217,11 @@ def test_bad_configs_are_refused():
     assert "traced" in str(err.value)
     with pytest.raises(ConfigError, match="sliding_window"):
         ModelShape.from_config({**TINY_PHI3, "sliding_window": "2047"})
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):  # EmbeddingGemma's encoder
+        ModelShape.from_config({**TINY_GEMMA3, "use_bidirectional_attention": True})
+    for types in (["sliding_attention"], ["sliding_attention", "chunked_attention"], "sliding_attention"):
+        with pytest.raises(ConfigError, match="layer_types"):
+            ModelShape.from_config({**TINY_GEMMA3, "layer_types": types})
     for bad in (0, -30.0, "30", True, float("inf")):
         with pytest.raises(ConfigError, match="final_logit_softcapping"):
             ModelShape.from_config({**TINY_GEMMA2, "final_logit_softcapping": bad})
