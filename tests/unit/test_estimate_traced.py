@@ -657,52 +657,56 @@ def test_torch_before_1_11_softmax_keeps_its_input_in_the_trace():
     assert old.components["activations"] - new.components["activations"] == pytest.approx(matrices, rel=0.05)
 
 
+def added_by_variant(variant: dict, base: dict, sizes: dict, p: Plan) -> dict[str, float]:
+    """What a LLaMA-layout variant adds to the model it extends (peak allocated MiB on a GPU partition, both at
+    ``sizes``), by method: the traced CUDA step and the arithmetic. A difference isolates the variant's own
+    tensors from what the two methods already differ by in the shared parts."""
+    from toolkit.estimate import ModelRef, estimate
+
+    added = {}
+    for method in ("traced", "analytic"):
+        peaks = [estimate(ModelRef({**cfg, **sizes}, "causal-lm", None, cfg["model_type"]), p, gpu_partition(),
+                          method=method).peak_allocated_mib for cfg in (variant, base)]
+        added[method] = peaks[0] - peaks[1]
+    return added
+
 
 @pytest.mark.parametrize("window, precision", [(None, "bf16-mixed"), (None, "bf16-true"), (None, "fp32"),
                                                (256, "bf16-true")])
 def test_phi3_fused_projections_cost_the_same_traced_and_analytic(window, precision):
     """What Phi-3's fused projections add to LLaMA's layer (the value's view keeping the whole fused output, one
-    autocast copy per projection, o_proj's input copied back from the query's layout), derived twice on a GPU
-    partition: the traced CUDA step and the arithmetic. The traced step runs the CPU's SDPA kernel, whose output
-    keeps the query's layout also where CUDA's memory-efficient kernel (fp32, or the mask of an attention window
-    no longer than the sequence) lays it out itself: there its difference is above by that copy (micro-batch x
-    tokens x hidden, per layer). One key/value head per query head: the traced step repeats shared ones for the
-    CPU's kernel (its documented overcount), which would hide the view."""
+    autocast copy per projection, o_proj's input copied back from the query's layout), derived twice. The traced
+    step runs the CPU's SDPA kernel, whose output keeps the query's layout also where CUDA's memory-efficient
+    kernel (fp32, or the mask of an attention window no longer than the sequence) lays it out itself: there its
+    difference is above by that copy (micro-batch x tokens x hidden, per layer). One key/value head per query
+    head: the traced step repeats shared ones for the CPU's kernel (its documented overcount), which would hide
+    the view."""
     from model_configs import TINY_LLAMA, TINY_PHI3
-    from toolkit.estimate import ModelRef, estimate
 
     sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1376,
-             "num_hidden_layers": 4}
-    p = plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd")
-    added = {}
-    for method in ("traced", "analytic"):
-        peaks = [estimate(ModelRef({**base, **sizes, "sliding_window": window}, "causal-lm", None, name), p,
-                          gpu_partition(), method=method).peak_allocated_mib
-                 for base, name in ((TINY_PHI3, "phi3"), (TINY_LLAMA, "llama"))]
-        added[method] = peaks[0] - peaks[1]
+             "num_hidden_layers": 4, "sliding_window": window}
+    added = added_by_variant(TINY_PHI3, TINY_LLAMA, sizes,
+                             plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd"))
     memory_efficient = precision == "fp32" or window is not None
     copy = 4 * 512 * 512 * (4 if precision == "fp32" else 2) * 4 / MIB if memory_efficient else 0.0
     assert added["analytic"] > 0 or precision == "bf16-mixed"  # autocast's saved copies offset the view there
     assert added["traced"] - copy == pytest.approx(added["analytic"], abs=0.5)
 
 
+GEMMA_SIZES = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+               "intermediate_size": 2048, "vocab_size": 32000}
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
 def test_gemma2_sandwich_norms_and_softcaps_cost_the_same_traced_and_analytic(precision):
     """What Gemma 2 adds to Gemma's layer and head (two more norms per layer, each keeping its fp32 input; the
-    soft-capped scores' and logits' tanh outputs), derived twice on a GPU partition: the traced CUDA step and the
-    arithmetic, to the MiB (eager attention: transformers gives Gemma 2 no SDPA path)."""
+    soft-capped scores' and logits' tanh outputs), traced and analytic, to the MiB (eager attention:
+    transformers gives Gemma 2 no SDPA path)."""
     from model_configs import TINY_GEMMA, TINY_GEMMA2
-    from toolkit.estimate import ModelRef, estimate
 
-    sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
-             "intermediate_size": 2048, "num_hidden_layers": 4, "vocab_size": 32000}
-    p = plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd", attention="eager")
-    added = {}
-    for method in ("traced", "analytic"):
-        peaks = [estimate(ModelRef({**base, **sizes}, "causal-lm", None, name), p, gpu_partition(),
-                          method=method).peak_allocated_mib
-                 for base, name in ((TINY_GEMMA2, "gemma2"), (TINY_GEMMA, "gemma"))]
-        added[method] = peaks[0] - peaks[1]
+    added = added_by_variant(TINY_GEMMA2, TINY_GEMMA, {**GEMMA_SIZES, "num_hidden_layers": 4},
+                             plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd",
+                                  attention="eager"))
     assert added["analytic"] > 200  # MiB: the norms alone are 2 x 4 layers x 2048 tokens x 512 x 4 bytes
     assert added["traced"] == pytest.approx(added["analytic"], abs=0.5)
 
@@ -710,20 +714,13 @@ def test_gemma2_sandwich_norms_and_softcaps_cost_the_same_traced_and_analytic(pr
 @pytest.mark.parametrize("window, precision", [(4096, "bf16-mixed"), (256, "bf16-mixed"), (256, "fp32")])
 def test_gemma3_norms_and_window_cost_the_same_traced_and_analytic(window, precision):
     """What Gemma 3's text model adds to Gemma's (four norms per layer, Gemma-style norms on each head's queries
-    and keys; with a window no longer than the sequence, SDPA's mask on the windowed layers), derived twice on a
-    GPU partition under SDPA: the traced CUDA step and the arithmetic, to the MiB. Five layers: all windowed
-    (transformers' default pattern makes every sixth layer a full one)."""
+    and keys; with a window no longer than the sequence, SDPA's mask on the windowed layers), traced and analytic
+    under SDPA, to the MiB. Five layers: all windowed (transformers' default pattern makes every sixth layer a
+    full one)."""
     from model_configs import TINY_GEMMA, TINY_GEMMA3
-    from toolkit.estimate import ModelRef, estimate
 
-    sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
-             "intermediate_size": 2048, "num_hidden_layers": 5, "vocab_size": 32000, "sliding_window": window}
-    p = plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd")
-    added = {}
-    for method in ("traced", "analytic"):
-        peaks = [estimate(ModelRef({**base, **sizes}, "causal-lm", None, name), p, gpu_partition(),
-                          method=method).peak_allocated_mib
-                 for base, name in ((TINY_GEMMA3, "gemma3"), (TINY_GEMMA, "gemma"))]
-        added[method] = peaks[0] - peaks[1]
+    added = added_by_variant(TINY_GEMMA3, TINY_GEMMA,
+                             {**GEMMA_SIZES, "num_hidden_layers": 5, "sliding_window": window},
+                             plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd"))
     assert added["analytic"] > 100
     assert added["traced"] == pytest.approx(added["analytic"], abs=0.5)
