@@ -678,12 +678,12 @@ def test_phi3_fused_projections_cost_the_same_traced_and_analytic(window, precis
     autocast copy per projection, o_proj's input copied back from the query's layout), derived twice. The traced
     step runs the CPU's SDPA kernel, whose output keeps the query's layout also where CUDA's memory-efficient
     kernel (fp32, or the mask of an attention window no longer than the sequence) lays it out itself: there its
-    difference is above by that copy (micro-batch x tokens x hidden, per layer). One key/value head per query
-    head: the traced step repeats shared ones for the CPU's kernel (its documented overcount), which would hide
-    the view."""
+    difference is above by that copy (micro-batch x tokens x hidden, per layer). Grouped-query attention (two
+    key/value heads for eight): the traced step keeps the shared heads unrepeated, as CUDA's kernels do, so the
+    value's view of the fused output stays what is saved."""
     from model_configs import TINY_LLAMA, TINY_PHI3
 
-    sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1376,
+    sizes = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 1376,
              "num_hidden_layers": 4, "sliding_window": window}
     added = added_by_variant(TINY_PHI3, TINY_LLAMA, sizes,
                              plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd"))
@@ -724,3 +724,27 @@ def test_gemma3_norms_and_window_cost_the_same_traced_and_analytic(window, preci
                              plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd"))
     assert added["analytic"] > 100
     assert added["traced"] == pytest.approx(added["analytic"], abs=0.5)
+
+
+def test_cuda_sdpa_keeps_shared_key_value_heads_at_their_own_width():
+    """Grouped-query attention traced as CUDA runs it: the same output and gradients as torch's own GQA SDPA, and
+    the keys and values saved for backward unrepeated (a repeat made for the CPU's kernel is freed inside the
+    forward)."""
+    from toolkit.estimate.traced import _GroupedSdpa
+
+    torch.manual_seed(0)
+    for mask in (None, torch.randn(2, 1, 16, 16)):
+        q, k, v = (torch.randn(2, heads, 16, 32, requires_grad=True) for heads in (8, 2, 2))
+        out = _GroupedSdpa.apply(q, k, v, mask, 0.0, mask is None, None)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                               enable_gqa=True)
+        grad = torch.randn_like(out)
+        ours, theirs = torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
+        assert torch.allclose(out, ref, atol=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ours, theirs))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        _GroupedSdpa.apply(q, k, v, None, 0.0, True, None)
+    assert torch.Size([2, 2, 16, 32]) in saved and torch.Size([2, 8, 16, 32]) in saved  # k, v at 2 heads; q, out at 8
+    assert saved.count(torch.Size([2, 8, 16, 32])) == 2
+

@@ -939,17 +939,46 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
     The CPU falls back to its math path with dropout and stores the attention matrix;
     CUDA's kernels store the output and the logsumexp. Masks become additive float masks
-    (sdpa converts boolean ones on every device). Shared key/value heads (GQA) are
-    repeated for the CPU op, which CUDA's kernels do not need: a small overcount.
+    (sdpa converts boolean ones on every device). Shared key/value heads (GQA, ``enable_gqa``) are
+    kept as they are for backward, as CUDA's kernels keep them (``_GroupedSdpa``).
     """
-    if key.shape[-3] != query.shape[-3]:
-        repeat = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+    if key.shape[-3] != query.shape[-3]:
+        return _GroupedSdpa.apply(query, key, value, attn_mask, dropout_p, is_causal, scale)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return out
+
+
+class _GroupedSdpa(torch.autograd.Function):
+    """Grouped-query attention as CUDA's kernels run it (flash, memory-efficient, cuDNN: ``enable_gqa``): the
+    shared key/value heads are saved for backward at their own width. The CPU's kernel needs them repeated to
+    every query head, so the repeats are made and freed inside the forward, and again in the backward, where
+    the gradients come out at the query's width and are summed over each group (as flash attention's backward
+    makes its expanded key/value gradients and sums them)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale):
+        repeat = query.shape[-3] // key.shape[-3]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3), dropout_p, is_causal,
+            attn_mask=attn_mask, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask)
+        ctx.settings = (repeat, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, attn_mask = ctx.saved_tensors
+        repeat, dropout_p, is_causal, scale = ctx.settings
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3), out, lse,
+            dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        heads = key.shape[-3]
+        dk = dk.unflatten(-3, (heads, repeat)).sum(-3)
+        dv = dv.unflatten(-3, (heads, repeat)).sum(-3)
+        return dq, dk, dv, None, None, None, None
 
 
 # -- small helpers -------------------------------------------------------------------------
