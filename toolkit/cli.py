@@ -191,6 +191,7 @@ def submit(ctx, job, site, partition, sets, wait, detach, interval, use_planner,
     spec, site_obj, part, plan = _target(ctx, job, site, partition, sets)
     if use_planner:
         plan = _planned(spec, part, plan)
+    _check_attention(spec, plan)
     with runs.open_ledger() as ledger:
         run = controller.start(ledger, spec, site_obj, part, plan)
         if not as_json:
@@ -208,6 +209,20 @@ def submit(ctx, job, site, partition, sets, wait, detach, interval, use_planner,
             _emit_json(runs.run_view(ledger, run.run_id))
     if wait and run.state != "succeeded":
         sys.exit(1)
+
+
+def _check_attention(spec, plan) -> None:
+    """Refuse, before anything is submitted, an attention the spec's model cannot run (Gemma 2 on sdpa: the job
+    would fail as it builds the model); a model the analytic shapes do not know is left to the job."""
+    from .estimate import attention_refusal, spec_model
+
+    try:
+        model = spec_model(spec)
+    except HpcmemError:
+        return
+    refusal = attention_refusal(model, plan)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def _planned(spec, part, plan):

@@ -288,7 +288,8 @@ def _estimator_model(spec: JobSpec, partition: Partition):
         return None
     try:
         ref = spec_model(spec)
-        estimate(ref, Plan(), partition)  # a model the analytic method does not cover fails here, not mid-ladder
+        probe = Plan(attention="eager")  # every model runs eager (Gemma 2 has no SDPA path)
+        estimate(ref, probe, partition)  # a model the analytic method does not cover fails here, not mid-ladder
     except (HpcmemError, KeyError, TypeError, ValueError):
         return None
     return ref

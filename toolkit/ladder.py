@@ -871,7 +871,8 @@ def _adapt(plan: Plan, ctx: _Ctx) -> Plan | None:
     if plan.precision.startswith("bf16") and not part.bf16:
         changes["precision"] = "fp16-mixed"
     if plan.attention == "flash" and not part.flash_attention:
-        changes["attention"] = "sdpa"
+        # sdpa, or eager for a model with no SDPA path (Gemma 2)
+        changes["attention"] = "eager" if attention_refusal(ctx.model, plan.replace(attention="sdpa")) else "sdpa"
     most = part.gpus_per_node if part.has_gpu else part.cpus_per_node
     if plan.gpus_per_node > most:
         shape = _shape(plan, most)

@@ -73,27 +73,35 @@ class LlamaVariant:
     """Four norms per layer (Gemma 2): after the attention and after the MLP too, each normalising a projection's
     output before it joins the residual stream (``post_attention_layernorm``, ``pre_feedforward_layernorm``,
     ``post_feedforward_layernorm``)."""
-    softcaps: bool = False
-    """The config's ``attn_logit_softcapping`` and ``final_logit_softcapping`` squash the attention scores and the
-    logits through ``cap * tanh(x / cap)`` (Gemma 2), whose backward keeps the tanh's output."""
+    softcaps: tuple[tuple[str, float | None], ...] = ()
+    """The soft-capping fields the model's code applies, each with its config class's default (used when
+    config.json leaves the field out): ``attn_logit_softcapping`` and ``final_logit_softcapping`` squash the
+    attention scores and the logits through ``cap * tanh(x / cap)``, whose backward keeps the tanh's output.
+    Gemma 2 applies both (50 and 30 by default); Gemma 3's attention does not pass its field on, so only the
+    logits' counts there (None by default)."""
+    window_default: int | None = None
+    """The config class's ``sliding_window`` when config.json leaves it out (Mistral's and Gemma 3's 4096); an
+    explicit null is no window."""
     sdpa: bool = True
     """transformers runs the model on SDPA (Gemma 2 does not: ``_supports_sdpa = False``, SDPA has no soft-capping)."""
 
 
 LLAMA_VARIANTS = {
     "llama": LlamaVariant(mlp_bias=True),
-    "mistral": LlamaVariant(attention_bias=False, kv_heads=8, sliding_window="always"),
+    "mistral": LlamaVariant(attention_bias=False, kv_heads=8, sliding_window="always", window_default=4096),
     "qwen2": LlamaVariant(qkv_bias=True, o_bias=False, kv_heads=32, sliding_window="flag"),
     "qwen3": LlamaVariant(qk_norm=True, head_dim=128, kv_heads=32, sliding_window="flag"),
     "gemma": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=16, activation="gelu_pytorch_tanh",
                           activation_keys=("hidden_activation", "hidden_act"), gelu_is="gelu_pytorch_tanh"),
     "phi3": LlamaVariant(attention_bias=False, fused=True, sliding_window="always", dropout_key="resid_pdrop"),
     "gemma3_text": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=4, activation="gelu_pytorch_tanh",
-                                activation_keys=("hidden_activation",), sandwich_norms=True, softcaps=True,
-                                qk_norm=True, sliding_window="layers"),
+                                activation_keys=("hidden_activation",), sandwich_norms=True,
+                                softcaps=(("final_logit_softcapping", None),), qk_norm=True, sliding_window="layers",
+                                window_default=4096),
     # eager or flash attention only, so its window (on every other layer) changes nothing kept: not read
     "gemma2": LlamaVariant(norm_fp32=True, head_dim=256, tied=True, kv_heads=4, activation="gelu_pytorch_tanh",
-                           activation_keys=("hidden_activation",), sandwich_norms=True, softcaps=True, sdpa=False),
+                           activation_keys=("hidden_activation",), sandwich_norms=True, sdpa=False,
+                           softcaps=(("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))),
 }
 """The model types the "llama" layout covers (Phi-3's "phi3" also covers Phi-3.5-mini, Phi-4 and Phi-4-mini,
 which transformers builds with the same classes; Gemma 3's text model "gemma3_text", the 1B model and the
@@ -540,9 +548,10 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
         layer.append((f"self_attn.{name}.weight", (out_dim, h), "linear"))
         if qkv_bias:
             layer.append((f"self_attn.{name}.bias", (out_dim,), "bias"))
-    layer.append(("self_attn.o_proj.weight", (h, q_dim), "linear"))
-    if o_bias:
-        layer.append(("self_attn.o_proj.bias", (h,), "bias"))
+    o_proj = [("self_attn.o_proj.weight", (h, q_dim), "linear")] + ([("self_attn.o_proj.bias", (h,), "bias")]
+                                                                    if o_bias else [])
+    # in named_parameters() order (the stream's load order, DDP's and ZeRO's buckets): Phi-3 makes o_proj first
+    layer = o_proj + layer if variant.fused else layer + o_proj
     if variant.qk_norm:  # registered after o_proj, as transformers' named_parameters() lists them
         layer += [("self_attn.q_norm.weight", (d,), "norm"), ("self_attn.k_norm.weight", (d,), "norm")]
     mlp = ((("gate_up_proj", (2 * f, h)),) if variant.fused else (("gate_proj", (f, h)), ("up_proj", (f, h))))
@@ -570,13 +579,17 @@ def _llama(cfg: Mapping[str, Any], task: str, labels: int) -> ModelShape:
                       layer_tensors=tuple(layer), other_tensors=tuple(other),
                       qk_norm=variant.qk_norm, norm_fp32=variant.norm_fp32, fused=variant.fused,
                       sliding_window=_window(cfg, variant), sandwich_norms=variant.sandwich_norms,
-                      attn_softcap=variant.softcaps and _softcap(cfg, "attn_logit_softcapping"),
-                      final_softcap=variant.softcaps and _softcap(cfg, "final_logit_softcapping"), sdpa=variant.sdpa)
+                      attn_softcap=_softcap(cfg, variant, "attn_logit_softcapping"),
+                      final_softcap=_softcap(cfg, variant, "final_logit_softcapping"), sdpa=variant.sdpa)
 
 
-def _softcap(cfg: Mapping[str, Any], name: str) -> bool:
-    """Whether a soft-capping value is set (a positive number; null or absent: none)."""
-    value = cfg.get(name)
+def _softcap(cfg: Mapping[str, Any], variant: LlamaVariant, name: str) -> bool:
+    """Whether the model's code soft-caps with ``name`` (``LlamaVariant.softcaps``): the config's value, else its
+    class's default, a positive number; null: none."""
+    defaults = dict(variant.softcaps)
+    if name not in defaults:
+        return False
+    value = cfg[name] if name in cfg else defaults[name]
     if value is None:
         return False
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
@@ -597,7 +610,7 @@ def _window(cfg: Mapping[str, Any], variant: LlamaVariant) -> int | None:
     if cfg.get("use_bidirectional_attention"):  # EmbeddingGemma's encoder: no causal mask to skip
         raise ConfigError(f"model config ({cfg.get('model_type')}) sets use_bidirectional_attention: the analytic "
                           "estimator models causal attention only; use --method traced")
-    window = _optional(cfg, "sliding_window", default=None)
+    window = _optional(cfg, "sliding_window", default=None) if "sliding_window" in cfg else variant.window_default
     if variant.sliding_window == "layers" and window is not None and not _sliding_layers(cfg):
         return None
     return window

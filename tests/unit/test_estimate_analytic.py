@@ -391,7 +391,11 @@ MODELS = {"tiny-gpt2": load_model_config("tiny-gpt2"), "tiny-bert": load_model_c
           "tiny-gemma3-no-window": {**TINY_GEMMA3, "sliding_window": 4096},
           # one full-attention layer under SDPA's mask-free path beside a windowed one: the estimate takes both as
           # windowed (a bound)
-          "tiny-gemma3-mixed": {**TINY_GEMMA3, "layer_types": ["full_attention", "sliding_attention"]}}
+          "tiny-gemma3-mixed": {**TINY_GEMMA3, "layer_types": ["full_attention", "sliding_attention"]},
+          # soft-capping set: Gemma 3's attention does not apply it, its logits do
+          "tiny-gemma3-capped": {**TINY_GEMMA3, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+          # soft-capping left out of config.json: Gemma2Config's defaults (50, 30) apply
+          "tiny-gemma2-defaults": {k: v for k, v in TINY_GEMMA2.items() if not k.endswith("softcapping")}}
 
 
 def forward_saved_bytes(cfg, task, p: Plan) -> int:
@@ -419,9 +423,10 @@ def forward_saved_bytes(cfg, task, p: Plan) -> int:
     (family, precision, attention)
     for family in ("tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-vit", "tiny-qwen3", "tiny-gemma", "tiny-roberta",
                    "tiny-opt", "tiny-phi3", "tiny-phi3-window", "tiny-phi3-mha-window", "tiny-mistral-window",
-                   "tiny-gemma3", "tiny-gemma3-no-window")
+                   "tiny-gemma3", "tiny-gemma3-no-window", "tiny-gemma3-capped")
     for precision, attention in (("fp32", "sdpa"), ("bf16-mixed", "sdpa"), ("bf16-true", "eager"))
-] + [("tiny-gemma2", precision, "eager") for precision in ("fp32", "bf16-mixed", "bf16-true")])
+] + [(family, precision, "eager") for family in ("tiny-gemma2", "tiny-gemma2-defaults", "tiny-gemma3-capped")
+     for precision in ("fp32", "bf16-mixed", "bf16-true")])
 def test_one_layer_saves_what_the_inventory_says(family, precision, attention):
     """The per-layer inventory against the real forward: a 3-layer minus a 2-layer model."""
     cfg, layers_key = MODELS[family], "n_layer" if family == "tiny-gpt2" else "num_hidden_layers"

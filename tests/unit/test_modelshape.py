@@ -74,6 +74,15 @@ def test_n_params_and_largest_equal_the_real_tiny_model(name, task):
     assert shape.largest_param_numel == max(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", sorted(n for n, cfg in TINY.items() if ModelShape.from_config(cfg).family == "llama"))
+def test_llama_layouts_list_a_layers_tensors_as_named_parameters_does(name):
+    """A layer's tensors in the real model's order: the stream loads them so, and DDP's and ZeRO's buckets fill so
+    (Phi-3 makes its o_proj before its fused qkv_proj)."""
+    model = real_model(TINY[name], "causal-lm")
+    real = [n.split(".layers.0.", 1)[1] for n, _ in model.named_parameters() if ".layers.0." in n]
+    assert [n for n, _, _ in ModelShape.from_config(TINY[name]).layer_tensors] == real
+
+
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("name", ["gpt2", "bert-large", "llama-7b"])
 def test_n_params_equal_the_real_full_size_model(name, task):
@@ -108,6 +117,13 @@ def test_well_known_counts():
     shape = ModelShape.from_config(gemma2_2b)
     assert shape.n_params == 2_614_341_888
     assert (shape.sandwich_norms, shape.attn_softcap, shape.final_softcap, shape.sdpa) == (True, True, True, False)
+    # a field config.json leaves out takes the config class's default: Gemma 2 soft-caps (50, 30), Mistral's window
+    absent = {k: v for k, v in gemma2_2b.items() if not k.endswith("softcapping")}
+    assert (ModelShape.from_config(absent).attn_softcap, ModelShape.from_config(absent).final_softcap) == (True, True)
+    off = {**gemma2_2b, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    assert (ModelShape.from_config(off).attn_softcap, ModelShape.from_config(off).final_softcap) == (False, False)
+    assert ModelShape.from_config({**TINY_LLAMA, "model_type": "mistral"}).sliding_window == 4096
+    assert ModelShape.from_config({**TINY_LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window is None
     gemma3_1b = {"model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4,
                  "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912, "vocab_size": 262144,
                  "sliding_window": 512, "query_pre_attn_scalar": 256}  # google/gemma-3-1b-pt
@@ -115,6 +131,9 @@ def test_well_known_counts():
     assert shape.n_params == 999_885_952
     assert (shape.qk_norm, shape.sandwich_norms, shape.final_softcap, shape.sdpa, shape.sliding_window) == \
         (True, True, False, True, 512)
+    # Gemma 3's attention does not pass its soft-cap on (transformers 5.24): only the logits' counts
+    capped = ModelShape.from_config({**gemma3_1b, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert (capped.attn_softcap, capped.final_softcap) == (False, True)
     # no layer windowed (every layer full attention): no window
     full = {**gemma3_1b, "layer_types": ["full_attention"] * 26}
     assert ModelShape.from_config(full).sliding_window is None

@@ -261,3 +261,68 @@ def test_a_model_without_an_sdpa_path_never_gets_sdpa():
     llama = ModelRef({**model.config, "model_type": "llama"}, "causal-lm", None, "llama")
     assert next_plan(eager, classify(JobRecord("FAILED", 1, 0), msg), part, allow=["attention"],
                      model=llama).plan.attention == "sdpa"
+
+
+def test_gemma2_stays_off_sdpa_through_the_controller_the_bigger_partition_and_triage(tmp_path):
+    """Every other path that could put Gemma 2 on SDPA: the controller's model for its ladder (probed on a plan the
+    model can run), the move to a bigger partition without flash (eager, not sdpa), and triage's remedies (its
+    candidates, and the attention it assumes when the job's files do not say)."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from model_configs import TINY_GEMMA2
+
+    from toolkit import controller
+    from toolkit.estimate import ModelRef
+    from toolkit.triage import remedies
+    from toolkit.triage.picture import fill_plan
+
+    cfg = {**TINY_GEMMA2, "hidden_size": 1024, "num_hidden_layers": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = dataclasses.replace(load_spec("gpt2-clm"), model={"config": str(tmp_path / "config.json"),
+                                                             "task": "causal-lm"})
+    site = load_site("testcluster")
+    v100 = site.partition("v100")
+    model = controller._estimator_model(spec, v100)
+    assert model is not None and model.config["model_type"] == "gemma2"
+    msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+           "15.77 GiB of which 189.44 MiB is free.")
+    oom = classify(JobRecord("FAILED", 1, 0), msg)
+    eager = Plan(global_batch=64, micro_batch=64, seq_len=2048, precision="fp16-mixed", attention="eager")
+    decision = next_plan(eager, oom, v100, allow=["attention", "micro_batch", "checkpointing"], model=model)
+    assert decision.action == "retry" and decision.plan.attention == "eager"
+    # flash on a small card, a bigger one without flash: the move keeps the model runnable
+    small = dataclasses.replace(site.partition("a100"), name="a10", gpu_mem_gib=24.0)
+    big = dataclasses.replace(v100, name="v100-32", gpu_mem_gib=32.0)
+    flash = eager.replace(attention="flash")
+    moved = next_plan(flash, classify(JobRecord("FAILED", 1, 0), "torch.OutOfMemoryError: CUDA out of memory."),
+                      small, allow=["partition"], bigger=[big], model=model)
+    assert moved.action == "retry" and moved.partition.name == "v100-32" and moved.plan.attention == "eager"
+    # triage: remedies for an eager job, and for one whose attention nobody stated (eager assumed, said so)
+    found = remedies.remedies(oom, eager, v100, model, allow=["attention", "micro_batch", "checkpointing"])
+    assert found and {r.plan.attention for r in found if r.plan} == {"eager"}
+    knobs = {"micro_batch": 8, "seq_len": 2048, "precision": "fp16-mixed"}
+    assert "attention=eager" in fill_plan(knobs, v100, model).assumed
+    assert "attention=sdpa" in fill_plan(knobs, v100).assumed  # a model with the path, or none known
+    found = remedies.remedies(oom, knobs, v100, model, allow=["micro_batch", "checkpointing"])
+    assert found and {r.plan.attention for r in found if r.plan} == {"eager"}
+
+
+def test_submit_refuses_an_attention_the_model_cannot_run(tmp_path):
+    """`hpcmem submit` of a Gemma 2 spec on sdpa (with or without the planner) is one line naming eager and flash,
+    before anything is submitted: the job would fail as it builds the model."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from model_configs import TINY_GEMMA2
+
+    (tmp_path / "gemma2.json").write_text(json.dumps(TINY_GEMMA2))
+    text = (Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml").read_text()
+    text = text.replace('config: "tiny-gpt2"', f'config: "{tmp_path / "gemma2.json"}"')
+    assert str(tmp_path / "gemma2.json") in text
+    (tmp_path / "gemma2.yaml").write_text(text)
+    for extra in ((), ("--plan",)):
+        out = hpcmem("submit", str(tmp_path / "gemma2.yaml"), "--site", "local", *extra, tmp_path=tmp_path)
+        assert out.returncode != 0 and "eager or flash" in out.stderr and out.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -116,10 +116,11 @@ def output_follows_query(plan: Plan, dt: Dtypes, masked: bool) -> bool:
     CUDA's flash kernel (16-bit, no mask: ``flash_api.cpp`` ``at::empty_like(q_padded)``) and the flash-attn
     package. Phi-3's rotary embedding ends in a ``cat`` that leaves the query in (batch, heads, tokens) order, so
     there the output needs a copy to become (batch, tokens, hidden) again. CUDA's memory-efficient kernel (fp32,
-    or a mask) allocates (batch, tokens, heads, dim) itself."""
+    a mask, or a GPU without the flash kernel: ``Dtypes.flash_sdpa``, V100 and T4) allocates (batch, tokens,
+    heads, dim) itself."""
     if plan.attention == "flash" or not dt.gpu:
         return True
-    return dt.compute == 2 and not masked
+    return dt.compute == 2 and not masked and dt.flash_sdpa
 
 
 def stores_scores(shape: ModelShape, plan: Plan, dt: Dtypes) -> bool:

@@ -227,6 +227,8 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     runtime = runtime or DEFAULT_RUNTIME
     gpu = partition.has_gpu
     dt = dtypes_for(plan, gpu)
+    if gpu and not partition.flash_attention:
+        dt = replace(dt, flash_sdpa=False)
     states = model_states(shape, plan, dt, runtime)
     if gpu and not runtime.frees_grads and not states.persistent_grads and not states.grads_end_with_backward:
         # torch 1.x (or zero_grad(set_to_none=False)): zero_grad keeps them allocated. Not where the device grads

@@ -231,9 +231,11 @@ def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTI
 
     tokens = plan.micro_batch * sequence_length(shape, plan)
     elem = 4 if runtime.logits_fp32 else dt.compute
-    logprobs = elem * tokens * shape.vocab if shape.task == "causal-lm" else 0
+    causal = shape.task == "causal-lm"
+    logprobs = elem * tokens * shape.vocab if causal else 0
     rest = acts.outside_bytes - logprobs
-    return _split(rest, tokens * shape.hidden * dt.param), int(logprobs)
+    softcap = [int(tokens * shape.vocab * dt.compute)] if causal and shape.final_softcap else []  # one tensor
+    return softcap + _split(rest - sum(softcap), tokens * shape.hidden * dt.param), int(logprobs)
 
 
 def gemm_workspaces(gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -47,6 +47,9 @@ class Dtypes:
     gpu: bool
     mask: int
     """a dropout mask element: a bool on CUDA, a noise tensor of the input's dtype on the CPU"""
+    flash_sdpa: bool = True
+    """the GPU runs 16-bit SDPA on the flash kernel (Ampere and later: the partition's ``flash_attention``); else
+    on the memory-efficient one (V100, T4), whose output layout differs (``activations.output_follows_query``)"""
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,12 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
             notes.append(note)
     elif verdict.is_oom:
         notes.append("no site profile given (--site): remedies cannot be checked against a partition")
+    model, model_note = load_model(facts)
     try:
-        known = fill_plan(facts.plan_knobs, partition)
+        known = fill_plan(facts.plan_knobs, partition, model)
     except HpcmemError as exc:
         notes.append(f"the plan read from the job's files does not hold together ({exc}); defaults assumed")
-        known = fill_plan(None, partition)
+        known = fill_plan(None, partition, model)
     if facts.runtime or facts.accelerator_config:
         known = dataclasses.replace(known, runtime=dict(facts.runtime), accelerator_config=facts.accelerator_config)
     if known.note and verdict.is_oom:
@@ -67,9 +68,8 @@ def diagnose(case, site: Site | None, *, ledger=None, max_remedies: int = 5, par
             and known.plan.grad_accum > 1 and verdict.is_oom:
         notes.append("the estimate holds every FSDP unit's whole unsharded gradient between micro-batches: the job "
                      "accumulates under no_sync (its --accelerator_config does not ask for sync_each_batch)")
-    model, note = load_model(facts)
-    if note and verdict.is_oom:
-        notes.append(note)
+    if model_note and verdict.is_oom:
+        notes.append(model_note)
     picture, found, look = None, (), ()
     moves = inflight_moves(case)
     recovered = verdict.is_oom and facts.state == "COMPLETED" and not facts.exit_code

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from ..classify import Verdict, usable_capacity_mib
 from ..errors import UnknownNameError
-from ..estimate import Estimate, ModelRef, estimate
+from ..estimate import Estimate, ModelRef, attention_refusal, estimate
 from ..estimate.gpu import Runtime
 from ..failures import is_host
 from ..ladder import describe
@@ -78,7 +78,8 @@ class KnownPlan:
         return ""
 
 
-def fill_plan(known: Plan | Mapping[str, Any] | None, partition: Partition | None = None) -> KnownPlan:
+def fill_plan(known: Plan | Mapping[str, Any] | None, partition: Partition | None = None,
+              model: Any = None) -> KnownPlan:
     """A whole Plan from what is known of it.
 
     ``known``: a KnownPlan (returned as it is), a Plan (taken as wholly known, its time limit too), a mapping
@@ -88,6 +89,8 @@ def fill_plan(known: Plan | Mapping[str, Any] | None, partition: Partition | Non
     disagree micro-batch and accumulation win); the launcher is the engine the knobs imply
     (``strategies.infer_launcher``: deepspeed with ZeRO or offload, fsdp with its resharding knobs); ``time_min`` is capped at the partition's limit. Raises
     ``UnknownNameError`` for a name that is not a knob, ``PlanError`` for knobs that cannot go together.
+    ``model`` (an ``estimate.ModelRef``, when known): an attention nobody stated is eager, not sdpa, for a model
+    transformers gives no SDPA path (Gemma 2: its default there).
     """
     if isinstance(known, KnownPlan):
         return known
@@ -112,6 +115,8 @@ def fill_plan(known: Plan | Mapping[str, Any] | None, partition: Partition | Non
     if partition is not None and values.get("time_min", 0) > partition.max_time_min:
         values["time_min"] = partition.max_time_min
     plan = Plan(**values)
+    if "attention" not in given and attention_refusal(model, plan):
+        plan = plan.replace(attention="eager")
     assumed = tuple(f"{k}={_text(getattr(plan, k))}" for k in MEMORY_KNOBS if k not in given and k not in derived)
     return KnownPlan(plan, assumed, bool(given) or bool(derived), frozenset(given))
 
@@ -212,7 +217,7 @@ def memory_picture(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] 
     """
     n = {k: float(v) for k, v in verdict.numbers.items() if v is not None}
     notes: list[str] = []
-    known = fill_plan(plan, partition) if plan is not None else None
+    known = fill_plan(plan, partition, model) if plan is not None else None
     known = known if known is not None and known.known else None
     if known is not None and known.note:
         notes.append(known.note)

@@ -81,7 +81,7 @@ from .. import ladder, planner
 from ..predict import EXPANDABLE, MARGIN, Predictor, alloc_conf_value
 from ..classify import Verdict
 from ..errors import HpcmemError, UnknownNameError
-from ..estimate import ModelRef
+from ..estimate import ModelRef, attention_refusal
 from ..estimate.gpu import CURRENT_DEEPSPEED, Runtime
 from ..failures import family_of, is_host
 from ..modelshape import ModelShape, largest_param_numel
@@ -165,7 +165,7 @@ def remedies(verdict: Verdict, plan: Plan | KnownPlan | Mapping[str, Any] | None
         raise UnknownNameError("remedy move", unknown[0], ALL_MOVES)
     if not verdict.is_oom or max_items < 1:
         return []
-    known = fill_plan(plan, partition)
+    known = fill_plan(plan, partition, model)
     maker = _Maker(partition, known, model, spec, site, base or known.plan)
     family = "host" if is_host(verdict) else family_of(verdict.kind, getattr(verdict, "cause", None))
     if family == "exclusive":
@@ -363,13 +363,14 @@ def _score(plans: Iterable[Plan], pred: Predictor, model: ModelRef | None = None
     return out
 
 
-def _candidates(start: Plan, failed: Plan, partition: Partition, allow: Iterable[str]) -> list[Plan]:
+def _candidates(start: Plan, failed: Plan, partition: Partition, allow: Iterable[str], model=None) -> list[Plan]:
     """The planner's candidates from ``start`` that only add memory savings to the failed plan (never a larger
     micro-batch, a lower ZeRO stage, less offload or fp32 again: the failed plan ran out of memory), without
-    the failed plan itself and without flash attention in fp32 (its kernels are 16-bit only)."""
+    the failed plan itself, without flash attention in fp32 (its kernels are 16-bit only) and without an
+    attention the model cannot run (``estimate.attention_refusal``)."""
     plans = planner.candidate_plans(start, partition, allow)
     return [p for p in plans if _knobs(p) != _knobs(failed) and not _steps_back(failed, p)
-            and not (p.attention == "flash" and p.precision == "fp32")]
+            and not (p.attention == "flash" and p.precision == "fp32") and not attention_refusal(model, p)]
 
 
 def _steps_back(failed: Plan, plan: Plan) -> bool:
@@ -391,10 +392,11 @@ def _gpu(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, pred
     if fragmented and "alloc_conf" in allow and EXPANDABLE not in failed.alloc_conf:
         start = failed.replace(alloc_conf=alloc_conf_value(failed.alloc_conf, EXPANDABLE))
         first = _score([start], pred)
-    scored = [s for s in _score(_candidates(start, failed, maker.partition, allow), pred) if s.plan != start]
+    scored = [s for s in _score(_candidates(start, failed, maker.partition, allow, maker.model), pred)
+              if s.plan != start]
     if not any(s.fits for s in scored + first) and "gpus" in allow:
         for wider in ladder.more_gpus(start, maker.partition):
-            scored += _score([wider, *_candidates(wider, failed, maker.partition, allow)], pred)
+            scored += _score([wider, *_candidates(wider, failed, maker.partition, allow, maker.model)], pred)
     fitting = [s for s in scored if s.fits]
     room = max_items - len(first)
     if fitting:
@@ -456,7 +458,8 @@ def _last_resorts(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred
     out = []
     if start.seq_len >= 2:
         shorter = start.replace(seq_len=start.seq_len // 2)
-        best = _fastest_fitting(_score([shorter, *_candidates(shorter, failed, maker.partition, allow)], pred))
+        best = _fastest_fitting(_score([shorter, *_candidates(shorter, failed, maker.partition, allow, maker.model)],
+                                       pred))
         if best is not None:
             out.append(maker.remedy(failed, best.plan, best.peak, True, changes_result=True,
                                     prefix=f"{LAST_RESORT}half the sequence length: ",
@@ -464,7 +467,7 @@ def _last_resorts(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pred
     if start.optimizer != "sgd":
         sgd = start.replace(optimizer="sgd")
         keep = [a for a in allow if a != "optimizer"]
-        best = _fastest_fitting(_score([sgd, *_candidates(sgd, failed, maker.partition, keep)], pred))
+        best = _fastest_fitting(_score([sgd, *_candidates(sgd, failed, maker.partition, keep, maker.model)], pred))
         if best is not None:
             out.append(maker.remedy(failed, best.plan, best.peak, True, changes_result=True,
                                     prefix=f"{LAST_RESORT}plain SGD: ",
@@ -488,7 +491,7 @@ def _smaller_model(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pre
     if key is None:
         return None
     layers = int(model.config[key])
-    scored = _score([start, *_candidates(start, failed, maker.partition, allow)], pred)
+    scored = _score([start, *_candidates(start, failed, maker.partition, allow, maker.model)], pred)
     leanest = min(scored, key=lambda s: s.peak).plan
 
     def with_layers(n: int) -> ModelRef:
@@ -504,7 +507,8 @@ def _smaller_model(start: Plan, failed: Plan, maker: "_Maker", allow: tuple, pre
     if low < 1:
         return None
     small = with_layers(low)
-    best = _fastest_fitting(_score([start, *_candidates(start, failed, maker.partition, allow)], pred, small))
+    best = _fastest_fitting(_score([start, *_candidates(start, failed, maker.partition, allow, maker.model)], pred,
+                                   small))
     if best is None:
         return None
     params = _params(model), _params(small)
@@ -537,6 +541,9 @@ def _walk(verdict: Verdict, known: KnownPlan, maker: "_Maker", allow: tuple, max
         d = ladder.next_plan(plan, said, maker.partition, allow=moves, tried=tried, attempts_made=1, max_attempts=2)
         if d.action != "retry":
             break
+        if attention_refusal(maker.model, d.plan):  # a rung the model cannot run (Gemma 2 on sdpa): the next one
+            tried.append(d.plan)
+            continue
         tried.append(plan)
         step = ladder.move_names(plan, d.plan)
         plan = d.plan
