@@ -748,3 +748,22 @@ def test_cuda_sdpa_keeps_shared_key_value_heads_at_their_own_width():
     assert torch.Size([2, 2, 16, 32]) in saved and torch.Size([2, 8, 16, 32]) in saved  # k, v at 2 heads; q, out at 8
     assert saved.count(torch.Size([2, 8, 16, 32])) == 2
 
+
+
+def test_a_runtime_that_repeats_kv_before_sdpa_is_traced_so():
+    """``Runtime.sdpa_repeats_kv`` (transformers before PR #39412, torchtune, litgpt): the traced step hands SDPA
+    the repeats, which it then saves: 2 x (query - key/value width) per token and layer more than the grouped
+    kernel keeps."""
+    from model_configs import TINY_LLAMA
+    from toolkit.estimate import ModelRef, estimate
+    from toolkit.estimate.gpu import Runtime
+
+    cfg = {**TINY_LLAMA, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "intermediate_size": 1376, "num_hidden_layers": 4}
+    p = plan(micro_batch=4, seq_len=512, precision="bf16-true", optimizer="sgd")
+    ref = ModelRef(cfg, "causal-lm", None, "gqa")
+    grouped = estimate(ref, p, gpu_partition(), method="traced", allocator_model=False)
+    repeated = estimate(ref, p, gpu_partition(), method="traced", runtime=Runtime(sdpa_repeats_kv=True),
+                        allocator_model=False)
+    repeats = 4 * 2048 * 2 * (512 - 128) * 2 / MIB  # layers x tokens x (k, v) x (q - kv width) x bf16
+    assert repeated.peak_allocated_mib - grouped.peak_allocated_mib == pytest.approx(repeats, abs=0.5)

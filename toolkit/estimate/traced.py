@@ -177,7 +177,8 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     trace = trace_training(model_config, task, plan, target=target, model_factory=model_factory, steps=steps,
                            set_to_none=not keep_grads, zero_before_backward=late_zero,
                            logits_fp32=runtime is None or runtime.logits_fp32,
-                           softmax_saves_input=runtime is not None and runtime.softmax_saves_input)
+                           softmax_saves_input=runtime is not None and runtime.softmax_saves_input,
+                           repeats_kv=runtime is not None and runtime.sdpa_repeats_kv)
     notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
     if runtime is not None and runtime.softmax_saves_input:
         notes_extra.append(f"torch {runtime.torch_version}: softmax keeps its input for the backward too (emulated)")
@@ -235,7 +236,8 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
                                  logits_fp32=runtime is None or runtime.logits_fp32,
                                  softmax_saves_input=runtime is not None and runtime.softmax_saves_input,
                                  ddp_side_stream=runtime is not None and runtime.ddp_side_stream,
-                                 workspaces=gemm_workspaces(partition.gpu_model, runtime or DEFAULT_RUNTIME))
+                                 workspaces=gemm_workspaces(partition.gpu_model, runtime or DEFAULT_RUNTIME),
+                                 repeats_kv=runtime is not None and runtime.sdpa_repeats_kv)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -269,7 +271,7 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
                    model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True,
                    set_to_none: bool = True, zero_before_backward: bool = False, logits_fp32: bool = True,
-                   softmax_saves_input: bool = False) -> Trace:
+                   softmax_saves_input: bool = False, repeats_kv: bool = False) -> Trace:
     """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
 
     ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
@@ -286,7 +288,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
     layout = _layout(plan)
     notes = list(layout.notes)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with (_quiet(), _no_automatic_gc(), mode, _device_behaviour(target, notes),
+    with (_quiet(), _no_automatic_gc(), mode, _device_behaviour(target, notes, repeats_kv),
           _unpacked_batches(model_factory is None), _value_free_init(fake)):
         traced = _build(model_config, task, plan, layout, target, model_factory, notes, logits_fp32)
         module = traced.module
@@ -851,11 +853,13 @@ _CUDA_LOWER_PRECISION_OPS = ("addmv", "addr", "einsum", "mv", "chain_matmul", "l
 
 
 @contextlib.contextmanager
-def _device_behaviour(target: str, notes: list[str]) -> Iterator[None]:
+def _device_behaviour(target: str, notes: list[str], repeats_kv: bool = False) -> Iterator[None]:
     """For target cuda: CUDA's autocast policy, dropout and sdpa kernels while the trace runs.
 
     They are registered as kernels of a scoped ``torch.library.Library`` (removed on exit),
     at the dispatcher, so they also hold inside backward (checkpoint recomputation).
+    ``repeats_kv`` (``Runtime.sdpa_repeats_kv``): the job's model code hands SDPA its keys and values repeated to
+    every query head, so they are saved at the query's width.
     """
     if target != "cuda":
         yield
@@ -866,7 +870,8 @@ def _device_behaviour(target: str, notes: list[str]) -> Iterator[None]:
             warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
             _register_cuda_autocast_policy(lib)
             lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
-            lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+            lib.impl("scaled_dot_product_attention", _cuda_sdpa_repeating if repeats_kv else _cuda_sdpa,
+                     "CompositeImplicitAutograd")
         yield
     finally:
         lib._destroy()
@@ -949,6 +954,16 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return out
+
+
+def _cuda_sdpa_repeating(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    """``_cuda_sdpa`` where the job's code repeated the shared key/value heads before SDPA (transformers before
+    its PR #39412, torchtune's and litgpt's attention): the repeats are what SDPA saves."""
+    if key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    return _cuda_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
 class _GroupedSdpa(torch.autograd.Function):
@@ -1138,8 +1153,8 @@ def _quiet() -> Iterator[None]:
 def record_training(model_config, task: str, plan, *, target: str = "cuda", model_factory=None,
                     steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False,
                     logits_fp32: bool = True, softmax_saves_input: bool = False,
-                    ddp_side_stream: bool = False, workspaces: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-                    ) -> list[tuple]:
+                    ddp_side_stream: bool = False, workspaces: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+                    repeats_kv: bool = False) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
@@ -1155,7 +1170,8 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
     notes: list[str] = []
     rec = StorageRecorder()
     with (_quiet(), _no_automatic_gc(), FakeTensorMode(allow_non_fake_inputs=True),
-          _device_behaviour(target, notes), _unpacked_batches(model_factory is None), _value_free_init(True)):
+          _device_behaviour(target, notes, repeats_kv), _unpacked_batches(model_factory is None),
+          _value_free_init(True)):
         with rec:
             traced = _build(model_config, task, plan, layout, target, model_factory, notes, logits_fp32)
             rec.adopt(traced.module.parameters())
