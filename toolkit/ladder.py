@@ -222,13 +222,14 @@ class _Ctx:
         return (_knobs(plan), self.partition.name) in self.tried
 
     def make(self, plan: Plan, **changes) -> Plan | None:
-        """``plan`` with ``changes`` (batch invariant re-derived), or None when it is invalid here."""
+        """``plan`` with ``changes`` (batch invariant re-derived), or None when it is invalid here or the model
+        cannot run it (``estimate.attention_refusal``: Gemma 2 has no SDPA path)."""
         try:
             new = with_changes(plan, changes)
             self.partition.check_plan(new)
         except PlanError:
             return None
-        if (new.global_batch, new.seq_len) != (plan.global_batch, plan.seq_len):
+        if (new.global_batch, new.seq_len) != (plan.global_batch, plan.seq_len) or attention_refusal(self.model, new):
             return None
         return new
 
@@ -283,10 +284,7 @@ def _attention(plan: Plan, ctx: _Ctx) -> list[Plan]:
     if not ctx.allows("attention") or plan.attention != "eager":
         return []
     flash = ctx.partition.flash_attention and plan.precision != "fp32"  # flash kernels are 16-bit only
-    new = ctx.make(plan, attention="flash" if flash else "sdpa")
-    if new is not None and attention_refusal(ctx.model, new):
-        return []  # the model's class cannot run it (Gemma 2 has no SDPA path)
-    return _valid([new])
+    return _valid([ctx.make(plan, attention="flash" if flash else "sdpa")])
 
 
 def _micro_batch(plan: Plan, ctx: _Ctx) -> list[Plan]:

@@ -85,9 +85,12 @@ def speed(plan: Plan, partition: Partition) -> float:
     return gain * ATTENTION_SPEED[plan.attention] / cost
 
 
-def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> list[Plan]:
+def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str], model: ModelRef | None = None
+                    ) -> list[Plan]:
     """Every valid plan reachable from ``base`` with the allowed moves on ``partition`` (base first): the
-    product of the moves' axes in the ladder's move table (``ladder.MOVES``, ``ladder.move_grid``)."""
+    product of the moves' axes in the ladder's move table (``ladder.MOVES``, ``ladder.move_grid``). With the
+    ``model`` known, a move to an attention its class cannot run is no candidate (``estimate.attention_refusal``;
+    the base itself is the estimate's to refuse)."""
     out = [base]
     for changes in ladder.move_grid(base, partition, allow):
         try:
@@ -95,7 +98,7 @@ def candidate_plans(base: Plan, partition: Partition, allow: Iterable[str]) -> l
             partition.check_plan(plan)
         except PlanError:
             continue
-        if plan != base:
+        if plan != base and not attention_refusal(model, plan):
             out.append(plan)
     return out
 
@@ -120,8 +123,7 @@ def plan_candidates(model: ModelRef, base: Plan, partition: Partition, allow: It
     fit does not fit, and a screened plan is never chosen. Traced: every candidate is traced.
     """
     base_speed = speed(base, partition)
-    # a move to an attention the model's class cannot run is no candidate (the base itself is refused by estimate)
-    plans = [p for p in candidate_plans(base, partition, allow) if p == base or not attention_refusal(model, p)]
+    plans = candidate_plans(base, partition, allow, model)
     pred = Predictor(partition, model=model, method=method)
     if method != "analytic":
         cands = [_candidate(pred, p, speed(p, partition) / base_speed, base) for p in plans]

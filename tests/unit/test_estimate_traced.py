@@ -689,7 +689,7 @@ def test_phi3_fused_projections_cost_the_same_traced_and_analytic(window, precis
                              plan(micro_batch=4, seq_len=512, precision=precision, optimizer="sgd"))
     memory_efficient = precision == "fp32" or window is not None
     copy = 4 * 512 * 512 * (4 if precision == "fp32" else 2) * 4 / MIB if memory_efficient else 0.0
-    assert added["analytic"] > 0 or precision == "bf16-mixed"  # autocast's saved copies offset the view there
+    assert abs(added["analytic"]) > 1  # MiB; bf16-mixed: fewer autocast copies outweigh the view (-6 MiB here)
     assert added["traced"] - copy == pytest.approx(added["analytic"], abs=0.5)
 
 

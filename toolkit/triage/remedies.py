@@ -367,10 +367,10 @@ def _candidates(start: Plan, failed: Plan, partition: Partition, allow: Iterable
     """The planner's candidates from ``start`` that only add memory savings to the failed plan (never a larger
     micro-batch, a lower ZeRO stage, less offload or fp32 again: the failed plan ran out of memory), without
     the failed plan itself, without flash attention in fp32 (its kernels are 16-bit only) and without an
-    attention the model cannot run (``estimate.attention_refusal``)."""
-    plans = planner.candidate_plans(start, partition, allow)
+    attention the model cannot run (``planner.candidate_plans``)."""
+    plans = planner.candidate_plans(start, partition, allow, model)
     return [p for p in plans if _knobs(p) != _knobs(failed) and not _steps_back(failed, p)
-            and not (p.attention == "flash" and p.precision == "fp32") and not attention_refusal(model, p)]
+            and not (p.attention == "flash" and p.precision == "fp32")]
 
 
 def _steps_back(failed: Plan, plan: Plan) -> bool:
