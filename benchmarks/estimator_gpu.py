@@ -234,11 +234,12 @@ def check_source(path: Path, doc: dict) -> None:
 
 RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
                   "zero_grad": str, "model_code": str, "sdpa_repeats_kv": bool, "shifted_logits_copy": str,
+                  "output_kept": str,
                   "zero3_linear_wrapped": bool, "logits_upcast_in_model": bool, "deepspeed_version": str,
                   "fsdp_limit_all_gathers": bool, "fsdp_use_orig_params": bool, "fsdp_no_sync": bool, "fsdp_api": str,
                   "fsdp_embedding_unit": bool,
                   "eager_clamps_scores": bool,
-                  "ddp_side_stream": bool, "engine_config": dict}
+                  "ddp_side_stream": bool, "ddp_single_process": bool, "engine_config": dict}
 
 
 def runtime_of(path: Path, doc: dict, row: dict | None = None, where: str | None = None):

@@ -1716,6 +1716,111 @@ def test_the_causal_loss_makes_its_tensors_in_order_and_older_transformers_copy_
         Runtime(deepspeed_version="latest")
 
 
+def tensor_peak(events) -> int:
+    """The most bytes an alloc/free stream holds at once, tensor by tensor (no allocator blocks)."""
+    live, now, peak = {}, 0, 0
+    for e in events:
+        if e[0] == "alloc":
+            live[e[1]] = e[2]
+            now += e[2]
+            peak = max(peak, now)
+        elif e[0] == "free":
+            now -= live.pop(e[1])
+    return peak
+
+
+def test_a_loop_that_keeps_the_models_output_keeps_its_logits_into_the_next_forward():
+    """Runtime.output_kept: ``out = model(ids, labels=ids); out.loss.backward()`` ("model_output") or ``logits =
+    model(x); loss = f(logits, y)`` ("logits") keep the logits the model returns through the backward and the
+    step, until the next micro-batch's forward rebinds the variable: the previous ones are freed once the new loss
+    is computed, or as soon as the new logits exist. The kept tensor is the model's output: 16-bit under
+    transformers 5 (the loss upcasts a copy), fp32 where the model upcasts them itself."""
+    from toolkit.estimate.activations import PREVIOUS_OUTPUT, causal_loss_forward, loss_forward_temp
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    assert causal_loss_forward(1000, 2, True, None, False, "logits") == (
+        ("logits", 2000), (PREVIOUS_OUTPUT, None), ("fp32 logits", 4000.0))
+    assert causal_loss_forward(1000, 2, True, None, False, "model_output") == (
+        ("logits", 2000), ("fp32 logits", 4000.0))  # freed with the loss's own, once it is computed
+    # the previous output beside the new loss: all of it (model_output), or until the new logits exist (logits)
+    base = loss_forward_temp(causal_loss_forward(1, 2, True, None, False), 4)
+    assert loss_forward_temp(causal_loss_forward(1, 2, True, None, False, "model_output"), 4, 2) == base + 2
+    assert loss_forward_temp(causal_loss_forward(1, 2, True, None, False, "logits"), 4, 2) == base
+    p = plan(precision="bf16-mixed", micro_batch=2, seq_len=128, grad_accum=2)
+    dt = an.dtypes_for(p, True)
+    n = 2 * 128 * GPT2.vocab
+    for runtime, size in ((Runtime(output_kept="model_output"), 2 * n), (Runtime(output_kept="logits"), 2 * n),
+                          (Runtime(output_kept="logits", logits_upcast_in_model=True), 4 * n)):
+        acts = inv.activations(GPT2, p, dt, runtime)
+        assert (acts.kept_output, acts.kept_output_bytes) == ("fp32 logits" if size == 4 * n else "logits", size)
+        # the phases: every moment after the forward holds it; the forward's end holds the previous one too
+        # where the model computes the loss
+        dropped = dataclasses.replace(runtime, output_kept=None)
+        ph = {x.name: x for x in an.phases(GPT2, p, dt, an.model_states(GPT2, p, dt), acts, runtime)}
+        plain = {x.name: x for x in an.phases(GPT2, p, dt, an.model_states(GPT2, p, dt),
+                                              inv.activations(GPT2, p, dt, dropped), dropped)}
+        for name in plain:
+            extra = ph[name].total - plain[name].total
+            if name == "forward end":  # "logits": the previous ones gone before the upcast, the loss's peak
+                assert extra == (size if runtime.output_kept == "model_output" else 0)
+            else:
+                assert extra == pytest.approx(size), name
+        # the stream: one tensor of that size outlives its micro-batch; two micro-batches and two steps keep one
+        # alive at every mark after the first forward
+        events = step_events(GPT2, p, dt, an.model_states(GPT2, p, dt), acts, runtime=runtime, steps=2)
+        plain_events = step_events(GPT2, p, dt, an.model_states(GPT2, p, dt), inv.activations(GPT2, p, dt, dropped),
+                                   runtime=dropped, steps=2)
+        alive, spans = {}, []
+        mark = None
+        for e in events:
+            if e[0] == "mark":
+                mark = e[1]
+            elif e[0] == "alloc" and e[2] == size:
+                alive[e[1]] = mark
+            elif e[0] == "free" and e[1] in alive:
+                spans.append((alive.pop(e[1]), mark))
+        # each micro-batch's: the first (step 1) to the second's forward, the second across the step into step 2
+        kept = [span for span in spans if span[0] != span[1]] + [(m, "end") for m in alive.values()]
+        assert kept == [("step 1", "step 2"), ("step 2", "end")], kept
+        # "model_output" holds one at every moment after step 1's first loss; "logits" lets it go inside the next
+        # loss forward, where GPT-2's step peaks with the model's fp32 logits
+        added = tensor_peak(events) - tensor_peak(plain_events)
+        assert added == size if runtime.output_kept == "model_output" else 0 <= added <= size
+        assert replay(events).peak_allocated - replay(plain_events).peak_allocated == \
+            pytest.approx(added, abs=size * 0.3)  # the allocator's blocks: unsplit rests differ
+    # an image model's or a classifier's output is a few numbers per sample: nothing kept is modelled
+    vit_acts = inv.activations(ModelShape.from_config(load_model_config("vit-base"), task="image-cls"),
+                               plan(micro_batch=8), an.dtypes_for(plan(micro_batch=8), True),
+                               Runtime(output_kept="logits"))
+    assert (vit_acts.kept_output, vit_acts.kept_output_bytes) == (None, 0.0)
+    with pytest.raises(ValueError, match="output_kept"):
+        Runtime(output_kept="yes")
+
+
+def test_a_script_that_wraps_one_process_in_ddp_has_its_buckets():
+    """Runtime.ddp_single_process: torch builds DDP's Reducer and buckets for a world of one as for more, so a
+    script that wraps whenever torchrun started it has one more fp32 copy of the gradients on a single GPU."""
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.strategies.ddp import builds_ddp
+
+    one = plan(precision="bf16-mixed", micro_batch=2, seq_len=128)
+    wraps = Runtime(ddp_single_process=True)
+    assert not builds_ddp(one) and builds_ddp(one, True)
+    dt = an.dtypes_for(one, True)
+    assert an.model_states(GPT2, one, dt, wraps).buffer_bytes == 4 * GPT2.n_params
+    assert an.model_states(GPT2, one, dt).buffer_bytes == 0.0
+    part = A100
+    added = (estimate_analytic(GPT2, one, part, runtime=wraps).peak_allocated_mib
+             - estimate_analytic(GPT2, one, part).peak_allocated_mib)
+    two = plan(precision="bf16-mixed", micro_batch=2, seq_len=128, gpus_per_node=2)
+    assert added == pytest.approx(estimate_analytic(GPT2, two, part).peak_allocated_mib
+                                  - estimate_analytic(GPT2, one, part).peak_allocated_mib, abs=1)
+    with pytest.raises(ValueError, match="ddp_single_process"):
+        Runtime(ddp_single_process="yes")
+
+
 def test_sdpa_saves_repeated_kv_where_the_model_code_repeats_them():
     """Runtime.sdpa_repeats_kv: transformers < 4.48 (and later with a padding mask on CUDA) and torchtitan-style
     code repeat a grouped-query model's K and V to every query head before SDPA, which saves them: per token and

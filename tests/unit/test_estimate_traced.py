@@ -671,6 +671,43 @@ def added_by_variant(variant: dict, base: dict, sizes: dict, p: Plan) -> dict[st
     return added
 
 
+@pytest.mark.parametrize("kept", ["model_output", "logits"])
+def test_a_kept_output_costs_the_same_traced_and_analytic(kept):
+    """Runtime.output_kept: the traced loop keeps each micro-batch's output (a transformers model given labels
+    computes its loss inside the forward, so both rules let the previous one go once the next forward returns);
+    the arithmetic keeps the model's logits. Both add the logits of one micro-batch (bf16: 2 bytes each) to a
+    peak after the forward; the replayed stream reserves no less (its segments may have room)."""
+    from model_configs import TINY_LLAMA
+
+    from toolkit.estimate import ModelRef, estimate
+    from toolkit.estimate.gpu import Runtime
+
+    p = plan(micro_batch=4, seq_len=256, precision="bf16-mixed", optimizer="adamw", grad_accum=2)
+    ref = ModelRef(TINY_LLAMA, "causal-lm", None, "llama")
+    logits = 2 * 4 * 256 * TINY_LLAMA["vocab_size"] / 2 ** 20
+    for method in ("traced", "analytic"):
+        runs = [estimate(ref, p, gpu_partition(), method=method, runtime=runtime)
+                for runtime in (Runtime(output_kept=kept), Runtime())]
+        assert runs[0].peak_allocated_mib - runs[1].peak_allocated_mib == pytest.approx(logits, abs=0.5), method
+        assert runs[0].peak_reserved_mib >= runs[1].peak_reserved_mib, method
+
+
+def test_one_process_wrapped_in_ddp_costs_the_same_traced_and_analytic():
+    """Runtime.ddp_single_process: DDP's construction and gradient buckets on one GPU, in both methods the same
+    as over two ranks."""
+    from model_configs import TINY_LLAMA
+
+    from toolkit.estimate import ModelRef, estimate
+    from toolkit.estimate.gpu import Runtime
+
+    one, two = plan(precision="bf16-mixed"), plan(precision="bf16-mixed", gpus_per_node=2)
+    ref = ModelRef(TINY_LLAMA, "causal-lm", None, "llama")
+    for method in ("traced", "analytic"):
+        wrapped, bare, pair = (estimate(ref, q, gpu_partition(), method=method, runtime=r).peak_allocated_mib
+                               for q, r in ((one, Runtime(ddp_single_process=True)), (one, None), (two, None)))
+        assert wrapped - bare == pytest.approx(pair - bare, abs=0.5) and wrapped - bare > 1, method
+
+
 @pytest.mark.parametrize("window, precision", [(None, "bf16-mixed"), (None, "bf16-true"), (None, "fp32"),
                                                (256, "bf16-true")])
 def test_phi3_fused_projections_cost_the_same_traced_and_analytic(window, precision):

@@ -183,6 +183,20 @@ def test_runtime_facts_are_checked_and_a_row_overrides_its_source(gpu, tmp_path,
     assert "runtime.torch" in capsys.readouterr().err
 
 
+def test_every_runtime_fact_can_be_stated_by_a_data_file(gpu):
+    """A data file's ``runtime`` takes every ``estimate.gpu.Runtime`` field (none of the job's software facts is
+    out of the data's reach); the GPT-2 script's loop keeps its output, and its one-GPU row wraps DDP."""
+    import dataclasses
+
+    from toolkit.estimate.gpu import Runtime
+
+    assert set(gpu.RUNTIME_FIELDS) == {f.name for f in dataclasses.fields(Runtime)}
+    doc = json.loads((DATA / "neel429-llm-training-systems-gpt2-ddp-fsdp-a100.json").read_text())
+    rts = [gpu.runtime_of(Path("x.json"), doc, row) for row in doc["rows"]]
+    assert [(r.output_kept, r.ddp_single_process) for r in rts] == [("model_output", False)] * 2 + [
+        ("model_output", True)]
+
+
 def test_held_out_sources_are_summarized_apart(gpu, tmp_path, capsys):
     """A source marked held_out is in ALL and in HELD OUT, never in IN-SAMPLE, and is flagged per source."""
     doc = json.loads((DATA / "hf-guide-bert-large-v100.json").read_text())

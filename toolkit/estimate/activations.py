@@ -279,10 +279,20 @@ class Activations:
     loss_forward_order: tuple = ()
     """a causal LM's ``loss_forward_temp_bytes`` tensor by tensor in the order the loss makes and frees them
     (``causal_loss_forward``), before the log-probs it saves; () for other tasks"""
+    kept_output: str | None = None
+    """the tensor of ``loss_forward_order`` the training loop keeps (``Runtime.output_kept``), by name: alive after
+    the loss, through the backward and the optimizer step, into the next micro-batch's loss forward as
+    ``PREVIOUS_OUTPUT``; None: dropped with the loss's other tensors"""
+    kept_output_bytes: float = 0.0
+    """its bytes (0 when none is kept)"""
+
+
+PREVIOUS_OUTPUT = "previous output"
+"""The name ``loss_forward_order`` frees the previous micro-batch's kept output under (``Activations.kept_output``)."""
 
 
 def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: str | None,
-                        upcast_in_model: bool) -> tuple:
+                        upcast_in_model: bool, output_kept: str | None = None) -> tuple:
     """A causal LM's loss forward up to the log-probs it saves, tensor by tensor: ``(name, bytes)`` makes one,
     ``(name, None)`` frees it; what is alive at the end is freed once the loss is computed. The head's logits in
     the compute dtype ``c``; their fp32 upcast; where the loss makes one, the shifted contiguous copy
@@ -290,8 +300,13 @@ def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: str |
     autocast's cross-entropy casts the copy (then the upcast is of the shifted copy, one token fewer: counted as
     the whole). The 16-bit logits are unreferenced after the upcast only where the model's forward rebinds them
     (``logits = logits.float()``, ``Runtime.logits_upcast_in_model``); an upcast in the loss leaves them alive in
-    the model's output. ``logits``: tokens x vocabulary."""
+    the model's output. Where the loop keeps the model's output (``Runtime.output_kept``), the previous
+    micro-batch's (``PREVIOUS_OUTPUT``, alive as the recipe starts) is freed as soon as the new logits exist
+    (``"logits"``), or with the rest once the loss is computed (``"model_output"``: no step of its own).
+    ``logits``: tokens x vocabulary."""
     order: list = [("logits", c * logits)]
+    if output_kept == "logits":
+        order.append((PREVIOUS_OUTPUT, None))
     if shifted_copy == "before_upcast":
         order.append(("shifted logits", c * logits))
     if upcast and c != 4:
@@ -303,11 +318,18 @@ def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: str |
     return tuple(order)
 
 
-def loss_forward_temp(order, logprobs: float) -> float:
+def model_output(c: int, upcast: bool, upcast_in_model: bool) -> str:
+    """The name, in ``causal_loss_forward``'s recipe, of the logits the model returns: the fp32 ones where its
+    forward upcasts them, else the compute dtype's."""
+    return "fp32 logits" if upcast and c != 4 and upcast_in_model else "logits"
+
+
+def loss_forward_temp(order, logprobs: float, kept_output: float = 0.0) -> float:
     """The loss's forward transients as one figure beside the log-probs (which the phases count among the
     saved tensors): the larger of what is alive at once before the log-probs are made, less them, and what is
-    alive beside them."""
-    alive, peak = recipe_sizes(order)
+    alive beside them. ``kept_output``: the previous micro-batch's output the loop still holds as the loss starts
+    (``Activations.kept_output``), freed where the recipe says."""
+    alive, peak = recipe_sizes(order, {PREVIOUS_OUTPUT: kept_output} if kept_output else None)
     return max(peak - logprobs, sum(alive.values()))
 
 
@@ -325,9 +347,12 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     upcast = runtime.logits_fp32 or c == 4
     # transformers' loss upcasts the logits (an fp32 copy; log_softmax keeps fp32 log-probs and the
     # backward makes two fp32 gradients); a loss on 16-bit logits keeps them all in the compute dtype
+    kept_name = model_output(c, upcast, runtime.logits_upcast_in_model) if causal and runtime.output_kept else None
     loss_order = causal_loss_forward(logits, c, upcast, runtime.shifted_logits_copy,
-                                     runtime.logits_upcast_in_model) if causal else ()
-    loss_fwd = loss_forward_temp(loss_order, (4 if upcast else c) * logits) if causal else logits * c
+                                     runtime.logits_upcast_in_model, runtime.output_kept if kept_name else None) \
+        if causal else ()
+    kept_bytes = (4.0 if kept_name == "fp32 logits" else c) * logits if kept_name else 0.0
+    loss_fwd = loss_forward_temp(loss_order, (4 if upcast else c) * logits, kept_bytes) if causal else logits * c
     if shape.image is not None and dt.autocast:
         loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
     loss_bwd = 8.0 * logits if upcast else 2.0 * c * logits
@@ -347,5 +372,6 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
                        input_bytes=plan.micro_batch * input_bytes_per_sample(shape, dt),
                        layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
                        loss_forward_temp_bytes=loss_fwd, loss_forward_order=loss_order,
+                       kept_output=kept_name, kept_output_bytes=kept_bytes,
                        loss_backward_temp_bytes=loss_bwd,
                        head_backward_temp_bytes=head_bwd, layer_backward_temp_bytes=layer_bwd)

@@ -197,6 +197,9 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
               buf + max(states.step_check_bytes, recipe_sizes(states.step_order)[1],
                         states.step_temp_bytes * foreach_step_copies(plan, dt, runtime) + states.step_flatten_bytes)),
     )
+    if acts.kept_output_bytes > 0:  # the output the loop keeps, from the loss (counted there) into the next forward
+        phases_ = (phases_[0],) + tuple(replace(ph, activations=ph.activations + acts.kept_output_bytes)
+                                        for ph in phases_[1:])
     return tuple(replace(ph, temporaries=ph.temporaries + workspaces) for ph in phases_) if workspaces else phases_
 
 

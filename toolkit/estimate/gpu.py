@@ -115,6 +115,8 @@ FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY = "20230708"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104780's single-intermediate foreach Adam."""
 MODEL_CODES = ("transformers", "torchvision")
 SHIFTED_COPIES = (None, "after_upcast", "before_upcast")
+OUTPUT_KEPT = (None, "model_output", "logits")
+"""``Runtime.output_kept``'s values."""
 FSDP_LIMIT_ALL_GATHERS_NIGHTLY = "20230712"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104900 (merged 2023-07-11): FSDP1's
 ``limit_all_gathers`` (the rate limiter) defaults to True; before it, False."""
@@ -171,6 +173,12 @@ class Runtime:
     until ``empty_cache`` or an allocation that would otherwise fail releases them. False: built on the default
     stream (torch's own examples, hpcmem's runtime)"""
 
+    ddp_single_process: bool = False
+    """the job wraps its model in DistributedDataParallel when it runs one process too, so a one-GPU run has DDP's
+    construction and gradient buckets (torch builds the Reducer for a world of one as for more): scripts that wrap
+    whenever torchrun started them (nanoGPT's ``ddp = int(os.environ.get('RANK', -1)) != -1``, a ``--strategy ddp``
+    flag). False: one process runs the bare model (hpcmem's runtime wraps only over several ranks)"""
+
     fsdp_api: str | None = None
     """which FSDP the job wraps with: ``"fsdp1"`` (``FullyShardedDataParallel``, flat parameters), ``"fsdp2"``
     (``fully_shard``, a DTensor per parameter: hpcmem's launcher). None: FSDP1 when ``torch_version`` is before
@@ -208,6 +216,19 @@ class Runtime:
     ColossalAI's ``GPTLMLoss``). None: the labels are shifted instead (transformers since, hpcmem's runtime) or
     the data loader shifts the targets"""
 
+    output_kept: str | None = None
+    """the training loop keeps the model's output in a variable of its own, so a causal LM's logits outlive the
+    loss: through the backward and the optimizer step, until the next micro-batch's forward rebinds the variable.
+    ``"model_output"``: the object the model returns, the loss computed inside it (``out = model(input_ids,
+    labels=input_ids); out.loss.backward()``: HF's no_trainer examples, PEFT's method comparison, many hand-written
+    loops), rebound once the next forward and its loss have returned; ``"logits"``: the logits the loop passes to
+    its own loss (``logits = model(x); loss = loss_fn(logits, y); loss.backward()``: litgpt's fine-tuning scripts,
+    nanoGPT, torch's examples), rebound as soon as the next forward returns them. The tensor kept is the one the
+    model returns (fp32 under ``logits_upcast_in_model``, else the compute dtype's); a loop's own shifted or
+    reshaped copy of it, as large, counts the same. None: the output is dropped before the backward (hpcmem's
+    runtime, ``loss = model(**batch).loss``; HF Trainer and Lightning, whose step returns the loss only; torchtitan
+    and torchtune, which ``del`` the logits before the backward)"""
+
     logits_upcast_in_model: bool = False
     """the causal LM's own forward upcasts its logits (``logits = logits.float()``, transformers before 4.46's
     ``loss_function``: 4.40's and 4.31's ``LlamaForCausalLM`` read), so the 16-bit logits are unreferenced before
@@ -241,12 +262,16 @@ class Runtime:
 
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
-                     "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores", "fsdp_embedding_unit"):
+                     "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores", "fsdp_embedding_unit",
+                     "ddp_single_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:
             raise ValueError(f"Runtime.shifted_logits_copy: {self.shifted_logits_copy!r} is not one of "
                              f"{', '.join(str(x) for x in SHIFTED_COPIES)}")
+        if self.output_kept not in OUTPUT_KEPT:
+            raise ValueError(f"Runtime.output_kept: {self.output_kept!r} is not one of "
+                             f"{', '.join(str(x) for x in OUTPUT_KEPT)}")
         if self.deepspeed_version is not None and not re.match(_VERSION + r"\S{0,40}\Z", str(self.deepspeed_version)):
             raise ValueError(f"Runtime.deepspeed_version: expected a version such as 0.14.2, "
                              f"got {self.deepspeed_version!r}")

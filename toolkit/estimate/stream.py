@@ -38,6 +38,7 @@ from ..modelshape import ModelShape
 from ..strategies.base import AUTOGRAD_GRADIENT
 from ..strategies.ddp import builds_ddp
 from ..strategies.fsdp import optimizer_tensors as fsdp_optimizer_tensors
+from .activations import PREVIOUS_OUTPUT
 from .gpu import (DDP_BROADCASTS_IN_FLIGHT, DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD,
                   ddp_broadcast_sizes, ddp_bucket_sizes)
 
@@ -350,7 +351,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
     ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
-        if per_tensor and builds_ddp(plan):
+        if per_tensor and builds_ddp(plan, runtime.ddp_single_process):
             ddp_first_bucket = ddp_construction([dt.param * prod(e[1]) for e in params],
                                                 [dt.grad * prod(e[1]) for e in params], alloc, free,
                                                 runtime.ddp_side_stream)
@@ -405,6 +406,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     # ZeRO-3's backward frees after record_stream, back in their pools a few bucket flushes later
     late = _Deferred(states.deferred_flushes, states.deferred_bucket_elements, A, free)
 
+    kept_output = None  # the previous micro-batch's output, where the loop keeps it (Activations.kept_output)
     for step in range(1, steps + 1):
         A(("mark", f"step {step}"))
         # the Reducer's rebuild, at the forward after the first backward that recorded the gradients' order: step 2
@@ -456,7 +458,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             cast_ids += [alloc(x) for x in head_casts]
             # the loss: a causal LM's logits tensors in their order, then the log-probs it saves; another model's
             # transients after its log-probs
-            made = list(_follow(acts.loss_forward_order, alloc, free).values())
+            alive = _follow(acts.loss_forward_order, alloc, free,
+                            given={PREVIOUS_OUTPUT: kept_output} if kept_output is not None else None)
+            kept_output = alive.pop(acts.kept_output) if acts.kept_output else None  # Runtime.output_kept
+            made = list(alive.values())
             lp = alloc(logprobs) if logprobs else None
             if not acts.loss_forward_order:
                 made = [alloc(x) for x in _loss_forward(acts, logprobs)]
@@ -642,13 +647,16 @@ def ddp_rebuild(first_bucket: int, grad_bytes: list[int], alloc, free) -> None:
         alloc(bucket)
 
 
-def _follow(order, alloc, free, stream_of=None) -> dict[str, int]:
+def _follow(order, alloc, free, stream_of=None, given=None) -> dict[str, int]:
     """Replay a recipe of ``(name, bytes)`` (make a tensor) and ``(name, None)`` (free the one made under that
     name) steps; the ids still alive, by name. ``stream_of(name)``: the stream each tensor is made on (None: the
-    allocator's default)."""
-    made: dict[str, int] = {}
+    allocator's default). ``given``: ids alive before it starts, by name, which it may free; the previous
+    micro-batch's kept output (``PREVIOUS_OUTPUT``) is freed only where there is one."""
+    made: dict[str, int] = dict(given or {})
     for name, size in order:
         if size is None:
+            if name == PREVIOUS_OUTPUT and name not in made:  # the first micro-batch: nothing kept yet
+                continue
             free(made.pop(name))
         else:
             made[name] = alloc(size) if stream_of is None else alloc(size, stream_of(name))

@@ -178,7 +178,9 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
                            set_to_none=not keep_grads, zero_before_backward=late_zero,
                            logits_fp32=runtime is None or runtime.logits_fp32,
                            softmax_saves_input=runtime is not None and runtime.softmax_saves_input,
-                           repeats_kv=runtime is not None and runtime.sdpa_repeats_kv)
+                           repeats_kv=runtime is not None and runtime.sdpa_repeats_kv,
+                           output_kept=runtime.output_kept if runtime is not None else None,
+                           ddp_single_process=runtime is not None and runtime.ddp_single_process)
     notes_extra = ["zero_grad keeps the gradients between steps (the runtime's torch < 2.0)"] if keep_grads else []
     if runtime is not None and runtime.softmax_saves_input:
         notes_extra.append(f"torch {runtime.torch_version}: softmax keeps its input for the backward too (emulated)")
@@ -237,7 +239,9 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
                                  softmax_saves_input=runtime is not None and runtime.softmax_saves_input,
                                  ddp_side_stream=runtime is not None and runtime.ddp_side_stream,
                                  workspaces=gemm_workspaces(partition.gpu_model, runtime or DEFAULT_RUNTIME),
-                                 repeats_kv=runtime is not None and runtime.sdpa_repeats_kv)
+                                 repeats_kv=runtime is not None and runtime.sdpa_repeats_kv,
+                                 output_kept=runtime.output_kept if runtime is not None else None,
+                                 ddp_single_process=runtime is not None and runtime.ddp_single_process)
         return plan_device_memory(None, plan, None, None, None, gpu_model=partition.gpu_model,
                                   capacity_mib=capacity, runtime=runtime, events=events)
     if model_config is None:
@@ -271,12 +275,14 @@ def _replayed(model_config, task: str, plan: Plan, partition: Partition, context
 def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *, target: str = "cuda",
                    model_factory: Callable[[], Any] | None = None, steps: int = 2, fake: bool = True,
                    set_to_none: bool = True, zero_before_backward: bool = False, logits_fp32: bool = True,
-                   softmax_saves_input: bool = False, repeats_kv: bool = False) -> Trace:
+                   softmax_saves_input: bool = False, repeats_kv: bool = False, output_kept: str | None = None,
+                   ddp_single_process: bool = False) -> Trace:
     """Run ``steps`` training steps of the plan's model under MemTracker and record every operator.
 
     ``target`` "cuda" follows CUDA's behaviour where the CPU's differs in memory, "cpu"
     traces the CPU step as it is. ``fake=False`` runs the same steps on real CPU tensors
-    (for checking the trace against reality on small models).
+    (for checking the trace against reality on small models). ``output_kept``, ``ddp_single_process``:
+    the ``Runtime`` fields.
     """
     if target not in ("cuda", "cpu"):
         raise ConfigError(f"target must be cuda or cpu, got {target!r}")
@@ -294,13 +300,14 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
         module = traced.module
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = _make_optimizer(plan, params, layout, target, notes)
-        buckets = _ddp_buckets(plan, params, notes)  # held for the whole trace, as DDP holds them
+        buckets = _ddp_buckets(plan, params, notes, ddp_single_process)  # held for the whole trace, as DDP holds them
         tracker = _Tracker()
         tracker.track_external(module, optimizer, *buckets)
+        kept = {"rule": output_kept} if output_kept else None
         with tracker, _softmax_saving_input(softmax_saves_input):
             for step in range(steps):
                 tracker.step = step
-                _train_step(traced, plan, layout, optimizer, tracker, set_to_none, zero_before_backward)
+                _train_step(traced, plan, layout, optimizer, tracker, set_to_none, zero_before_backward, kept=kept)
                 tracker.step_ends.append(tracker.current())
     if not tracker.samples:
         raise HpcmemError("MemTracker recorded nothing: this torch version's MemTracker differs from the one "
@@ -624,7 +631,7 @@ def _largest_layer_bytes(module) -> int:
     return best
 
 
-def _ddp_buckets(plan: Plan, params: list, notes: list[str]) -> list:
+def _ddp_buckets(plan: Plan, params: list, notes: list[str], single_process: bool = False) -> list:
     """DistributedDataParallel's gradient buckets (torchrun over several ranks), as flat tensors.
 
     train.py wraps the model in DDP with its defaults: gradient_as_bucket_view is off, so
@@ -633,12 +640,12 @@ def _ddp_buckets(plan: Plan, params: list, notes: list[str]) -> list:
     """
     from ..strategies.ddp import builds_ddp
 
-    if not builds_ddp(plan):
+    if not builds_ddp(plan, single_process):
         return []
     sizes: dict[Any, int] = {}
     for p in params:
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    notes.append(f"DDP over {plan.world_size} ranks: its gradient buckets hold one more copy of the gradients "
+    notes.append(f"DDP over {plan.world_size} rank{'s' if plan.world_size > 1 else ''}: its gradient buckets hold one more copy of the gradients "
                  "(gradient_as_bucket_view is off by default)")
     return [torch.empty(n, dtype=dtype) for dtype, n in sizes.items()]
 
@@ -724,11 +731,16 @@ class _MasterWeights(torch.optim.Optimizer):
 # -- the training step -------------------------------------------------------------------
 
 def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tracker, set_to_none: bool = True,
-                zero_before_backward: bool = False, before_backward: Callable[[], None] | None = None) -> None:
+                zero_before_backward: bool = False, before_backward: Callable[[], None] | None = None,
+                kept: dict | None = None) -> None:
     """One optimizer step as train.py runs it: micro-batches under autocast, backward, step, zero_grad.
     ``zero_before_backward``: as loops that call ``optimizer.zero_grad()`` between the loss and the
     backward do, the previous step's gradients stay until the first micro-batch's backward.
     ``before_backward``: called before each micro-batch's ``backward()``.
+    ``kept``: a loop that keeps the model's output in a variable (``Runtime.output_kept``), as
+    ``kept["output"]``, from one call to the next: rebound once the next forward has returned it (under a
+    ``loss_fn`` of the TracedModel's, before that loss for ``kept["rule"]`` "logits", after it for
+    "model_output"; a transformers model given labels computes its loss inside the forward).
 
     ``tracker`` (None when nothing watches) learns the phase. Under it, MemTracker's module
     hooks put autograd nodes into reference cycles, so what a plain run frees when the last
@@ -746,8 +758,15 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
         with autocast:
             # The output (logits and all) and the batch go before backward, as in train.py's
             # ``loss = model(**batches.next()).loss``; only the loss's graph keeps what it needs
-            # (an image batch's fp32 pixels are freed once autocast has made its 16-bit copy).
-            loss = _loss(traced, _call(traced.module, batch), batch)
+            # (an image batch's fp32 pixels are freed once autocast has made its 16-bit copy),
+            # unless the loop keeps the output (``kept``).
+            output = _call(traced.module, batch)
+            if kept is not None and kept["rule"] == "logits":
+                kept["output"] = output
+            loss = _loss(traced, output, batch)
+            if kept is not None:
+                kept["output"] = output
+            del output
         del batch
         if plan.grad_accum > 1:
             loss = loss / plan.grad_accum
@@ -1154,7 +1173,8 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
                     steps: int = 2, set_to_none: bool = True, zero_before_backward: bool = False,
                     logits_fp32: bool = True, softmax_saves_input: bool = False,
                     ddp_side_stream: bool = False, workspaces: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
-                    repeats_kv: bool = False) -> list[tuple]:
+                    repeats_kv: bool = False, output_kept: str | None = None,
+                    ddp_single_process: bool = False) -> list[tuple]:
     """The alloc/free stream of ``steps`` training steps of the plan's model on fake tensors, as the
     traced method runs them (``traced.trace_training``'s build, optimizer and step), with a
     ``("mark", "step N")`` event before each step. Storage sizes are exact (the allocator model
@@ -1180,7 +1200,7 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
             optimizer = _make_optimizer(plan, params, layout, target, notes)
             sizes = [p.numel() * p.element_size() for p in params]
             first = (ddp_construction(sizes, sizes, rec.external, rec.release, ddp_side_stream)
-                     if builds_ddp(plan) else None)
+                     if builds_ddp(plan, ddp_single_process) else None)
             forward_ws, backward_ws = workspaces
             for size in forward_ws:
                 rec.external(size)
@@ -1190,14 +1210,15 @@ def record_training(model_config, task: str, plan, *, target: str = "cuda", mode
                 while pending_ws:
                     rec.external(pending_ws.pop(0))
 
+            kept = {"rule": output_kept} if output_kept else None
             for step in range(steps):
                 rec.mark(f"step {step + 1}")
                 if step == 1 and first is not None:
                     ddp_rebuild(first, sizes, rec.external, rec.release)
                 with _softmax_saving_input(softmax_saves_input):
                     _train_step(traced, plan, layout, optimizer, None, set_to_none, zero_before_backward,
-                                backward_workspaces)
+                                backward_workspaces, kept)
                 gc.collect(0)
         events = rec.closed()
-        del traced, params, optimizer
+        del traced, params, optimizer, kept
     return events

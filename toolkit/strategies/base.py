@@ -167,12 +167,13 @@ AUTOGRAD_GRADIENT = "gradient"
 stream, where the rest of the hand-over may run on the engine's reduction stream."""
 
 
-def recipe_sizes(order) -> tuple[dict[str, float], float]:
+def recipe_sizes(order, given=None) -> tuple[dict[str, float], float]:
     """A recipe of ``(name, bytes)`` (make a tensor) and ``(name, None)`` (free the one made under that name)
     steps, as ``ModelStates.startup`` and ``Activations.loss_forward_order`` write them: (the sizes still alive at
-    its end, by name; the most alive at once)."""
-    alive: dict[str, float] = {}
-    peak = 0.0
+    its end, by name; the most alive at once). ``given``: tensors alive before it starts (name: bytes), which it
+    may free."""
+    alive: dict[str, float] = dict(given or {})
+    peak = sum(alive.values())
     for name, size in order:
         if size is None:
             alive.pop(name)

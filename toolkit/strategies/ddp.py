@@ -10,10 +10,11 @@ from .. import optimizers
 from .base import ModelStates, Strategy, register
 
 
-def builds_ddp(plan) -> bool:
+def builds_ddp(plan, single_process: bool = False) -> bool:
     """Whether the plan's ranks are DistributedDataParallel replicas (torchrun over more than one rank), whose
-    construction and buckets the estimates add (``estimate.stream.ddp_construction``)."""
-    return plan.strategy.name == DDP.name and plan.world_size > 1
+    construction and buckets the estimates add (``estimate.stream.ddp_construction``). ``single_process``: the job
+    wraps one process in DDP too (``Runtime.ddp_single_process``)."""
+    return plan.strategy.name == DDP.name and (plan.world_size > 1 or single_process)
 
 
 @register
@@ -36,7 +37,8 @@ class DDP(Strategy):
     def model_states(self, shape, plan, dt, engine_config=None, runtime=None) -> ModelStates:
         psi = float(shape.n_params)
         opt = optimizers.get(plan.optimizer)
-        ddp_buckets = dt.grad * psi if plan.world_size > 1 else 0.0  # DDP's flat buckets: a second copy of the grads
+        # DDP's flat buckets: a second copy of the grads
+        ddp_buckets = dt.grad * psi if builds_ddp(plan, getattr(runtime, "ddp_single_process", False)) else 0.0
         return ModelStates(
             params_bytes=dt.param * psi, grads_bytes=dt.grad * psi,
             optimizer_bytes=opt.state_bytes(shape.shape_counts, dt.state),
