@@ -56,6 +56,10 @@ BNB_BLOCK = 256
 """bitsandbytes block-wise quantisation block (``optimizer.py``: blocksize 256 for the 8-bit states)."""
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes ``min_8bit_size``: tensors with fewer elements keep 32-bit states."""
+BNB_PAGED_MIN_NUMEL = 100_000
+"""bitsandbytes pages a state buffer only for a parameter of at least this many elements
+(``Optimizer8bit.get_state_buffer``: ``if not self.is_paged or p.numel() < 1e5`` makes a plain device tensor,
+else ``F.get_paged``, CUDA unified memory); the block scales (``absmax``) are always plain device tensors."""
 SGD_MOMENTUM = 0.9
 ADAFACTOR_BETA1 = 0.9
 """beta1 of the momentum variant (transformers' Adafactor default is None: no momentum)."""
@@ -110,18 +114,20 @@ class Optimizer:
         return self.nominal_state_bytes
 
     def state_tensor_bytes(self, dims: Sequence[int], state_bytes: int) -> list[int]:
-        """The state tensors (bytes each, in creation order) for one parameter of shape ``dims``
-        whose states are ``state_bytes`` per element (the param's dtype for torch; fp32 for a
-        DeepSpeed master copy). Step counters on the CPU are not counted."""
+        """The state tensors the caching allocator serves (bytes each, in creation order) for one parameter of
+        shape ``dims`` whose states are ``state_bytes`` per element (the param's dtype for torch; fp32 for a
+        DeepSpeed master copy). Step counters on the CPU are not counted, nor a paged optimizer's states in
+        unified memory (``paged_state_bytes``)."""
         numel = prod(dims) if dims else 1
         out: list[int] = []
         if self.device_steps:
             out.append(4)
         if self.quantized:
+            paged = self.pages(numel)
             if numel >= BNB_MIN_8BIT_SIZE:
                 absmax = 4 * -(-numel // BNB_BLOCK)
-                out += [numel, absmax, numel, absmax]
-            else:
+                out += [absmax, absmax] if paged else [numel, absmax, numel, absmax]
+            elif not paged:
                 out += [4 * numel, 4 * numel]
             return out
         if self.factored:
@@ -135,6 +141,20 @@ class Optimizer:
     def state_bytes(self, shapes: Iterable[tuple[Sequence[int], int]], state_bytes: int) -> float:
         """Bytes of optimizer state for ``shapes`` ((dims, count) pairs, e.g. ModelShape.shape_counts)."""
         return float(sum(count * sum(self.state_tensor_bytes(dims, state_bytes)) for dims, count in shapes))
+
+    def pages(self, numel: int) -> bool:
+        """Whether a parameter of ``numel`` elements gets its states in unified memory (``BNB_PAGED_MIN_NUMEL``)."""
+        return self.paged and numel >= BNB_PAGED_MIN_NUMEL
+
+    def paged_state_bytes(self, dims: Sequence[int]) -> int:
+        """Bytes of one parameter's states in CUDA unified memory (``F.get_paged``: the paged rows' two 8-bit
+        states), outside the caching allocator; 0 where it keeps them on the device."""
+        numel = prod(dims) if dims else 1
+        return 2 * numel if self.pages(numel) else 0
+
+    def paged_bytes(self, shapes: Iterable[tuple[Sequence[int], int]]) -> float:
+        """``paged_state_bytes`` for ``shapes`` ((dims, count) pairs)."""
+        return float(sum(count * self.paged_state_bytes(dims) for dims, count in shapes))
 
     def step_temp_bytes(self, numel: float, largest_numel: float, state_bytes: int, grad_bytes: int,
                         gpu: bool = True) -> float:

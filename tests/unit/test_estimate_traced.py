@@ -692,6 +692,30 @@ def test_a_kept_output_costs_the_same_traced_and_analytic(kept):
         assert runs[0].peak_reserved_mib >= runs[1].peak_reserved_mib, method
 
 
+def test_a_paged_optimizer_traced_as_the_arithmetic_counts_it():
+    """PagedAdamW8bit on CUDA: the stand-in makes no device states for a parameter of 1e5 elements or more, and the
+    estimate puts them beside the allocator, resident as room allows (as the analytic method does)."""
+    from model_configs import TINY_LLAMA
+
+    from toolkit import optimizers
+    from toolkit.estimate import ModelRef, estimate
+    from toolkit.estimate.gpu import PAGED_STATES
+    from toolkit.modelshape import ModelShape
+
+    ref = ModelRef(TINY_LLAMA, "causal-lm", None, "llama")
+    shape = ModelShape.from_config(TINY_LLAMA)
+    states = optimizers.get("adamw-8bit-paged").paged_bytes(shape.shape_counts) / 2 ** 20
+    assert states > 1
+    for method in ("traced", "analytic"):
+        paged, plain = (estimate(ref, plan(optimizer=o), gpu_partition(), method=method)
+                        for o in ("adamw-8bit-paged", "adamw-8bit"))
+        assert plain.peak_allocated_mib - paged.peak_allocated_mib == pytest.approx(states, abs=0.5), method
+        assert paged.gpu_extras_mib[PAGED_STATES] == pytest.approx(states), method
+    cpu = [estimate(ref, plan(optimizer=o), cpu_partition(), method="traced").peak_allocated_mib
+           for o in ("adamw-8bit-paged", "adamw-8bit")]
+    assert cpu[0] == cpu[1]
+
+
 def test_one_process_wrapped_in_ddp_costs_the_same_traced_and_analytic():
     """Runtime.ddp_single_process: DDP's construction and gradient buckets on one GPU, in both methods the same
     as over two ranks."""

@@ -67,6 +67,24 @@ def test_state_bytes_per_tensor():
     assert adamw.state_bytes([((10, 20), 3), ((5,), 2)], 4) == 3 * 1600 + 2 * 40
 
 
+def test_a_paged_optimizer_keeps_its_large_states_outside_the_allocator():
+    """bitsandbytes' PagedAdamW8bit: ``get_state_buffer`` puts a parameter's two 8-bit states in unified memory
+    (``F.get_paged``) once it has 1e5 elements; smaller ones, and every block scale, are device tensors."""
+    from toolkit.optimizers import BNB_PAGED_MIN_NUMEL
+
+    paged, plain = get("adamw-8bit-paged"), get("adamw-8bit")
+    n = 1024 * 1024
+    assert paged.state_tensor_bytes((1024, 1024), 4) == [4 * n // BNB_BLOCK] * 2
+    assert paged.paged_state_bytes((1024, 1024)) == 2 * n
+    small = BNB_PAGED_MIN_NUMEL - 1
+    assert paged.state_tensor_bytes((small,), 4) == plain.state_tensor_bytes((small,), 4)
+    assert paged.paged_state_bytes((small,)) == 0 and paged.paged_state_bytes((100,)) == 0
+    assert plain.paged_state_bytes((1024, 1024)) == 0 and get("adamw").paged_bytes([((1024, 1024), 3)]) == 0
+    shapes = [((1024, 1024), 3), ((small,), 2)]
+    # the two add up to the plain optimizer's states
+    assert paged.state_bytes(shapes, 4) + paged.paged_bytes(shapes) == plain.state_bytes(shapes, 4)
+
+
 def test_step_temporaries_by_implementation():
     numel, largest = 1000.0, 100.0
     assert get("adamw").step_temp_bytes(numel, largest, 4, 4) == 4000

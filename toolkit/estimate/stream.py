@@ -377,6 +377,22 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     # zero_grad between the loss and the backward: the step's grads are freed before the next backward
     late_zero = runtime.grads_through_forward and not keep_grads
 
+    # FSDP reduces each unit's gradient on a stream of its own and makes the gradient shards there, read in torch
+    # 2.13 (FSDP1 since 2.0): FSDP1's post-backward hook runs under its post-backward stream, where it casts the
+    # flat gradient to the reduce dtype and makes the new shard (_runtime_utils._post_backward_hook, _reduce_grad:
+    # empty_like(chunks[0]), kept as _saved_grad_shard, then .grad); FSDP2's foreach_reduce makes the reduce-scatter
+    # output under its reduce-scatter stream and the shards' .grad are views of it (or their cast, on the same
+    # stream). Those blocks belong to that stream's pool: freed by zero_grad, they stay cached for the next
+    # backward's reductions, and the forward's activations cannot reuse them.
+    fsdp_reduces = sharded and plan.launcher == "fsdp" and dt.gpu
+    grad_stream = REDUCE_STREAM if fsdp_reduces else DEFAULT_STREAM
+    # FSDP1's casts and new shards come from that stream too; FSDP2 makes its reduce-scatter input on the compute
+    # stream (reduce_scatter_comm.allocate before entering the reduce-scatter stream)
+    reduce_stream = REDUCE_STREAM if fsdp_reduces and runtime.fsdp_flat_params else DEFAULT_STREAM
+
+    def grad_alloc(size) -> int:
+        return alloc(size, grad_stream)
+
     def grad_bytes(numel: int) -> int:
         return int(dt.grad * numel * (states.grads_bytes / (dt.grad * n_params) if dt.grad else 0))
 
@@ -388,7 +404,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
 
     def grads_of(idx, last: bool) -> None:
         if acc_per_elem <= 0 or micro == 1:
-            _grads_for(idx, params, grads, alloc, free, grad_bytes, keep_grads, persistent_grads, flush, late)
+            _grads_for(idx, params, grads, grad_alloc, free, grad_bytes, keep_grads, persistent_grads, flush, late)
             return
         for k in idx:
             size = int(acc_per_elem * prod(params[k][1]))
@@ -398,7 +414,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 unsharded[k] = alloc(size)
             if last and k in unsharded:
                 if k not in grads:
-                    grads[k] = alloc(grad_bytes(prod(params[k][1])))
+                    grads[k] = grad_alloc(grad_bytes(prod(params[k][1])))
                 free(unsharded.pop(k))
 
     flush = _Flush(states.flush_bucket_elements, dt.grad, alloc, free,
@@ -500,7 +516,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             # unit's reduction now
             held = alloc(int(states.held_head_bytes)) if states.held_head_bytes > 0 else None
             if states.head_reduce_bytes > 0:
-                free(alloc(int(states.head_reduce_bytes)))
+                free(alloc(int(states.head_reduce_bytes), reduce_stream))
             if head_reduce:  # an untied LM head's gradient handed to the host (offload), inside its reduction
                 flush.within(head_reduce)
             for i in head_tmp:
@@ -529,7 +545,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 for i in tmp:
                     free(i)
                 if states.reduce_extra_bytes > 0 and not unlimited:
-                    free(alloc(int(states.reduce_extra_bytes)))  # the unit's reduction, its computation done
+                    free(alloc(int(states.reduce_extra_bytes), reduce_stream))  # the unit's reduction, its computation done
                 for i in recast:
                     free(i)
                 for i in kept_ids[li]:
@@ -553,7 +569,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             if root_id is not None:
                 free(root_id)
             if states.end_reduce_bytes > 0:
-                free(alloc(int(max(states.end_reduce_bytes - states.held_head_bytes, 0))))
+                free(alloc(int(max(states.end_reduce_bytes - states.held_head_bytes, 0)), reduce_stream))
             if held is not None:
                 free(held)
             # the engine's backward epilogue reduces what the bucket still holds, handing the embedding's gradient

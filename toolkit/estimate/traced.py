@@ -75,9 +75,11 @@ from torch.utils._pytree import tree_map_only
 
 from .. import models
 from ..errors import ConfigError, HpcmemError, PlanError
+from ..optimizers import BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL
 from ..plan import Plan
 from ..sites import Partition
 from . import COMPONENTS, Estimate
+from .gpu import PAGED_STATES, paged_note, paged_resident_mib
 
 MIB = 1024 * 1024
 CATEGORIES = ("params", "buffers", "grads", "activations", "temporaries", "optimizer", "other")
@@ -86,8 +88,6 @@ _TRACKER_NAMES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Opts
 PHASES = ("forward", "backward", "optimizer")
 HOST_BUFFER_FACTOR = 1.5
 """DeepSpeed's estimators multiply offloaded host memory by 1.5 for pinned and staging buffers (REFERENCE)."""
-BNB_MIN_8BIT_SIZE = 4096
-"""bitsandbytes keeps 32-bit optimizer state for tensors with fewer elements than this."""
 LR = 1e-4
 LOSS_SCALE = 65536.0
 """GradScaler's initial scale (fp16-mixed)."""
@@ -124,6 +124,8 @@ class Trace:
     """Parameter bytes of the module with the most of its own (ZeRO-3 gathers one at a time)."""
     seconds: float
     notes: tuple[str, ...] = ()
+    paged_bytes: int = 0
+    """a paged optimizer's states in CUDA unified memory, outside the allocator (not in the samples)"""
 
     def peak(self, scale: Mapping[str, float] | None = None, extra: int = 0,
              gathered: float = 0.0) -> tuple[int, dict[str, float]]:
@@ -195,13 +197,16 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
         partition.check_plan(plan)
     except PlanError as exc:
         notes.append(f"the partition cannot run this plan as it stands: {exc}")
-    gpu, host_bytes, shard_notes = shard(trace, plan, _engine_states(model_config, task, plan, runtime, partition.has_gpu))
+    engine = _engine_states(model_config, task, plan, runtime, partition.has_gpu)
+    gpu, host_bytes, shard_notes = shard(trace, plan, engine)
     notes += shard_notes
+    # a paged optimizer's states, outside the allocator (the engine's share of them where it shards the states)
+    paged = (engine.paged_optimizer_bytes if engine is not None else trace.paged_bytes) if partition.has_gpu else 0
     context = partition.cuda_context_mib if cuda_context_mib is None else float(cuda_context_mib)
     dm = None
     if partition.has_gpu and allocator_model:
         dm = _replayed(model_config, task, plan, partition, context, model_factory, runtime, notes)
-    return _estimate(gpu, host_bytes, plan, partition, context, allocator_overhead_frac, notes, dm)
+    return _estimate(gpu, host_bytes, plan, partition, context, allocator_overhead_frac, notes, dm, paged)
 
 
 def _engine_states(model_config, task: str, plan: Plan, runtime, gpu: bool):
@@ -319,7 +324,7 @@ def trace_training(model_config: Mapping[str, Any] | None, task: str, plan: Plan
         notes.append(f"grad_accum {plan.grad_accum}: two micro-batches traced per step (later ones repeat the second)")
     return Trace(samples=tuple(tracker.samples), step_ends=tuple(tracker.step_ends), n_params=n_params,
                  largest_layer_bytes=_largest_layer_bytes(module), seconds=time.perf_counter() - started,
-                 notes=tuple(notes))
+                 notes=tuple(notes), paged_bytes=getattr(getattr(optimizer, "inner", optimizer), "paged_bytes", 0))
 
 
 def run_training_steps(model_config: Mapping[str, Any] | None, task: str, plan: Plan, *,
@@ -460,7 +465,7 @@ def _scaled_peak(samples: Sequence[tuple], scale: Mapping[str, float], extra: in
 # -- Estimate --------------------------------------------------------------------------
 
 def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition: Partition, context_mib: float,
-              overhead_frac: float | None, notes: list[str], dm=None) -> Estimate:
+              overhead_frac: float | None, notes: list[str], dm=None, paged_bytes: float = 0.0) -> Estimate:
     parts = {"params": (gpu["params"] + gpu["buffers"]) / MIB,
              "grads": (gpu["grads"] + gpu["other"]) / MIB,  # "other" holds only DDP's gradient buckets
              "optimizer": gpu["optimizer"] / MIB, "activations": gpu["activations"] / MIB,
@@ -488,6 +493,11 @@ def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition
     host = host_bytes / MIB
     if partition.has_gpu:
         capacity = partition.gpu_mem_gib * 1024
+        if paged_bytes > 0:  # resident as room allows, the rest on the host (analytic.estimate_analytic's rule)
+            extras[PAGED_STATES] = paged_resident_mib(paged_bytes / MIB, capacity - device_used)
+            device_used += extras[PAGED_STATES]
+            host += (paged_bytes / MIB - extras[PAGED_STATES]) * plan.gpus_per_node
+            notes.append(paged_note(paged_bytes / MIB, extras[PAGED_STATES]))
         headroom = capacity - device_used
         node_mem = plan.mem_mib or partition.host_mem_gib * 1024
         fits = headroom >= 0 and host <= node_mem and (dm is None or dm.fits or plan.launcher != "torchrun")
@@ -672,7 +682,7 @@ def _base_optimizer(plan: Plan, params: list, target: str, notes: list[str]):
     if row.quantized:
         notes.append(f"{row.name} (bitsandbytes) cannot run on the CPU: its state is sized analytically, 2 bytes per "
                      f"parameter (fp32 moments for tensors under {BNB_MIN_8BIT_SIZE} elements; block scales ignored)")
-        return _EightBitAdamWStandIn(params)
+        return _EightBitAdamWStandIn(params, paged=row.paged and target == "cuda")
     if row.name in ("adamw", "sgd", "sgd-plain"):
         return models.build_optimizer(row.name, params, LR, foreach=target == "cuda")
     if row.name == "adamw-fused":
@@ -681,10 +691,14 @@ def _base_optimizer(plan: Plan, params: list, target: str, notes: list[str]):
 
 
 class _EightBitAdamWStandIn(torch.optim.Optimizer):
-    """bitsandbytes AdamW8bit's memory: two uint8 moments per parameter, updated in place."""
+    """bitsandbytes AdamW8bit's memory: two uint8 moments per parameter, updated in place. ``paged``
+    (PagedAdamW8bit on CUDA): the moments of a parameter of ``BNB_PAGED_MIN_NUMEL`` elements or more are in
+    unified memory, outside the caching allocator: not made here, counted in ``paged_bytes``."""
 
-    def __init__(self, params):
+    def __init__(self, params, paged: bool = False):
         super().__init__(params, {"lr": LR})
+        self.paged = paged
+        self.paged_bytes = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -694,9 +708,13 @@ class _EightBitAdamWStandIn(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    dtype = torch.uint8 if p.numel() >= BNB_MIN_8BIT_SIZE else torch.float32
-                    state["state1"] = torch.zeros_like(p, dtype=dtype)
-                    state["state2"] = torch.zeros_like(p, dtype=dtype)
+                    if self.paged and p.numel() >= BNB_PAGED_MIN_NUMEL:
+                        state["paged"] = True
+                        self.paged_bytes += 2 * p.numel()
+                    else:
+                        dtype = torch.uint8 if p.numel() >= BNB_MIN_8BIT_SIZE else torch.float32
+                        state["state1"] = torch.zeros_like(p, dtype=dtype)
+                        state["state2"] = torch.zeros_like(p, dtype=dtype)
                 p.add_(p.grad, alpha=-group["lr"])  # the fused kernel updates in place
 
 

@@ -87,6 +87,10 @@ class ModelStates:
     step_temp_bytes: float
     host_bytes_per_rank: float
     """offloaded states (with their buffers) and pinned NVMe buffers"""
+    paged_optimizer_bytes: float = 0.0
+    """optimizer states in CUDA unified memory (bitsandbytes' paged optimizers: ``Optimizer.paged_state_bytes``),
+    not in ``optimizer_bytes``: outside the caching allocator, resident on the device as far as it has room, paged
+    out to the host under pressure"""
     reduce_temp_bytes: float = 0.0
     """device bytes alive at once while the largest parameter's gradient is reduced and handed to the host
     (DeepSpeed with optimizer offload, ZeRO-1/2 and ZeRO-3 each by its own path: see ``DeepSpeed.model_states``):

@@ -691,7 +691,9 @@ class DeepSpeed(Strategy):
                            deferred_flushes=zs.deferred_flushes(stage, dt.gpu),
                            deferred_bucket_elements=zs.reduce_bucket_size,
                            step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check,
-                           step_order=step_order)
+                           step_order=step_order,
+                           paged_optimizer_bytes=0.0 if plan.offload_optimizer != "none"
+                           else opt.paged_bytes(shape.shape_counts) * shard / psi)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage
