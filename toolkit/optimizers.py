@@ -113,17 +113,18 @@ class Optimizer:
             return self.nominal_state_bytes / 2.0
         return self.nominal_state_bytes
 
-    def state_tensor_bytes(self, dims: Sequence[int], state_bytes: int) -> list[int]:
+    def state_tensor_bytes(self, dims: Sequence[int], state_bytes: int, device: bool = True) -> list[int]:
         """The state tensors the caching allocator serves (bytes each, in creation order) for one parameter of
         shape ``dims`` whose states are ``state_bytes`` per element (the param's dtype for torch; fp32 for a
         DeepSpeed master copy). Step counters on the CPU are not counted, nor a paged optimizer's states in
-        unified memory (``paged_state_bytes``)."""
+        unified memory (``paged_state_bytes``). ``device``: the optimizer steps CUDA tensors (False: host tensors,
+        a CPU partition or offload, where nothing is paged)."""
         numel = prod(dims) if dims else 1
         out: list[int] = []
         if self.device_steps:
             out.append(4)
         if self.quantized:
-            paged = self.pages(numel)
+            paged = self.pages(numel, device)
             if numel >= BNB_MIN_8BIT_SIZE:
                 absmax = 4 * -(-numel // BNB_BLOCK)
                 out += [absmax, absmax] if paged else [numel, absmax, numel, absmax]
@@ -138,23 +139,25 @@ class Optimizer:
         out += [state_bytes * numel] * self.full_states
         return out
 
-    def state_bytes(self, shapes: Iterable[tuple[Sequence[int], int]], state_bytes: int) -> float:
+    def state_bytes(self, shapes: Iterable[tuple[Sequence[int], int]], state_bytes: int,
+                    device: bool = True) -> float:
         """Bytes of optimizer state for ``shapes`` ((dims, count) pairs, e.g. ModelShape.shape_counts)."""
-        return float(sum(count * sum(self.state_tensor_bytes(dims, state_bytes)) for dims, count in shapes))
+        return float(sum(count * sum(self.state_tensor_bytes(dims, state_bytes, device)) for dims, count in shapes))
 
-    def pages(self, numel: int) -> bool:
-        """Whether a parameter of ``numel`` elements gets its states in unified memory (``BNB_PAGED_MIN_NUMEL``)."""
-        return self.paged and numel >= BNB_PAGED_MIN_NUMEL
+    def pages(self, numel: int, device: bool = True) -> bool:
+        """Whether a parameter of ``numel`` elements gets its states in unified memory (``BNB_PAGED_MIN_NUMEL``):
+        only next to CUDA parameters (bitsandbytes makes plain tensors for host ones)."""
+        return self.paged and device and numel >= BNB_PAGED_MIN_NUMEL
 
-    def paged_state_bytes(self, dims: Sequence[int]) -> int:
+    def paged_state_bytes(self, dims: Sequence[int], device: bool = True) -> int:
         """Bytes of one parameter's states in CUDA unified memory (``F.get_paged``: the paged rows' two 8-bit
-        states), outside the caching allocator; 0 where it keeps them on the device."""
+        states), outside the caching allocator; 0 where it keeps them with the others."""
         numel = prod(dims) if dims else 1
-        return 2 * numel if self.pages(numel) else 0
+        return 2 * numel if self.pages(numel, device) else 0
 
-    def paged_bytes(self, shapes: Iterable[tuple[Sequence[int], int]]) -> float:
+    def paged_bytes(self, shapes: Iterable[tuple[Sequence[int], int]], device: bool = True) -> float:
         """``paged_state_bytes`` for ``shapes`` ((dims, count) pairs)."""
-        return float(sum(count * self.paged_state_bytes(dims) for dims, count in shapes))
+        return float(sum(count * self.paged_state_bytes(dims, device) for dims, count in shapes))
 
     def step_temp_bytes(self, numel: float, largest_numel: float, state_bytes: int, grad_bytes: int,
                         gpu: bool = True) -> float:

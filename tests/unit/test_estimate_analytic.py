@@ -1744,6 +1744,8 @@ def test_a_loop_that_keeps_the_models_output_keeps_its_logits_into_the_next_forw
 
     assert causal_loss_forward(1000, 2, True, None, False, "logits") == (
         ("logits", 2000), (PREVIOUS_OUTPUT, None), ("fp32 logits", 4000.0))
+    assert causal_loss_forward(1000, 2, True, None, True, "logits") == (
+        ("logits", 2000), ("fp32 logits", 4000.0), ("logits", None), (PREVIOUS_OUTPUT, None))
     assert causal_loss_forward(1000, 2, True, None, False, "model_output") == (
         ("logits", 2000), ("fp32 logits", 4000.0))  # freed with the loss's own, once it is computed
     # the previous output beside the new loss: all of it (model_output), or until the new logits exist (logits)
@@ -1753,8 +1755,13 @@ def test_a_loop_that_keeps_the_models_output_keeps_its_logits_into_the_next_forw
     p = plan(precision="bf16-mixed", micro_batch=2, seq_len=128, grad_accum=2)
     dt = an.dtypes_for(p, True)
     n = 2 * 128 * GPT2.vocab
-    for runtime, size in ((Runtime(output_kept="model_output"), 2 * n), (Runtime(output_kept="logits"), 2 * n),
-                          (Runtime(output_kept="logits", logits_upcast_in_model=True), 4 * n)):
+    # (runtime, the kept tensor's bytes, what the forward's end adds: model_output holds the previous one beside
+    # the whole loss; logits lets it go as the model returns, before transformers 5's upcast in the loss (nothing
+    # added), or after the model's own upcast, whose 2 + 4 bytes per logit then meet the previous fp32 ones: 10
+    # at once, against the 8 that fp32 logits and log-probs hold without it)
+    for runtime, size, at_end in ((Runtime(output_kept="model_output"), 2 * n, 2 * n),
+                                  (Runtime(output_kept="logits"), 2 * n, 0),
+                                  (Runtime(output_kept="logits", logits_upcast_in_model=True), 4 * n, 2 * n)):
         acts = inv.activations(GPT2, p, dt, runtime)
         assert (acts.kept_output, acts.kept_output_bytes) == ("fp32 logits" if size == 4 * n else "logits", size)
         # the phases: every moment after the forward holds it; the forward's end holds the previous one too
@@ -1765,8 +1772,8 @@ def test_a_loop_that_keeps_the_models_output_keeps_its_logits_into_the_next_forw
                                               inv.activations(GPT2, p, dt, dropped), dropped)}
         for name in plain:
             extra = ph[name].total - plain[name].total
-            if name == "forward end":  # "logits": the previous ones gone before the upcast, the loss's peak
-                assert extra == (size if runtime.output_kept == "model_output" else 0)
+            if name == "forward end":
+                assert extra == at_end, runtime
             else:
                 assert extra == pytest.approx(size), name
         # the stream: one tensor of that size outlives its micro-batch; two micro-batches and two steps keep one
@@ -1925,31 +1932,41 @@ def test_fsdp1_cpu_offload_keeps_no_device_grads_between_steps_whatever_zero_gra
 
 
 def test_paged_optimizer_states_are_outside_the_allocator_and_resident_as_room_allows():
-    """A paged optimizer's states live in CUDA unified memory: not in the allocated or reserved peaks; on the
-    device (nvidia-smi) as far as there is room, the rest on the host. On a CPU partition they are plain tensors."""
-    from toolkit.estimate.gpu import PAGED_STATES
-
+    """A paged optimizer's states live in CUDA unified memory: not in the allocated or reserved peaks, nor in the
+    device memory a fit needs (the driver pages them out when the device needs the room: the planner and the
+    Predictor compare device_used); resident as far as there is room, the rest on the host. Next to host tensors
+    (a CPU partition, offload) nothing is paged: they are plain states there."""
+    opt = optimizers.get("adamw-8bit-paged")
     p = plan(precision="bf16-mixed", micro_batch=2, seq_len=256, optimizer="adamw-8bit-paged")
     plain = estimate_analytic(GPT2, p.replace(optimizer="adamw-8bit"), A100)
     paged = estimate_analytic(GPT2, p, A100)
-    states = optimizers.get("adamw-8bit-paged").paged_bytes(GPT2.shape_counts) / MIB
+    states = opt.paged_bytes(GPT2.shape_counts) / MIB
     assert states > 100
     assert paged.peak_allocated_mib == pytest.approx(plain.peak_allocated_mib - states, abs=1)
     assert paged.peak_reserved_mib <= plain.peak_reserved_mib
-    assert paged.gpu_extras_mib[PAGED_STATES] == pytest.approx(states) and paged.host_mib_per_node == 0
     assert paged.device_used_mib == pytest.approx(paged.peak_reserved_mib + paged.components["cuda_context"]
                                                   + sum(paged.gpu_extras_mib.values()))
+    assert paged.device_used_mib < plain.device_used_mib and paged.host_mib_per_node == 0
+    assert any(n.startswith(f"paged optimizer states: {states:.0f} MiB") and "paged out" not in n for n in paged.notes)
     # a card with room for the step but not for all the states: they stay on the host, the step still fits
-    tight = dataclasses.replace(A100, gpu_mem_gib=(paged.device_used_mib - states / 2) / 1024 / 0.97)
+    room = states / 2
+    tight = dataclasses.replace(A100, gpu_mem_gib=(paged.device_used_mib + room) / 1024 / 0.97)
     squeezed = estimate_analytic(GPT2, p, tight)
-    assert squeezed.fits and 0 < squeezed.gpu_extras_mib[PAGED_STATES] < states
-    assert squeezed.host_mib_per_node == pytest.approx(states - squeezed.gpu_extras_mib[PAGED_STATES])
-    assert squeezed.device_used_mib <= squeezed.capacity_mib
-    assert any(n.startswith("paged optimizer states") and "paged out to host memory" in n for n in squeezed.notes)
-    # the host has no unified memory to speak of: plain tensors there
-    cpu = estimate_analytic(GPT2, p, CPU)
-    assert cpu.peak_allocated_mib == pytest.approx(estimate_analytic(GPT2, p.replace(optimizer="adamw-8bit"),
-                                                                     CPU).peak_allocated_mib)
+    assert squeezed.fits and 0 < squeezed.host_mib_per_node < states
+    assert any("paged out to host memory" in n for n in squeezed.notes)
+    # next to host tensors the states are plain: a CPU partition, DeepSpeed's optimizer offload, FSDP's CPU offload
+    for q, part in ((p, CPU), (p.replace(launcher="deepspeed", zero_stage=2, offload_optimizer="cpu", gpus_per_node=2,
+                                         global_batch=4), A100),
+                    (p.replace(launcher="fsdp", offload_params="cpu", gpus_per_node=2, global_batch=4),
+                     A100)):
+        both = [estimate_analytic(GPT2, q.replace(optimizer=o), part) for o in ("adamw-8bit-paged", "adamw-8bit")]
+        assert both[0].peak_allocated_mib == pytest.approx(both[1].peak_allocated_mib), (q.launcher, part.name)
+        assert both[0].host_mib_per_node == pytest.approx(both[1].host_mib_per_node), (q.launcher, part.name)
+        assert not any(n.startswith("paged optimizer states") for n in both[0].notes)
+    # sharded without offload: each rank pages its share
+    z2 = p.replace(launcher="deepspeed", zero_stage=2, gpus_per_node=2, global_batch=4)
+    st = an.model_states(GPT2, z2, an.dtypes_for(z2, True))
+    assert st.paged_optimizer_bytes == pytest.approx(opt.paged_bytes(GPT2.shape_counts) / 2)
 
 
 def test_fsdp_makes_its_gradient_shards_on_its_reduction_stream():

@@ -38,9 +38,12 @@ class Estimate:
     """Peak of live tensors, as ``torch.cuda.max_memory_allocated`` reports it."""
     device_used_mib: float
     """What nvidia-smi shows at peak: CUDA context + memory reserved by the caching allocator
-    (+ ``gpu_extras_mib``: device memory outside the allocator, e.g. NCCL's buffers)."""
+    (+ ``gpu_extras_mib``: device memory outside the allocator, e.g. NCCL's buffers). A paged optimizer's
+    states are not in it: the driver pages them out when the device needs the room, so a fit never needs them;
+    nvidia-smi shows their resident part on top (the estimate's notes say how much)."""
     host_mib_per_node: float
-    """Host memory per node the step needs beyond the processes themselves: offloaded states, pinned buffers."""
+    """Host memory per node the step needs beyond the processes themselves: offloaded states, pinned buffers, a
+    paged optimizer's states that the device has no room for."""
     capacity_mib: float
     """The partition's GPU memory (host memory on a CPU partition)."""
     headroom_mib: float

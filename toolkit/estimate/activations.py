@@ -301,18 +301,19 @@ def causal_loss_forward(logits: float, c: int, upcast: bool, shifted_copy: str |
     the whole). The 16-bit logits are unreferenced after the upcast only where the model's forward rebinds them
     (``logits = logits.float()``, ``Runtime.logits_upcast_in_model``); an upcast in the loss leaves them alive in
     the model's output. Where the loop keeps the model's output (``Runtime.output_kept``), the previous
-    micro-batch's (``PREVIOUS_OUTPUT``, alive as the recipe starts) is freed as soon as the new logits exist
-    (``"logits"``), or with the rest once the loss is computed (``"model_output"``: no step of its own).
-    ``logits``: tokens x vocabulary."""
+    micro-batch's (``PREVIOUS_OUTPUT``, alive as the recipe starts) is freed as soon as the model has returned
+    the new logits (``"logits"``: after its own upcast, where it makes one), or with the rest once the loss is
+    computed (``"model_output"``: no step of its own). ``logits``: tokens x vocabulary."""
     order: list = [("logits", c * logits)]
-    if output_kept == "logits":
-        order.append((PREVIOUS_OUTPUT, None))
     if shifted_copy == "before_upcast":
         order.append(("shifted logits", c * logits))
     if upcast and c != 4:
         order.append(("fp32 logits", 4.0 * logits))
         if upcast_in_model:
             order.append(("logits", None))
+    if output_kept == "logits":  # the loop's variable rebinds once the model's forward has returned
+        returned = order.index(("logits", None)) + 1 if ("logits", None) in order else 1
+        order.insert(returned, (PREVIOUS_OUTPUT, None))
     if shifted_copy == "after_upcast":
         order.append(("shifted logits", (4 if upcast else c) * logits))
     return tuple(order)
@@ -329,7 +330,8 @@ def loss_forward_temp(order, logprobs: float, kept_output: float = 0.0) -> float
     saved tensors): the larger of what is alive at once before the log-probs are made, less them, and what is
     alive beside them. ``kept_output``: the previous micro-batch's output the loop still holds as the loss starts
     (``Activations.kept_output``), freed where the recipe says."""
-    alive, peak = recipe_sizes(order, {PREVIOUS_OUTPUT: kept_output} if kept_output else None)
+    alive, peak = recipe_sizes(order, {PREVIOUS_OUTPUT: kept_output}
+                               if kept_output or (PREVIOUS_OUTPUT, None) in order else None)
     return max(peak - logprobs, sum(alive.values()))
 
 

@@ -73,8 +73,7 @@ from . import COMPONENTS, Estimate
 from .activations import Activations, activations
 from .device import plan_device_memory
 from .stream import foreach_step_copies, gemm_workspaces, zero3_reductions
-from .gpu import (CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, PAGED_STATES, Runtime, lazy_loading, paged_note,
-                  paged_resident_mib)
+from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading, paged_states
 
 MIB = 1024 * 1024
 
@@ -238,9 +237,6 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
         # torch 1.x (or zero_grad(set_to_none=False)): zero_grad keeps them allocated. Not where the device grads
         # end with the backward (FSDP1's CPU offload hands the optimizer a host .grad, which zero_grad keeps)
         states = replace(states, persistent_grads=True)
-    if not gpu and states.paged_optimizer_bytes:  # no unified memory on the host: plain tensors there
-        states = replace(states, optimizer_bytes=states.optimizer_bytes + states.paged_optimizer_bytes,
-                         paged_optimizer_bytes=0.0)
     acts = activations(shape, plan, dt, runtime)
     workspaces = float(sum(map(sum, gemm_workspaces(partition.gpu_model, runtime)))) if gpu else 0.0
     peak = max(phases(shape, plan, dt, states, acts, runtime, workspaces), key=lambda ph: ph.total)
@@ -269,19 +265,19 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     ranks = plan.gpus_per_node
     host = states.host_bytes_per_rank * ranks / MIB
     fits_device = device_used <= capacity - margin and (dm is None or dm.fits)
+    paged_note = None
     if states.paged_optimizer_bytes > 0:  # a paged optimizer's states: resident as room allows, the rest on the host
-        paged = states.paged_optimizer_bytes / MIB
-        extras[PAGED_STATES] = paged_resident_mib(paged, capacity - margin - device_used)
-        device_used += extras[PAGED_STATES]
-        host += (paged - extras[PAGED_STATES]) * ranks
+        paged_host, paged_note = paged_states(states.paged_optimizer_bytes / MIB, capacity - margin - device_used,
+                                              ranks)
+        host += paged_host
     # On a CPU partition the ranks' own memory comes out of the same host memory; on a GPU
     # partition the ranks first build the model on the host (before the offload buffers exist).
     host_needed = max(host, startup_host_bytes_per_rank(shape, plan) * ranks / MIB) if gpu else host + device_used * ranks
     fits_host = host_needed <= job_host_mib(partition, plan)
     notes = _notes(shape, plan, partition, peak, host_needed, fits_host, cuda_context_mib, allocator_overhead_frac,
                    dm, runtime, allocator_model)
-    if PAGED_STATES in extras:
-        notes += (paged_note(states.paged_optimizer_bytes / MIB, extras[PAGED_STATES]),)
+    if paged_note:
+        notes += (paged_note,)
     fix = dm.fix if dm is not None and dm.fragmentation_only else None
     return Estimate(method="analytic", components=components, peak_allocated_mib=peak_mib,
                     device_used_mib=device_used, host_mib_per_node=host, capacity_mib=capacity,

@@ -470,24 +470,19 @@ def ddp_broadcast_sizes(state_bytes_in_order: list[int]) -> list[int]:
     return [sum(m) for m in bucket_members(state_bytes_in_order, (DDP_BROADCAST_BUCKET,)) if len(m) > 1]
 
 
-PAGED_STATES = "paged optimizer states"
-"""The name ``gpu_extras_mib`` gives a paged optimizer's states (``ModelStates.paged_optimizer_bytes``)."""
-
-
-def paged_resident_mib(paged_mib: float, room_mib: float) -> float:
-    """How much of a paged optimizer's states (CUDA unified memory, outside the caching allocator) stays on the
-    device: what the room left beside everything else allows. The driver pages the rest out to host memory when
-    the device needs it, so paged states never make a step fail; they show in nvidia-smi as far as they are
-    resident, never in ``memory_allocated``/``memory_reserved``."""
-    return min(paged_mib, max(room_mib, 0.0))
-
-
-def paged_note(paged_mib: float, resident_mib: float) -> str:
-    """The estimate's note on a paged optimizer's states."""
-    rest = paged_mib - resident_mib
-    return (f"paged optimizer states: {paged_mib:.0f} MiB in CUDA unified memory, outside the caching allocator "
-            f"(not in the allocated or reserved peaks): {resident_mib:.0f} MiB resident in device used"
-            + (f", {rest:.0f} MiB paged out to host memory" if rest >= 0.5 else ""))
+def paged_states(paged_mib: float, room_mib: float, ranks: int) -> tuple[float, str]:
+    """Where a paged optimizer's states (``ModelStates.paged_optimizer_bytes``: CUDA unified memory, outside the
+    caching allocator) sit, per rank: resident on the device as far as ``room_mib`` (what the card has left beside
+    everything the step needs) allows, the rest paged out to host memory by the driver, which it does whenever the
+    device needs the room. So they never make a step fail and are not in ``device_used_mib``, the memory a fit
+    needs: nvidia-smi shows the resident part on top of it. Returns (host MiB per node for the ``ranks`` of a node,
+    the estimate's note)."""
+    resident = min(paged_mib, max(room_mib, 0.0))
+    out = paged_mib - resident
+    note = (f"paged optimizer states: {paged_mib:.0f} MiB per rank in CUDA unified memory, outside the caching "
+            f"allocator and device used (nvidia-smi shows {resident:.0f} MiB of them resident on top)"
+            + (f"; {out:.0f} MiB paged out to host memory" if out >= 0.5 else ""))
+    return out * ranks, note
 
 
 def gpu_extras_mib(world_size: int, gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, float]:

@@ -142,7 +142,8 @@ def param_order(shape: ModelShape, packed: bool = False) -> list[tuple]:
 
 
 def _state_sizes(opt, entry, state_bytes: int) -> list[int]:
-    """The optimizer states of one parameter (or one bundle: their sum, as one small-pool tensor)."""
+    """The optimizer states of one parameter (or one bundle: their sum, as one small-pool tensor), on a GPU (the
+    allocator stream's)."""
     members = entry[4]
     if len(members) == 1:
         return opt.state_tensor_bytes(members[0], state_bytes)
@@ -714,8 +715,8 @@ GATHER_STREAM = "all-gather"
 DDP_BUILD_STREAM = "ddp-build"
 """the stream Lightning builds DistributedDataParallel on (``Runtime.ddp_side_stream``)"""
 REDUCE_STREAM = "reduce"
-"""the stream DeepSpeed reduces gradients on with ``overlap_comm`` (ZeRO-3's ``reduce_and_partition_stream``,
-ZeRO-1/2's ``reduction_stream``)"""
+"""the stream gradients are reduced on: DeepSpeed's with ``overlap_comm`` (ZeRO-3's ``reduce_and_partition_stream``,
+ZeRO-1/2's ``reduction_stream``), FSDP1's post-backward stream, FSDP2's reduce-scatter stream"""
 
 
 class _Bucket:

@@ -79,7 +79,7 @@ from ..optimizers import BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL
 from ..plan import Plan
 from ..sites import Partition
 from . import COMPONENTS, Estimate
-from .gpu import PAGED_STATES, paged_note, paged_resident_mib
+from .gpu import paged_states
 
 MIB = 1024 * 1024
 CATEGORIES = ("params", "buffers", "grads", "activations", "temporaries", "optimizer", "other")
@@ -200,8 +200,10 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     engine = _engine_states(model_config, task, plan, runtime, partition.has_gpu)
     gpu, host_bytes, shard_notes = shard(trace, plan, engine)
     notes += shard_notes
-    # a paged optimizer's states, outside the allocator (the engine's share of them where it shards the states)
-    paged = (engine.paged_optimizer_bytes if engine is not None else trace.paged_bytes) if partition.has_gpu else 0
+    # a paged optimizer's states, outside the allocator: the engine's share where it shards the states, else the
+    # traced ones at the placement's share (none offloaded: the stand-in pages nothing then)
+    paged = (engine.paged_optimizer_bytes if engine is not None
+             else trace.paged_bytes * plan.strategy.placement(plan).optimizer) if partition.has_gpu else 0
     context = partition.cuda_context_mib if cuda_context_mib is None else float(cuda_context_mib)
     dm = None
     if partition.has_gpu and allocator_model:
@@ -493,11 +495,10 @@ def _estimate(gpu: Mapping[str, float], host_bytes: float, plan: Plan, partition
     host = host_bytes / MIB
     if partition.has_gpu:
         capacity = partition.gpu_mem_gib * 1024
-        if paged_bytes > 0:  # resident as room allows, the rest on the host (analytic.estimate_analytic's rule)
-            extras[PAGED_STATES] = paged_resident_mib(paged_bytes / MIB, capacity - device_used)
-            device_used += extras[PAGED_STATES]
-            host += (paged_bytes / MIB - extras[PAGED_STATES]) * plan.gpus_per_node
-            notes.append(paged_note(paged_bytes / MIB, extras[PAGED_STATES]))
+        if paged_bytes > 0:  # resident as the room this method's fit leaves allows, the rest on the host
+            paged_host, note = paged_states(paged_bytes / MIB, capacity - device_used, plan.gpus_per_node)
+            host += paged_host
+            notes.append(note)
         headroom = capacity - device_used
         node_mem = plan.mem_mib or partition.host_mem_gib * 1024
         fits = headroom >= 0 and host <= node_mem and (dm is None or dm.fits or plan.launcher != "torchrun")
@@ -680,9 +681,13 @@ def _base_optimizer(plan: Plan, params: list, target: str, notes: list[str]):
 
     row = optimizers.get(plan.optimizer)
     if row.quantized:
+        # paged only next to CUDA parameters (offloaded states are host tensors, made plain)
+        device = target == "cuda" and plan.offload_optimizer == "none" and plan.offload_params == "none"
         notes.append(f"{row.name} (bitsandbytes) cannot run on the CPU: its state is sized analytically, 2 bytes per "
-                     f"parameter (fp32 moments for tensors under {BNB_MIN_8BIT_SIZE} elements; block scales ignored)")
-        return _EightBitAdamWStandIn(params, paged=row.paged and target == "cuda")
+                     f"parameter (fp32 moments for tensors under {BNB_MIN_8BIT_SIZE} elements; block scales ignored)"
+                     + (f"; the states of tensors of {BNB_PAGED_MIN_NUMEL} elements or more are paged, outside the "
+                        "allocator" if row.paged and device else ""))
+        return _EightBitAdamWStandIn(params, paged=row.paged and device)
     if row.name in ("adamw", "sgd", "sgd-plain"):
         return models.build_optimizer(row.name, params, LR, foreach=target == "cuda")
     if row.name == "adamw-fused":

@@ -41,8 +41,8 @@ class DDP(Strategy):
         ddp_buckets = dt.grad * psi if builds_ddp(plan, getattr(runtime, "ddp_single_process", False)) else 0.0
         return ModelStates(
             params_bytes=dt.param * psi, grads_bytes=dt.grad * psi,
-            optimizer_bytes=opt.state_bytes(shape.shape_counts, dt.state),
-            paged_optimizer_bytes=opt.paged_bytes(shape.shape_counts),
+            optimizer_bytes=opt.state_bytes(shape.shape_counts, dt.state, dt.gpu),
+            paged_optimizer_bytes=opt.paged_bytes(shape.shape_counts, dt.gpu),
             persistent_grads=False, buffer_bytes=ddp_buckets, gathered_bytes=0.0,
             step_temp_bytes=opt.step_temp_bytes(psi, shape.largest_param_numel, dt.state, dt.grad, dt.gpu),
             host_bytes_per_rank=0.0)

@@ -270,7 +270,7 @@ def zero3_startup(shard: float, dt: Dtypes, opt, sub_group_size: int, bucket: fl
     if bucket > 0:
         steps.append(("ipg bucket", bucket))
     steps.append(("grad_partitions_flat_buffer", dt.grad * shard))
-    lazy = tuple(float(x) for numel in groups for x in opt.state_tensor_bytes((int(numel),), dt.state))
+    lazy = tuple(float(x) for numel in groups for x in opt.state_tensor_bytes((int(numel),), dt.state, dt.gpu))
     return tuple(steps), lazy
 
 
@@ -585,7 +585,10 @@ class DeepSpeed(Strategy):
         stage = plan.zero_stage
         opt = optimizers.get(plan.optimizer)
         shard = psi / n if stage >= 1 else psi  # the parameters whose optimizer state this rank owns
-        opt_full = dt.master * psi + opt.state_bytes(shape.shape_counts, dt.state)
+        # a paged optimizer's states: in unified memory next to CUDA partitions, plain host tensors under offload
+        # (per parameter, as the rest: ZeRO hands the optimizer flat partitions, all of them large enough to page)
+        on_device = dt.gpu and plan.offload_optimizer == "none"
+        opt_full = dt.master * psi + opt.state_bytes(shape.shape_counts, dt.state, on_device)
         params = dt.param * (shard if stage == 3 else psi)
         grads = dt.grad * (shard if stage >= 2 else psi)
         optimizer = opt_full * shard / psi
@@ -692,8 +695,7 @@ class DeepSpeed(Strategy):
                            deferred_bucket_elements=zs.reduce_bucket_size,
                            step_flatten_bytes=flatten, startup=startup, lazy_states=lazy, step_check_bytes=check,
                            step_order=step_order,
-                           paged_optimizer_bytes=0.0 if plan.offload_optimizer != "none"
-                           else opt.paged_bytes(shape.shape_counts) * shard / psi)
+                           paged_optimizer_bytes=opt.paged_bytes(shape.shape_counts, on_device) * shard / psi)
 
     def placement(self, plan) -> Placement:
         n, stage = plan.world_size, plan.zero_stage

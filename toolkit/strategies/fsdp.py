@@ -242,8 +242,9 @@ class FSDP(Strategy):
         params, grads = storage * shard, storage * shard
         flat = getattr(runtime, "fsdp_flat_params", False)
         tensors = optimizer_tensors(shape, n, flat, getattr(runtime, "fsdp_use_orig_params", False))
-        optimizer = float(sum(sum(opt.state_tensor_bytes(dims, storage)) for dims in tensors))
-        paged = float(sum(opt.paged_state_bytes(dims) for dims in tensors))
+        on_device = dt.gpu and plan.offload_params == "none"  # CPU offload steps the host's shards: nothing paged
+        optimizer = float(sum(sum(opt.state_tensor_bytes(dims, storage, on_device)) for dims in tensors))
+        paged = float(sum(opt.paged_state_bytes(dims, on_device) for dims in tensors))
         numels = [prod(dims) for dims in tensors]
         step = opt.step_temp_bytes(sum(numels), max(numels, default=0), storage, storage, dt.gpu)
         # a unit's gradients as it is reduced, read in torch 2.13: FSDP2's foreach_reduce copies the unit's unsharded
@@ -267,8 +268,8 @@ class FSDP(Strategy):
             accumulated = psi * (reduce if not flat and plan.precision in MIXED else dt.grad)
         host = 0.0
         if plan.offload_params == "cpu":
-            host = params + grads + optimizer + paged
-            params = optimizer = step = paged = 0.0
+            host = params + grads + optimizer
+            params = optimizer = step = 0.0
             # FSDP1 keeps each unit's reduce-scattered gradient shard on the device, in the flat parameter's dtype,
             # as _saved_grad_shard until the backward's final callback hands the optimizer the host copy
             # (_accumulate_sharded_grad, prepare_gradient_for_optim; read in torch 2.13, the same since 2.0)
