@@ -546,7 +546,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 for i in tmp:
                     free(i)
                 if states.reduce_extra_bytes > 0 and not unlimited:
-                    free(alloc(int(states.reduce_extra_bytes), reduce_stream))  # the unit's reduction, its computation done
+                    # the unit's reduction, its computation done
+                    free(alloc(int(states.reduce_extra_bytes), reduce_stream))
                 for i in recast:
                     free(i)
                 for i in kept_ids[li]:

@@ -656,7 +656,8 @@ def _ddp_buckets(plan: Plan, params: list, notes: list[str], single_process: boo
     sizes: dict[Any, int] = {}
     for p in params:
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    notes.append(f"DDP over {plan.world_size} rank{'s' if plan.world_size > 1 else ''}: its gradient buckets hold one more copy of the gradients "
+    ranks = f"{plan.world_size} rank{'s' if plan.world_size > 1 else ''}"
+    notes.append(f"DDP over {ranks}: its gradient buckets hold one more copy of the gradients "
                  "(gradient_as_bucket_view is off by default)")
     return [torch.empty(n, dtype=dtype) for dtype, n in sizes.items()]
 
