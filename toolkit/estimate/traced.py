@@ -788,7 +788,7 @@ def _train_step(traced: TracedModel, plan: Plan, layout: _Layout, optimizer, tra
             if kept is not None and kept["rule"] == "logits":
                 kept["output"] = output
             loss = _loss(traced, output, batch)
-            if kept is not None:
+            if kept is not None and kept["rule"] == "model_output":
                 kept["output"] = output
             del output
         del batch
