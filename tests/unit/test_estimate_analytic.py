@@ -2045,3 +2045,214 @@ def test_fsdp_gathers_unit_by_unit_on_the_stream_each_version_allocates_them():
             # when told to reshard and gathers it again for the backward
             assert len(roots) == (4 if api == "fsdp2" and reshard else 2) and not live and not flat
             assert flat_most == (1 if api == "fsdp2" else 0)
+
+
+# -- litgpt's model code and its loss ---------------------------------------------------------------------------
+
+
+class _LitGPTStyleBlock(torch.nn.Module):
+    """A transformer block with the tensor flow of litgpt's ``Block`` (RMSNorm, CausalSelfAttention, LLaMAMLP), for
+    the inventory test: one fused Q/K/V linear; Q, K and V reshaped from a permuted view (``views`` False: litgpt
+    before its PR #1013) or split off as views and K/V repeated (after), the query and key rotated and joined
+    with a ``cat``, SDPA, the output
+    transposed back and reshaped for the output projection. ``norm``: the RMSNorm styles of
+    ``activations.rms_norm_bytes`` as litgpt wrote them in turn."""
+
+    def __init__(self, hidden: int, heads: int, groups: int, ffn: int, norm: str, views: bool):
+        super().__init__()
+        self.heads, self.groups, self.hs, self.norm, self.views = heads, groups, hidden // heads, norm, views
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * groups) * self.hs, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.fc_1 = torch.nn.Linear(hidden, ffn, bias=False)
+        self.fc_2 = torch.nn.Linear(hidden, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+        self.w1, self.w2 = torch.nn.Parameter(torch.ones(hidden)), torch.nn.Parameter(torch.ones(hidden))
+
+    def _rms(self, x, weight):
+        if self.norm == "input_dtype":  # lit-gpt before its PR #606: no upcast
+            return weight * (x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5))
+        dtype, x = x.dtype, x.float()
+        normed = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5)
+        if self.norm == "fp32_normed":
+            return (normed * weight.float()).to(dtype)
+        return normed.to(dtype) * weight
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        half = x.size(-1) // 2
+        return ((x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)).to(x.dtype)
+
+    def _attention(self, x, cos, sin):
+        B, T, _ = x.shape
+        h, g, hs = self.heads, self.groups, self.hs
+        qkv = self.qkv(x)
+        if self.views:
+            q, k, v = qkv.split((h * hs, g * hs, g * hs), dim=-1)
+            q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
+        else:
+            qkv = qkv.view(B, T, g, h // g + 2, hs).permute(0, 2, 3, 1, 4)
+            q, k, v = qkv.split((h // g, 1, 1), dim=2)
+            k, v = k.expand(B, g, h // g, T, hs), v.expand(B, g, h // g, T, hs)
+            q, k, v = (t.reshape(B, -1, T, hs) for t in (q, k, v))
+        q = torch.cat((self._rope(q, cos, sin), q[..., hs:]), dim=-1)
+        k = torch.cat((self._rope(k, cos, sin), k[..., hs:]), dim=-1)
+        if self.views and g != h:
+            k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.proj(y.reshape(B, T, h * hs))
+
+    def forward(self, x, cos, sin):
+        x = self._attention(self._rms(x, self.w1), cos, sin) + x
+        n = self._rms(x, self.w2)
+        return self.down(torch.nn.functional.silu(self.fc_1(n)) * self.fc_2(n)) + x
+
+
+@pytest.mark.parametrize("date, norm, views", [("2023-09-13", "input_dtype", False),
+                                               ("2024-03-20", "transformers", False),
+                                               ("2024-09-01", "fp32_normed", False),
+                                               ("2025-06-01", "fp32_normed", True)])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true", "bf16-mixed"])
+def test_litgpt_code_saves_what_the_inventory_says(date, norm, views, kv_heads, precision):
+    """litgpt's layer (Runtime.model_code litgpt:DATE) against a real forward of a block with its tensor flow: its
+    attention output is copied for the output projection, and its RMSNorm keeps what the code of that date kept."""
+    from toolkit.estimate.gpu import Runtime
+
+    cfg = {**TINY_LLAMA, "num_key_value_heads": kv_heads}
+    shape = ModelShape.from_config(cfg, "causal-lm")
+    p = plan(precision=precision, attention="sdpa", micro_batch=3, seq_len=96)
+    dt = an.dtypes_for(p, gpu=False)
+    runtime = Runtime(model_code=f"litgpt:{date}", sdpa_repeats_kv=True)
+    assert inv.litgpt_rms_norm(inv.litgpt_code(shape, runtime)) == norm
+    torch.manual_seed(0)
+    param_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    blocks = [_LitGPTStyleBlock(shape.hidden, shape.heads, kv_heads, shape.ffn, norm, views).to(param_dtype)
+              for _ in range(3)]
+    hs = shape.head_dim
+    cos, sin = torch.randn(96, hs, dtype=param_dtype), torch.randn(96, hs, dtype=param_dtype)
+
+    def saved(n: int) -> int:
+        x = torch.randn(3, 96, shape.hidden, dtype=param_dtype, requires_grad=True)
+        mode = LiveTensorBytes()
+        with mode:
+            for t in [x, cos, sin, *(q for b in blocks[:n] for q in b.parameters())]:
+                mode.track(t)
+            before = mode.current
+            with torch.autocast("cpu", dtype=torch.bfloat16) if dt.autocast else contextlib.nullcontext():
+                out = x
+                for b in blocks[:n]:
+                    out = b(out, cos, sin)
+            grown = mode.current - before
+        del out
+        return grown
+
+    real = saved(3) - saved(2)
+    predicted = 3 * 96 * inv.layer_bytes_per_token(shape, p, dt, runtime) + (
+        2 * shape.layer_linear_params if dt.autocast else 0)
+    assert predicted == pytest.approx(real, rel=0.005)
+    if norm == "transformers" and not dt.autocast and kv_heads < shape.heads:
+        # where the rest is alike (transformers' norm, no casts, K/V repeated by both), the output's copy
+        old = Runtime(sdpa_repeats_kv=True)
+        assert inv.layer_bytes_per_token(shape, p, dt, runtime) - inv.layer_bytes_per_token(shape, p, dt, old) == \
+            shape.heads * shape.head_dim * dt.compute
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 16])
+@pytest.mark.parametrize("logits_fp32", [False, True])
+def test_a_chunked_loss_peaks_at_two_logits_sized_gradients_in_its_backward(chunk_rows, logits_fp32):
+    """litgpt's chunked cross-entropy (Runtime.loss_chunk_rows) against a real backward: the chunks' log-probs go as
+    their gradients come and split's backward concatenates those, so the backward holds one logits-sized tensor
+    more than the forward left (the log-probs); one cross-entropy holds two more."""
+    from toolkit.estimate.gpu import Runtime
+
+    shape = ModelShape.from_config(TINY_LLAMA, "causal-lm")
+    p = plan(precision="bf16-true", micro_batch=2, seq_len=64)
+    dt = an.dtypes_for(p, gpu=False)
+    runtime = Runtime(loss_chunk_rows=chunk_rows, logits_fp32=logits_fp32)
+    acts = inv.activations(shape, p, dt, runtime)
+    rows = 2 * 64
+    logits = torch.randn(rows, shape.vocab, dtype=torch.float32 if logits_fp32 else torch.bfloat16,
+                         requires_grad=True)
+    targets = torch.randint(0, shape.vocab, (rows,))
+    mode = LiveTensorBytes()
+    with mode:
+        mode.track(logits)
+        mode.track(targets)
+        if chunk_rows:
+            losses = [torch.nn.functional.cross_entropy(lc, tc, reduction="none")
+                      for lc, tc in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
+            loss = torch.cat(losses).sum() / rows
+        else:
+            loss = torch.nn.functional.cross_entropy(logits, targets)
+        mode.peak = before = mode.current
+        loss.backward()
+    assert mode.peak - before == pytest.approx(acts.loss_backward_temp_bytes, rel=0.02)
+    assert acts.loss_chunk_bytes == (chunk_rows * shape.vocab * (4 if logits_fp32 else 2) if chunk_rows else 0)
+
+
+def test_a_chunked_loss_follows_into_the_stream():
+    """The allocator stream frees the log-probs, makes the chunks' gradients and then their concatenation, and so
+    reaches the phases' peak; a chunk of all the rows (or more) is one cross-entropy."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    p = plan(precision="bf16-true", micro_batch=4, seq_len=2048)
+    dt = an.dtypes_for(p, True)
+    peaks = {}
+    for rows in (0, 128, 4 * 2048):
+        runtime = Runtime(loss_chunk_rows=rows, logits_fp32=True, logits_upcast_in_model=True)
+        states, acts = an.model_states(LLAMA7B, p, dt, runtime), inv.activations(LLAMA7B, p, dt, runtime)
+        peak = max(ph.total for ph in an.phases(LLAMA7B, p, dt, states, acts, runtime))
+        r = replay(step_events(LLAMA7B, p, dt, states, acts, runtime=runtime, steps=2))
+        assert r.peak_allocated == pytest.approx(peak, rel=0.03)
+        peaks[rows] = peak
+    assert peaks[0] == peaks[4 * 2048] > peaks[128]
+    with pytest.raises(ValueError, match="loss_chunk_rows"):
+        Runtime(loss_chunk_rows=-1)
+    with pytest.raises(ValueError, match="loss_chunk_rows"):
+        Runtime(loss_chunk_rows=True)
+
+
+def test_litgpt_code_is_dated_and_known_for_the_llama_family_only():
+    from toolkit.errors import ConfigError
+    from toolkit.estimate.gpu import Runtime
+
+    assert Runtime(model_code="litgpt:2024-03-15").model_code == "litgpt:2024-03-15"
+    for bad in ("litgpt:2024-13-01", "litgpt:yesterday", "litgpt2", "megatron"):
+        with pytest.raises(ValueError, match="model_code"):
+            Runtime(model_code=bad)
+    assert inv.litgpt_rms_norm(None) == "transformers"
+    assert [inv.litgpt_rms_norm(d) for d in ("2023-10-23", "2023-10-24", "2024-03-15", "2024-07-22",
+                                             inv.LITGPT_TODAY)] == \
+        ["input_dtype", "fp32_normed", "transformers", "fp32_normed", "fp32_normed"]
+    p = plan(precision="bf16-true", micro_batch=2, seq_len=128)
+    with pytest.raises(ConfigError, match="LLaMA family only, not the gpt2 family"):
+        an.estimate_analytic(GPT2, p, A100, runtime=Runtime(model_code="litgpt"))
+    with pytest.raises(ConfigError, match="torchvision builds ViT models only"):
+        an.estimate_analytic(GPT2, p, A100, runtime=Runtime(model_code="torchvision"))
+
+
+def test_cuda_flash_pads_a_head_dimension_off_the_multiple_of_8_and_slices_the_output_back():
+    """torch >= 2.1's SDPA pads a head dimension that is not a multiple of 8 before CUDA's flash kernel (PR
+    #105602): autograd saves the padded Q, K, V and output, the sliced output is copied for o_proj, and a value
+    view of a fused projection keeps nothing of it alive."""
+    from toolkit.estimate.gpu import Runtime
+
+    cfg = {**TINY_LLAMA, "hidden_size": 400, "num_attention_heads": 4, "num_key_value_heads": 4}  # head_dim 100
+    shape = ModelShape.from_config(cfg, "causal-lm")
+    p = plan(precision="bf16-true", micro_batch=2, seq_len=128)
+    gpu = an.dtypes_for(p, True)
+    assert inv.flash_padded_head_dim(shape, p, gpu, False) == 104
+    for other in (an.dtypes_for(p, False), an.dtypes_for(plan(precision="fp32"), True)):  # CPU; fp32 (no flash)
+        assert inv.flash_padded_head_dim(shape, p, other, False) == 100
+    assert inv.flash_padded_head_dim(shape, p, dataclasses.replace(gpu, flash_sdpa=False), False) == 100  # V100
+    assert inv.flash_padded_head_dim(shape, p, gpu, True) == 100  # a mask: not the flash kernel
+    assert inv.flash_padded_head_dim(shape, p, gpu, False, Runtime(torch_version="2.0")) == 100
+    q = shape.heads * shape.head_dim * 2
+    hf = inv.layer_bytes_per_token(shape, p, gpu, Runtime(torch_version="2.0"))
+    assert inv.layer_bytes_per_token(shape, p, gpu) - hf == 4 * q * 4 / 100 + q  # four padded tensors, the copy
+    lit = Runtime(model_code="litgpt:2024-03-15")
+    # litgpt's multi-head value is a view of the fused projection (its q and k parts kept) unless padded
+    assert inv.layer_bytes_per_token(shape, p, gpu, dataclasses.replace(lit, torch_version="2.0")) - hf == 2 * q + q
+    assert inv.layer_bytes_per_token(shape, p, gpu, lit) - hf == 4 * q * 4 / 100 + q

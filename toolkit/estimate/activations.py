@@ -13,7 +13,7 @@ from ..modelshape import ModelShape
 from ..plan import Plan
 from ..strategies import Dtypes
 from ..strategies.base import recipe_sizes
-from .gpu import DEFAULT_RUNTIME, Runtime
+from .gpu import DEFAULT_RUNTIME, Runtime, version_tuple
 
 LN_STATS_BYTES = 8
 """LayerNorm saves fp32 mean and rstd per token."""
@@ -63,21 +63,29 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not stores_scores(shape, plan, dt):
         masked = window_masked(shape, plan)
-        repeated = kv_dim != q_dim and (runtime.sdpa_repeats_kv or masked)
+        litgpt = litgpt_code(shape, runtime)
+        repeated = kv_dim != q_dim and (runtime.sdpa_repeats_kv or masked or litgpt is not None)
         if repeated:
             # K and V repeated to every query head before SDPA: older transformers always
-            # (Runtime.sdpa_repeats_kv), today's whenever a mask is passed (use_gqa_in_sdpa)
+            # (Runtime.sdpa_repeats_kv), today's whenever a mask is passed (use_gqa_in_sdpa), litgpt in training
             kv_dim = q_dim
-        saved = (2 * q_dim + 2 * kv_dim) * c + 4 * a  # q, k, v, out; fp32 log-sum-exp per head
+        width = flash_padded_head_dim(shape, plan, dt, masked, runtime)
+        # q, k, v, out (at the padded width where CUDA's flash kernel pads them); fp32 log-sum-exp per head
+        saved = (2 * q_dim + 2 * kv_dim) * c * width / shape.head_dim + 4 * a
         if masked:
             saved += s * c  # the window's mask, made additive in the compute dtype by each layer's SDPA call
-        if shape.fused:
-            # the saved value is a view of the fused projection, whose q and k parts then live on too, unless
-            # it was repeated or a KV cache (a classifier's, kept off by checkpointing) concatenated a copy
-            if not repeated and not (shape.kv_cache and not plan.checkpointing):
-                saved += (q_dim + shape.kv_heads * shape.head_dim) * c
-            if output_follows_query(plan, dt, masked):
-                saved += q_dim * c  # o_proj's input: the output made contiguous again
+        code = shape.fused or litgpt is not None
+        # the saved value is a view of a fused projection (Phi-3's; litgpt's for a multi-head model: split off as
+        # a view today, and before its PR #1013 reshaped from (B, groups, 1, T, hs), which merges a size-1
+        # dimension and so is a view too), whose q and k parts then live on too; not where it was repeated,
+        # padded, or concatenated to a KV cache (a classifier's, kept off by checkpointing)
+        if code and not repeated and width == shape.head_dim and not (shape.kv_cache and not plan.checkpointing):
+            saved += (q_dim + shape.kv_heads * shape.head_dim) * c
+        # o_proj's input, the output made contiguous again: where the query left a ``cat`` in (batch, heads,
+        # tokens) order (Phi-3's and litgpt's rotary) and the kernel lays its output out as its query, or where
+        # the kernel's padded output was sliced back
+        if (code and output_follows_query(plan, dt, masked)) or width != shape.head_dim:
+            saved += q_dim * c
         return saved
     if runtime.eager_clamps_scores:
         # the clamp's input (the masked scores: fp32 under autocast), softmax's output (fp32 for fp16 or fp32
@@ -102,6 +110,58 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
     if shape.attn_softcap:
         extra += c  # cap * tanh(scores / cap): the tanh's output, in the scores' dtype
     return 4 * q_dim * c + a * s * (soft + extra)
+
+
+LITGPT_TODAY = "9999-12-31"
+"""The date plain ``Runtime.model_code`` ``litgpt`` stands for: today's code."""
+LITGPT_RMS_NORM = (("2023-10-24", "fp32_normed"),  # lit-gpt PR #606: x.float(), (weight * x_normed).to(dtype)
+                   ("2024-03-15", "transformers"),  # PR #1043: x_normed.to(dtype) before the weight, as transformers
+                   ("2024-07-22", "fp32_normed"))  # PR #1545: (x_normed * weight.float()).to(dtype)
+"""From which date litgpt's RMSNorm keeps what (``rms_norm_bytes``' styles); before the first, it computed in
+the input's dtype (``input_dtype``)."""
+def litgpt_code(shape: ModelShape, runtime: Runtime) -> str | None:
+    """The date of the litgpt code that builds this LLaMA-family model (``Runtime.model_code`` ``litgpt`` or
+    ``litgpt:YYYY-MM-DD``; plain ``litgpt`` is ``LITGPT_TODAY``), else None."""
+    code = runtime.model_code
+    if not code.startswith("litgpt") or shape.family != "llama":
+        return None
+    return code.partition(":")[2] or LITGPT_TODAY
+
+
+def litgpt_rms_norm(date: str | None) -> str:
+    """The RMSNorm style (``rms_norm_bytes``) of litgpt's code of ``date``; None (not litgpt): transformers'."""
+    if date is None:
+        return "transformers"
+    style = "input_dtype"
+    for since, kind in LITGPT_RMS_NORM:
+        if date >= since:
+            style = kind
+    return style
+
+
+def model_code_refusal(shape: ModelShape, runtime: Runtime) -> str | None:
+    """Why ``runtime.model_code`` cannot build this model (one line), or None: torchvision's code is its
+    ViT, litgpt's is followed for the LLaMA family only (its GPT-NeoX, Phi or Falcon blocks are not)."""
+    code = runtime.model_code
+    if code == "torchvision" and shape.family != "vit":
+        return f"Runtime.model_code torchvision builds ViT models only, not the {shape.family} family"
+    if code.startswith("litgpt") and shape.family != "llama":
+        return (f"Runtime.model_code {code}: litgpt's tensors are known for the LLaMA family only, not the "
+                f"{shape.family} family")
+    return None
+
+
+def flash_padded_head_dim(shape: ModelShape, plan: Plan, dt: Dtypes, masked: bool,
+                          runtime: Runtime = DEFAULT_RUNTIME) -> int:
+    """The head width SDPA's CUDA flash kernel runs at: from torch 2.1 (PR #105602, FlashAttention-2) SDPA pads
+    a head dimension that is not a multiple of 8 with zeros to the next one (``pad_last_dim<8>``) in the
+    composite, where autograd saves the padded query, key and value, and slices the padded output back. Else
+    the model's head dimension."""
+    hd = shape.head_dim
+    flash = plan.attention == "sdpa" and dt.gpu and dt.compute == 2 and not masked and dt.flash_sdpa
+    if flash and hd % 8 and version_tuple(runtime.torch_version) >= (2, 1):
+        return hd + 8 - hd % 8
+    return hd
 
 
 def window_masked(shape: ModelShape, plan: Plan) -> bool:
@@ -165,28 +225,36 @@ def layer_bytes_per_token(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Ru
         # stream before attention and before the MLP), the intermediate dense's input
         return core + qkv_in + 2 * (h * p + LN_STATS_BYTES) + h * c
     # llama: RMSNorm in python keeps its fp32 input, rstd and the normalised tensor
-    rms = rms_norm_bytes(shape, h, p)
-    projections = 1 if shape.fused else 3  # autocast casts the norm's output once per projection
+    litgpt = litgpt_code(shape, runtime)
+    norm = litgpt_rms_norm(litgpt)
+    rms = rms_norm_bytes(shape, h, p, style=norm)
+    # autocast casts the norm's output once per projection (litgpt: one fused Q/K/V linear)
+    projections = 1 if shape.fused or litgpt else 3
     qkv_in = projections * h * c if dt.autocast else h * p
     mlp_in = (1 if shape.fused else 2) * h * c if dt.autocast else h * p
     qk = 0
     if shape.qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, whose input is the projection's output
-        qk = (rms_norm_bytes(shape, shape.heads * shape.head_dim, c, shape.heads)
-              + rms_norm_bytes(shape, shape.kv_heads * shape.head_dim, c, shape.kv_heads))
+        qk = (rms_norm_bytes(shape, shape.heads * shape.head_dim, c, shape.heads, norm)
+              + rms_norm_bytes(shape, shape.kv_heads * shape.head_dim, c, shape.kv_heads, norm))
     if shape.sandwich_norms:  # Gemma 2's norms of the attention's and the MLP's outputs (the compute dtype)
-        rms += rms_norm_bytes(shape, h, c)
+        rms += rms_norm_bytes(shape, h, c, style=norm)
     return core + 2 * rms + qkv_in + mlp_in + qk
 
 
-def rms_norm_bytes(shape: ModelShape, width: int, elem: int, rows: int = 1) -> float:
+def rms_norm_bytes(shape: ModelShape, width: int, elem: int, rows: int = 1, style: str = "transformers") -> float:
     """Per token, what a python RMSNorm over ``width`` elements (``rows`` normalised groups: heads) keeps for
-    backward when its input has ``elem``-byte elements: the fp32 input, one fp32 rstd per group, and the
-    normalised tensor the weight multiplies, cast back to the input's dtype (LLaMA) or kept in fp32 (Gemma,
-    ``shape.norm_fp32``)."""
-    return 4 * width + 4 * rows + width * (4 if shape.norm_fp32 else elem)
+    backward when its input has ``elem``-byte elements. ``transformers``: the fp32 input, one fp32 rstd per group,
+    and the normalised tensor the weight multiplies, cast back to the input's dtype (LLaMA) or kept in fp32
+    (Gemma, ``shape.norm_fp32``); ``fp32_normed``: that tensor kept in fp32 (litgpt's
+    ``(x_normed * weight.float()).to(dtype)``); ``input_dtype``: no upcast at all, the input, rstd and normalised
+    tensor in the input's dtype (lit-gpt before its PR #606)."""
+    if style == "input_dtype":
+        return elem * (2 * width + rows)
+    normed = 4 if shape.norm_fp32 or style == "fp32_normed" else elem
+    return 4 * width + 4 * rows + width * normed
 
 
-def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
+def outside_bytes_per_token(shape: ModelShape, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Per token, what is saved outside the layers: ids, embeddings, final norm, head input, log-probs."""
     h, p, c = shape.hidden, dt.param, dt.compute
     if shape.family == "vit":
@@ -210,7 +278,8 @@ def outside_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
             head = 0 if dt.autocast else h * p
         return ids + emb + head + logprobs
     softcap = shape.vocab * c if causal and shape.final_softcap else 0  # the logits' tanh output, kept for backward
-    return ids + rms_norm_bytes(shape, h, p) + h * c + logprobs + softcap
+    final_norm = rms_norm_bytes(shape, h, p, style=litgpt_rms_norm(litgpt_code(shape, runtime)))
+    return ids + final_norm + h * c + logprobs + softcap
 
 
 def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
@@ -285,6 +354,10 @@ class Activations:
     ``PREVIOUS_OUTPUT``; None: dropped with the loss's other tensors"""
     kept_output_bytes: float = 0.0
     """its bytes (0 when none is kept)"""
+    loss_chunk_bytes: float = 0.0
+    """one chunk's log-probs when the loss runs over chunks of rows (``Runtime.loss_chunk_rows``): the
+    backward frees the log-probs and makes the chunks' gradients chunk by chunk, then their concatenation;
+    0: one cross-entropy"""
 
 
 PREVIOUS_OUTPUT = "previous output"
@@ -357,7 +430,12 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     loss_fwd = loss_forward_temp(loss_order, (4 if upcast else c) * logits, kept_bytes) if causal else logits * c
     if shape.image is not None and dt.autocast:
         loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
-    loss_bwd = 8.0 * logits if upcast else 2.0 * c * logits
+    rows = plan.micro_batch * seq
+    chunked = causal and 0 < runtime.loss_chunk_rows < rows
+    # one cross-entropy: the log-probs' gradient and the logits' (the log-probs are counted outside); over
+    # chunks: the log-probs are gone by the time the chunks' gradients and their concatenation are all alive
+    loss_bwd = (4.0 if upcast else c) * logits * (1 if chunked else 2)
+    chunk = (4.0 if upcast else c) * runtime.loss_chunk_rows * shape.vocab if chunked else 0.0
     head_weight = shape.vocab * h if causal else 0
     head_bwd = logits * c + (head_weight * c if dt.autocast else 0)
     layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)
@@ -365,7 +443,8 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
         layer_bwd += layer + layer_cast  # the layer is recomputed (and its weights re-cast) first
         if shape.family in ("vit", "opt"):
             layer_bwd -= kept  # a pre-LN layer saves its input, which is the tensor checkpointing kept
-    outside = tokens * outside_bytes_per_token(shape, dt) + plan.micro_batch * outside_bytes_per_sample(shape, dt)
+    outside = (tokens * outside_bytes_per_token(shape, dt, runtime)
+               + plan.micro_batch * outside_bytes_per_sample(shape, dt))
     if not upcast:
         outside -= logits * (4 - c)  # the log-probs kept in the compute dtype
     if shape.image is None:
@@ -374,6 +453,6 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
                        input_bytes=plan.micro_batch * input_bytes_per_sample(shape, dt),
                        layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
                        loss_forward_temp_bytes=loss_fwd, loss_forward_order=loss_order,
-                       kept_output=kept_name, kept_output_bytes=kept_bytes,
+                       kept_output=kept_name, kept_output_bytes=kept_bytes, loss_chunk_bytes=chunk,
                        loss_backward_temp_bytes=loss_bwd,
                        head_backward_temp_bytes=head_bwd, layer_backward_temp_bytes=layer_bwd)

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..errors import ConfigError
 from ..modelshape import ModelShape
 from ..plan import Plan
 from ..sites import Partition
@@ -70,7 +71,7 @@ from ..strategies import Dtypes, ModelStates
 from ..strategies.base import recipe_sizes
 from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
-from .activations import Activations, activations
+from .activations import Activations, activations, model_code_refusal
 from .device import plan_device_memory
 from .stream import foreach_step_copies, gemm_workspaces, zero3_reductions
 from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading, paged_states
@@ -228,6 +229,9 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     there is no CUDA context and no caching allocator.
     """
     runtime = runtime or DEFAULT_RUNTIME
+    refusal = model_code_refusal(shape, runtime)
+    if refusal:
+        raise ConfigError(refusal)
     gpu = partition.has_gpu
     dt = dtypes_for(plan, gpu)
     if gpu and not partition.flash_attention:

@@ -13,6 +13,7 @@ Pure arithmetic, no torch import.
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import re
 from dataclasses import dataclass, field
@@ -113,7 +114,9 @@ _VERSION = r"(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?"
 ZERO_GRAD_PLACES = ("after_step", "before_backward")
 FOREACH_ADAM_ONE_INTERMEDIATE_NIGHTLY = "20230708"
 """The first torch nightly (2.1.0.devYYYYMMDD) with PR #104780's single-intermediate foreach Adam."""
-MODEL_CODES = ("transformers", "torchvision")
+MODEL_CODES = ("transformers", "torchvision", "litgpt")
+"""``Runtime.model_code``'s values; litgpt's also as ``litgpt:YYYY-MM-DD``, the date of the code that ran."""
+_LITGPT_DATED = re.compile(r"litgpt:(\d{4}-\d{2}-\d{2})\Z")
 SHIFTED_COPIES = (None, "after_upcast", "before_upcast")
 OUTPUT_KEPT = (None, "model_output", "logits")
 """``Runtime.output_kept``'s values."""
@@ -229,6 +232,14 @@ class Runtime:
     runtime, ``loss = model(**batch).loss``; HF Trainer and Lightning, whose step returns the loss only; torchtitan
     and torchtune, which ``del`` the logits before the backward)"""
 
+    loss_chunk_rows: int = 0
+    """the loop's cross-entropy runs over chunks of this many rows of the flattened logits, one
+    ``F.cross_entropy`` per chunk (litgpt's ``chunked_cross_entropy``, 128 rows by default): each chunk's
+    log-probs go as its gradient comes, and ``split``'s backward concatenates the chunks' gradients into one
+    gradient of the logits, so the loss's backward peaks at two logits-sized tensors (the chunks' gradients and
+    their concatenation) where one cross-entropy holds three (its log-probs and the two gradients). 0: one
+    cross-entropy over all rows (transformers' loss, ``chunked_cross_entropy(..., chunk_size=0)``)"""
+
     logits_upcast_in_model: bool = False
     """the causal LM's own forward upcasts its logits (``logits = logits.float()``, transformers before 4.46's
     ``loss_function``: 4.40's and 4.31's ``LlamaForCausalLM`` read), so the 16-bit logits are unreferenced before
@@ -256,9 +267,14 @@ class Runtime:
     today's attention functions (``softmax(dtype=float32)`` on scores without a clamp)"""
 
     model_code: str = "transformers"
-    """whose modelling code builds the model: ``transformers`` (the HF class of the config's family) or
+    """whose modelling code builds the model: ``transformers`` (the HF class of the config's family),
     ``torchvision`` (``torchvision.models.VisionTransformer`` for a ViT config: packed in-projection and
-    ``nn.MultiheadAttention``, whose tensors differ; see ``activations.layer_bytes_per_token``)"""
+    ``nn.MultiheadAttention``, whose tensors differ) or ``litgpt`` (Lightning's ``litgpt.model.GPT`` for a
+    LLaMA-family config: one fused Q/K/V projection, the query rotated with a ``cat`` that leaves it in (batch,
+    heads, tokens) order, so the attention output comes back in that order and is copied for the output
+    projection; K and V repeated to every query head). ``litgpt:YYYY-MM-DD``: litgpt's (or lit-gpt's) code as of
+    that date, whose RMSNorm changed over time (``activations.LITGPT_RMS_NORM``); plain ``litgpt`` is today's.
+    See ``activations.layer_bytes_per_token``"""
 
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
@@ -269,6 +285,10 @@ class Runtime:
         if self.shifted_logits_copy not in SHIFTED_COPIES:
             raise ValueError(f"Runtime.shifted_logits_copy: {self.shifted_logits_copy!r} is not one of "
                              f"{', '.join(str(x) for x in SHIFTED_COPIES)}")
+        if isinstance(self.loss_chunk_rows, bool) or not isinstance(self.loss_chunk_rows, int) \
+                or not 0 <= self.loss_chunk_rows <= 2**31:
+            raise ValueError(f"Runtime.loss_chunk_rows: expected a whole number of rows (0: no chunks), "
+                             f"got {self.loss_chunk_rows!r}")
         if self.output_kept not in OUTPUT_KEPT:
             raise ValueError(f"Runtime.output_kept: {self.output_kept!r} is not one of "
                              f"{', '.join(str(x) for x in OUTPUT_KEPT)}")
@@ -279,8 +299,15 @@ class Runtime:
             raise ValueError(f"Runtime.engine_config: expected an object, got {self.engine_config!r}")
         if self.zero_grad not in ZERO_GRAD_PLACES:
             raise ValueError(f"Runtime.zero_grad: {self.zero_grad!r} is not one of {', '.join(ZERO_GRAD_PLACES)}")
-        if self.model_code not in MODEL_CODES:
-            raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)}")
+        dated = _LITGPT_DATED.match(self.model_code) if isinstance(self.model_code, str) else None
+        if dated:
+            try:
+                datetime.date.fromisoformat(dated.group(1))
+            except ValueError:
+                raise ValueError(f"Runtime.model_code: {self.model_code!r} has no valid date (YYYY-MM-DD)") from None
+        elif self.model_code not in MODEL_CODES:
+            raise ValueError(f"Runtime.model_code: {self.model_code!r} is not one of {', '.join(MODEL_CODES)} "
+                             f"or litgpt:YYYY-MM-DD")
         if self.fsdp_api not in FSDP_APIS:
             raise ValueError(f"Runtime.fsdp_api: {self.fsdp_api!r} is not one of fsdp1, fsdp2")
 

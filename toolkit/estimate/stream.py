@@ -501,9 +501,18 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 grads.clear()
             if root_again:
                 root_id = _gather(alloc, free, root, root_copy, g_stream, ag_buffer)
-            loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
-            if lp is not None:
+            if acts.loss_chunk_bytes and lp is not None:
+                # a chunked loss (Runtime.loss_chunk_rows): each chunk's log-probs go as its gradient comes
+                # (one block here), then split's backward concatenates the chunks' gradients
                 free(lp)
+                chunk_grads = [alloc(x) for x in _split(logprobs, int(acts.loss_chunk_bytes))]
+                loss_bwd = [alloc(logprobs)]
+                for i in chunk_grads:
+                    free(i)
+            else:
+                loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
+                if lp is not None:
+                    free(lp)
             if fsdp_units and reshard:  # the root's pre-backward prefetches the last block's unit
                 gathered.append(_gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
             head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
