@@ -2108,6 +2108,7 @@ class _LitGPTStyleBlock(torch.nn.Module):
 
 
 @pytest.mark.parametrize("date, norm, views", [("2023-09-13", "input_dtype", False),
+                                               ("2023-12-01", "fp32_normed", False),
                                                ("2024-03-20", "transformers", False),
                                                ("2024-09-01", "fp32_normed", False),
                                                ("2025-06-01", "fp32_normed", True)])
@@ -2122,7 +2123,7 @@ def test_litgpt_code_saves_what_the_inventory_says(date, norm, views, kv_heads, 
     shape = ModelShape.from_config(cfg, "causal-lm")
     p = plan(precision=precision, attention="sdpa", micro_batch=3, seq_len=96)
     dt = an.dtypes_for(p, gpu=False)
-    runtime = Runtime(model_code=f"litgpt:{date}", sdpa_repeats_kv=True)
+    runtime = Runtime(model_code=f"litgpt:{date}")  # litgpt repeats K and V itself in training
     assert inv.litgpt_rms_norm(inv.litgpt_code(shape, runtime)) == norm
     torch.manual_seed(0)
     param_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
@@ -2157,18 +2158,19 @@ def test_litgpt_code_saves_what_the_inventory_says(date, norm, views, kv_heads, 
             shape.heads * shape.head_dim * dt.compute
 
 
-@pytest.mark.parametrize("chunk_rows", [0, 16])
+@pytest.mark.parametrize("chunk_rows", [0, 16, 100])
 @pytest.mark.parametrize("logits_fp32", [False, True])
 def test_a_chunked_loss_peaks_at_two_logits_sized_gradients_in_its_backward(chunk_rows, logits_fp32):
     """litgpt's chunked cross-entropy (Runtime.loss_chunk_rows) against a real backward: the chunks' log-probs go as
     their gradients come and split's backward concatenates those, so the backward holds one logits-sized tensor
-    more than the forward left (the log-probs); one cross-entropy holds two more."""
+    more than the forward left (the log-probs), or a chunk's two gradients where a chunk is over half the rows;
+    one cross-entropy holds two more. fp32: logits the model (or Fabric) returned in fp32."""
     from toolkit.estimate.gpu import Runtime
 
     shape = ModelShape.from_config(TINY_LLAMA, "causal-lm")
     p = plan(precision="bf16-true", micro_batch=2, seq_len=64)
     dt = an.dtypes_for(p, gpu=False)
-    runtime = Runtime(loss_chunk_rows=chunk_rows, logits_fp32=logits_fp32)
+    runtime = Runtime(loss_chunk_rows=chunk_rows, logits_fp32=logits_fp32, logits_upcast_in_model=logits_fp32)
     acts = inv.activations(shape, p, dt, runtime)
     rows = 2 * 64
     logits = torch.randn(rows, shape.vocab, dtype=torch.float32 if logits_fp32 else torch.bfloat16,
@@ -2199,19 +2201,28 @@ def test_a_chunked_loss_follows_into_the_stream():
 
     p = plan(precision="bf16-true", micro_batch=4, seq_len=2048)
     dt = an.dtypes_for(p, True)
-    peaks = {}
+    peaks, replayed = {}, {}
     for rows in (0, 128, 4 * 2048):
         runtime = Runtime(loss_chunk_rows=rows, logits_fp32=True, logits_upcast_in_model=True)
         states, acts = an.model_states(LLAMA7B, p, dt, runtime), inv.activations(LLAMA7B, p, dt, runtime)
-        peak = max(ph.total for ph in an.phases(LLAMA7B, p, dt, states, acts, runtime))
-        r = replay(step_events(LLAMA7B, p, dt, states, acts, runtime=runtime, steps=2))
-        assert r.peak_allocated == pytest.approx(peak, rel=0.03)
-        peaks[rows] = peak
-    assert peaks[0] == peaks[4 * 2048] > peaks[128]
-    with pytest.raises(ValueError, match="loss_chunk_rows"):
-        Runtime(loss_chunk_rows=-1)
-    with pytest.raises(ValueError, match="loss_chunk_rows"):
-        Runtime(loss_chunk_rows=True)
+        peaks[rows] = max(ph.total for ph in an.phases(LLAMA7B, p, dt, states, acts, runtime))
+        replayed[rows] = replay(step_events(LLAMA7B, p, dt, states, acts, runtime=runtime, steps=2)).peak_allocated
+        assert replayed[rows] == pytest.approx(peaks[rows], rel=0.03)
+    logits = 4 * 4 * 2048 * LLAMA7B.vocab  # fp32
+    assert peaks[0] == peaks[4 * 2048] and peaks[0] - peaks[128] == pytest.approx(logits)
+    # the stream drops the same logits-sized tensor (the peak is at the backward's start here), and makes the first
+    # chunk's two gradients as blocks of one chunk in every step (the rest as at most MAX_PIECES blocks)
+    assert replayed[0] == replayed[4 * 2048] and replayed[0] - replayed[128] == pytest.approx(logits, rel=0.02)
+    runtime = Runtime(loss_chunk_rows=128, logits_fp32=True, logits_upcast_in_model=True)
+    states, acts = an.model_states(LLAMA7B, p, dt, runtime), inv.activations(LLAMA7B, p, dt, runtime)
+    chunk = 4 * 128 * LLAMA7B.vocab
+    sizes = [e[2] for e in step_events(LLAMA7B, p, dt, states, acts, runtime=runtime, steps=2) if e[0] == "alloc"]
+    assert sizes.count(chunk) >= 2 * 2
+    for bad in (dict(loss_chunk_rows=-1), dict(loss_chunk_rows=True),
+                dict(loss_chunk_rows=128),  # transformers' loss upcasts (each chunk): not modelled
+                dict(loss_chunk_rows=128, logits_fp32=False, shifted_logits_copy="before_upcast")):
+        with pytest.raises(ValueError, match="loss_chunk_rows"):
+            Runtime(**bad)
 
 
 def test_litgpt_code_is_dated_and_known_for_the_llama_family_only():

@@ -115,10 +115,12 @@ def _attention_bytes(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime
 LITGPT_TODAY = "9999-12-31"
 """The date plain ``Runtime.model_code`` ``litgpt`` stands for: today's code."""
 LITGPT_RMS_NORM = (("2023-10-24", "fp32_normed"),  # lit-gpt PR #606: x.float(), (weight * x_normed).to(dtype)
-                   ("2024-03-15", "transformers"),  # PR #1043: x_normed.to(dtype) before the weight, as transformers
+                   ("2024-02-23", "transformers"),  # PR #941: x_normed.to(dtype) before the weight, as transformers
                    ("2024-07-22", "fp32_normed"))  # PR #1545: (x_normed * weight.float()).to(dtype)
 """From which date litgpt's RMSNorm keeps what (``rms_norm_bytes``' styles); before the first, it computed in
 the input's dtype (``input_dtype``)."""
+
+
 def litgpt_code(shape: ModelShape, runtime: Runtime) -> str | None:
     """The date of the litgpt code that builds this LLaMA-family model (``Runtime.model_code`` ``litgpt`` or
     ``litgpt:YYYY-MM-DD``; plain ``litgpt`` is ``LITGPT_TODAY``), else None."""
@@ -151,17 +153,23 @@ def model_code_refusal(shape: ModelShape, runtime: Runtime) -> str | None:
     return None
 
 
+def sdpa_flash_on_cuda(plan: Plan, dt: Dtypes, masked: bool) -> bool:
+    """Whether SDPA runs CUDA's flash kernel: 16-bit compute, no mask, a card that has it (``Dtypes.flash_sdpa``:
+    not V100 or T4, which run the memory-efficient kernel)."""
+    return plan.attention == "sdpa" and dt.gpu and dt.compute == 2 and not masked and dt.flash_sdpa
+
+
 def flash_padded_head_dim(shape: ModelShape, plan: Plan, dt: Dtypes, masked: bool,
                           runtime: Runtime = DEFAULT_RUNTIME) -> int:
-    """The head width SDPA's CUDA flash kernel runs at: from torch 2.1 (PR #105602, FlashAttention-2) SDPA pads
-    a head dimension that is not a multiple of 8 with zeros to the next one (``pad_last_dim<8>``) in the
-    composite, where autograd saves the padded query, key and value, and slices the padded output back. Else
-    the model's head dimension."""
+    """The head width a flash kernel runs at: a head dimension that is not a multiple of 8 is padded with zeros
+    to the next one where autograd sees it, so the padded query, key, value and output are what is saved, and the
+    output is sliced back. SDPA does so before CUDA's flash kernel from torch 2.1 (PR #105602, FlashAttention-2:
+    ``pad_last_dim<8>`` in the composite); the flash-attn package's ``FlashAttnFunc`` pads and saves the padded
+    tensors too. Else the model's head dimension."""
     hd = shape.head_dim
-    flash = plan.attention == "sdpa" and dt.gpu and dt.compute == 2 and not masked and dt.flash_sdpa
-    if flash and hd % 8 and version_tuple(runtime.torch_version) >= (2, 1):
-        return hd + 8 - hd % 8
-    return hd
+    pads = plan.attention == "flash" or (sdpa_flash_on_cuda(plan, dt, masked)
+                                         and version_tuple(runtime.torch_version) >= (2, 1))
+    return hd + 8 - hd % 8 if pads and hd % 8 else hd
 
 
 def window_masked(shape: ModelShape, plan: Plan) -> bool:
@@ -178,9 +186,7 @@ def output_follows_query(plan: Plan, dt: Dtypes, masked: bool) -> bool:
     there the output needs a copy to become (batch, tokens, hidden) again. CUDA's memory-efficient kernel (fp32,
     a mask, or a GPU without the flash kernel: ``Dtypes.flash_sdpa``, V100 and T4) allocates (batch, tokens,
     heads, dim) itself."""
-    if plan.attention == "flash" or not dt.gpu:
-        return True
-    return dt.compute == 2 and not masked and dt.flash_sdpa
+    return plan.attention == "flash" or not dt.gpu or sdpa_flash_on_cuda(plan, dt, masked)
 
 
 def stores_scores(shape: ModelShape, plan: Plan, dt: Dtypes) -> bool:
@@ -340,7 +346,9 @@ class Activations:
     loss_forward_temp_bytes: float
     """the logits and their fp32 copy while the loss is computed"""
     loss_backward_temp_bytes: float
-    """the gradients of the log-probs and of the logits (fp32) at the start of the backward"""
+    """what the loss's backward holds beyond the log-probs: their gradient and the logits' (in the log-probs'
+    dtype); over chunks (``loss_chunk_bytes``), the larger of the chunks' gradients with their concatenation less
+    the freed log-probs, and one chunk's two gradients"""
     head_backward_temp_bytes: float
     """the logits' gradient in the compute dtype and the head weight's 16-bit gradient"""
     layer_backward_temp_bytes: float
@@ -432,10 +440,12 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
         loss_fwd += tokens * h * dt.param  # the final LayerNorm's output, alive in the forward until it returns
     rows = plan.micro_batch * seq
     chunked = causal and 0 < runtime.loss_chunk_rows < rows
-    # one cross-entropy: the log-probs' gradient and the logits' (the log-probs are counted outside); over
-    # chunks: the log-probs are gone by the time the chunks' gradients and their concatenation are all alive
-    loss_bwd = (4.0 if upcast else c) * logits * (1 if chunked else 2)
-    chunk = (4.0 if upcast else c) * runtime.loss_chunk_rows * shape.vocab if chunked else 0.0
+    elem = 4.0 if upcast else c
+    chunk = elem * runtime.loss_chunk_rows * shape.vocab if chunked else 0.0
+    # one cross-entropy: the log-probs' gradient and the logits' (the log-probs are counted outside). Over chunks:
+    # a chunk's two gradients beside the log-probs not yet freed; at the end the chunks' gradients and their
+    # concatenation, the log-probs gone
+    loss_bwd = max(elem * logits, 2 * chunk) if chunked else 2 * elem * logits
     head_weight = shape.vocab * h if causal else 0
     head_bwd = logits * c + (head_weight * c if dt.autocast else 0)
     layer_bwd = tokens * layer_backward_temp_per_token(shape, plan, dt) + (c * shape.ffn * h if dt.autocast else 0)

@@ -236,9 +236,12 @@ class Runtime:
     """the loop's cross-entropy runs over chunks of this many rows of the flattened logits, one
     ``F.cross_entropy`` per chunk (litgpt's ``chunked_cross_entropy``, 128 rows by default): each chunk's
     log-probs go as its gradient comes, and ``split``'s backward concatenates the chunks' gradients into one
-    gradient of the logits, so the loss's backward peaks at two logits-sized tensors (the chunks' gradients and
-    their concatenation) where one cross-entropy holds three (its log-probs and the two gradients). 0: one
-    cross-entropy over all rows (transformers' loss, ``chunked_cross_entropy(..., chunk_size=0)``)"""
+    gradient of the logits, so the loss's backward holds two logits-sized tensors (the chunks' gradients and
+    their concatenation) where one cross-entropy holds three (its log-probs and the two gradients), or the
+    log-probs and one chunk's two gradients where a chunk is over half the rows. The chunks are taken of logits
+    already in the loss's dtype: the model's own (``logits_fp32`` false) or upcast by the model or its wrapper
+    (``logits_upcast_in_model``); a loss that upcasts each chunk itself is refused. 0: one cross-entropy over
+    all rows (transformers' loss, ``chunked_cross_entropy(..., chunk_size=0)``)"""
 
     logits_upcast_in_model: bool = False
     """the causal LM's own forward upcasts its logits (``logits = logits.float()``, transformers before 4.46's
@@ -289,6 +292,10 @@ class Runtime:
                 or not 0 <= self.loss_chunk_rows <= 2**31:
             raise ValueError(f"Runtime.loss_chunk_rows: expected a whole number of rows (0: no chunks), "
                              f"got {self.loss_chunk_rows!r}")
+        if self.loss_chunk_rows and ((self.logits_fp32 and not self.logits_upcast_in_model)
+                                     or self.shifted_logits_copy == "before_upcast"):
+            raise ValueError("Runtime.loss_chunk_rows: a chunked loss is known on logits already in its dtype "
+                             "(logits_fp32 false, or logits_upcast_in_model true), not one that upcasts each chunk")
         if self.output_kept not in OUTPUT_KEPT:
             raise ValueError(f"Runtime.output_kept: {self.output_kept!r} is not one of "
                              f"{', '.join(str(x) for x in OUTPUT_KEPT)}")

@@ -502,10 +502,14 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             if root_again:
                 root_id = _gather(alloc, free, root, root_copy, g_stream, ag_buffer)
             if acts.loss_chunk_bytes and lp is not None:
-                # a chunked loss (Runtime.loss_chunk_rows): each chunk's log-probs go as its gradient comes
-                # (one block here), then split's backward concatenates the chunks' gradients
+                # a chunked loss (Runtime.loss_chunk_rows): the first chunk's two gradients beside the log-probs;
+                # each chunk's log-probs then go as its gradient comes (one block here), and split's backward
+                # concatenates the chunks' gradients
+                chunk = int(acts.loss_chunk_bytes)
+                nll, first = alloc(chunk), alloc(chunk)
+                free(nll)
                 free(lp)
-                chunk_grads = [alloc(x) for x in _split(logprobs, int(acts.loss_chunk_bytes))]
+                chunk_grads = [first] + [alloc(x) for x in _split(logprobs - chunk, chunk)]
                 loss_bwd = [alloc(logprobs)]
                 for i in chunk_grads:
                     free(i)

@@ -189,6 +189,9 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     if runtime is not None and runtime.model_code != "transformers":
         notes_extra.append(f"traced the transformers class of the config, not {runtime.model_code}'s model "
                            "(the analytic method models its differences)")
+    if runtime is not None and runtime.loss_chunk_rows:
+        notes_extra.append(f"traced one cross-entropy over all rows, not chunks of {runtime.loss_chunk_rows} "
+                           "(the analytic method models the chunked loss)")
     if late_zero:
         notes_extra.append("zero_grad is called between the loss and the backward: the previous step's gradients "
                            "live through the forward")
