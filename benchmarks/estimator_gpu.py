@@ -234,7 +234,7 @@ def check_source(path: Path, doc: dict) -> None:
 
 RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none": bool, "cublas_workspace_config": str,
                   "zero_grad": str, "model_code": str, "sdpa_repeats_kv": bool, "shifted_logits_copy": str,
-                  "output_kept": str, "loss_chunk_rows": int,
+                  "output_kept": str, "loss_chunk_rows": int, "rotary_tables": bool,
                   "zero3_linear_wrapped": bool, "logits_upcast_in_model": bool, "deepspeed_version": str,
                   "fsdp_limit_all_gathers": bool, "fsdp_use_orig_params": bool, "fsdp_no_sync": bool, "fsdp_api": str,
                   "fsdp_embedding_unit": bool,

@@ -2267,3 +2267,36 @@ def test_cuda_flash_pads_a_head_dimension_off_the_multiple_of_8_and_slices_the_o
     # litgpt's multi-head value is a view of the fused projection (its q and k parts kept) unless padded
     assert inv.layer_bytes_per_token(shape, p, gpu, dataclasses.replace(lit, torch_version="2.0")) - hf == 2 * q + q
     assert inv.layer_bytes_per_token(shape, p, gpu, lit) - hf == 4 * q * 4 / 100 + q
+
+
+def test_an_older_transformers_keeps_rotary_tables_on_the_device_for_every_layer():
+    """Runtime.rotary_tables: each layer's cos and sin tables of max_position_embeddings x head_dim in the model's
+    dtype, resident like the parameters: every phase holds them and the stream makes them as 2 x layers blocks."""
+    from toolkit.errors import ConfigError
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    cfg = {**TINY_LLAMA, "max_position_embeddings": 4096}
+    shape = ModelShape.from_config(cfg, "causal-lm")
+    p = plan(precision="fp16-mixed", launcher="deepspeed", zero_stage=3, micro_batch=2, seq_len=256)
+    dt = an.dtypes_for(p, True)
+    old, new = Runtime(rotary_tables=True), Runtime()
+    table = 4096 * shape.head_dim * dt.param
+    assert inv.rotary_table_bytes(shape, dt, old) == (table,) * (2 * shape.layers)
+    assert inv.rotary_table_bytes(shape, dt, new) == ()
+    totals = {}
+    for name, rt in (("old", old), ("new", new)):
+        states, acts = an.model_states(shape, p, dt, rt), inv.activations(shape, p, dt, rt)
+        phases = an.phases(shape, p, dt, states, acts, rt)
+        events = step_events(shape, p, dt, states, acts, runtime=rt, steps=2, sharded=True)
+        totals[name] = ([ph.total for ph in phases], replay(events).peak_allocated,
+                        sum(1 for e in events if e[0] == "alloc" and e[2] == table))
+    assert [a - b for a, b in zip(totals["old"][0], totals["new"][0])] == [2 * shape.layers * table] * len(
+        totals["new"][0])
+    assert totals["old"][1] - totals["new"][1] == pytest.approx(2 * shape.layers * table, rel=0.05)
+    assert totals["old"][2] - totals["new"][2] == 2 * shape.layers
+    with pytest.raises(ConfigError, match="rotary_tables: the gpt2 family"):
+        an.estimate_analytic(GPT2, plan(precision="bf16-true"), A100, runtime=old)
+    with pytest.raises(ValueError, match="rotary_tables"):
+        Runtime(rotary_tables="yes")

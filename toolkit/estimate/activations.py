@@ -141,9 +141,22 @@ def litgpt_rms_norm(date: str | None) -> str:
     return style
 
 
-def model_code_refusal(shape: ModelShape, runtime: Runtime) -> str | None:
-    """Why ``runtime.model_code`` cannot build this model (one line), or None: torchvision's code is its
-    ViT, litgpt's is followed for the LLaMA family only (its GPT-NeoX, Phi or Falcon blocks are not)."""
+def rotary_table_bytes(shape: ModelShape, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[int, ...]:
+    """The per-layer rotary cos and sin tables an older transformers keeps as model buffers
+    (``Runtime.rotary_tables``), each ``max_position_embeddings`` x head_dim in the model's dtype: two per layer;
+    () where the runtime computes them per forward."""
+    if not runtime.rotary_tables:
+        return ()
+    return (int(shape.max_positions * shape.head_dim * dt.param),) * (2 * shape.layers)
+
+
+def runtime_refusal(shape: ModelShape, runtime: Runtime) -> str | None:
+    """Why the runtime cannot describe this model (one line), or None: torchvision's code is its ViT, litgpt's
+    is followed for the LLaMA family only (its GPT-NeoX, Phi or Falcon blocks are not), and rotary tables need
+    a rotary model that states its ``max_position_embeddings``."""
+    if runtime.rotary_tables and (shape.family != "llama" or not shape.max_positions):
+        return (f"Runtime.rotary_tables: the {shape.family} family has no rotary embedding with a stated "
+                f"max_position_embeddings")
     code = runtime.model_code
     if code == "torchvision" and shape.family != "vit":
         return f"Runtime.model_code torchvision builds ViT models only, not the {shape.family} family"

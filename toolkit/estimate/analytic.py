@@ -71,7 +71,7 @@ from ..strategies import Dtypes, ModelStates
 from ..strategies.base import recipe_sizes
 from ..strategies.deepspeed import OFFLOAD_BUFFER_FACTOR
 from . import COMPONENTS, Estimate
-from .activations import Activations, activations, model_code_refusal
+from .activations import Activations, activations, rotary_table_bytes, runtime_refusal
 from .device import plan_device_memory
 from .stream import foreach_step_copies, gemm_workspaces, zero3_reductions
 from .gpu import CUDA_CONTEXT_EAGER_MIB, DEFAULT_RUNTIME, Runtime, lazy_loading, paged_states
@@ -201,6 +201,9 @@ def phases(shape: ModelShape, plan: Plan, dt: Dtypes, states: ModelStates, acts:
     if acts.kept_output_bytes > 0:  # the output the loop keeps, from the loss (counted there) into the next forward
         phases_ = (phases_[0],) + tuple(replace(ph, activations=ph.activations + acts.kept_output_bytes)
                                         for ph in phases_[1:])
+    tables = sum(rotary_table_bytes(shape, dt, runtime))  # model buffers, resident with the parameters
+    if tables:
+        phases_ = tuple(replace(ph, params=ph.params + tables) for ph in phases_)
     return tuple(replace(ph, temporaries=ph.temporaries + workspaces) for ph in phases_) if workspaces else phases_
 
 
@@ -229,7 +232,7 @@ def estimate_analytic(shape: ModelShape, plan: Plan, partition: Partition, *,
     there is no CUDA context and no caching allocator.
     """
     runtime = runtime or DEFAULT_RUNTIME
-    refusal = model_code_refusal(shape, runtime)
+    refusal = runtime_refusal(shape, runtime)
     if refusal:
         raise ConfigError(refusal)
     gpu = partition.has_gpu

@@ -232,6 +232,14 @@ class Runtime:
     runtime, ``loss = model(**batch).loss``; HF Trainer and Lightning, whose step returns the loss only; torchtitan
     and torchtune, which ``del`` the logits before the backward)"""
 
+    rotary_tables: bool = False
+    """each attention layer's rotary embedding keeps cos and sin tables for ``max_position_embeddings`` positions as
+    model buffers, which the engine moves to the device with the model and casts to its dtype: transformers'
+    per-layer ``RotaryEmbedding`` of Llama (to 4.37 ``cos_cached``, 4.39-4.40 ``_cos_cached``; 4.38 kept them as
+    plain attributes, not moved), Mistral (to 4.41) and Qwen2 (4.37-4.44), read in those releases' modeling files
+    (``_set_cos_sin_cache(seq_len=max_position_embeddings)``). False: tables computed per forward for the positions
+    in use (transformers since, hpcmem's runtime)"""
+
     loss_chunk_rows: int = 0
     """the loop's cross-entropy runs over chunks of this many rows of the flattened logits, one
     ``F.cross_entropy`` per chunk (litgpt's ``chunked_cross_entropy``, 128 rows by default): each chunk's
@@ -282,7 +290,7 @@ class Runtime:
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
                      "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores", "fsdp_embedding_unit",
-                     "ddp_single_process"):
+                     "ddp_single_process", "rotary_tables"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:

@@ -38,7 +38,7 @@ from ..modelshape import ModelShape
 from ..strategies.base import AUTOGRAD_GRADIENT
 from ..strategies.ddp import builds_ddp
 from ..strategies.fsdp import optimizer_tensors as fsdp_optimizer_tensors
-from .activations import PREVIOUS_OUTPUT
+from .activations import PREVIOUS_OUTPUT, rotary_table_bytes
 from .gpu import (DDP_BROADCASTS_IN_FLIGHT, DEFAULT_RUNTIME, Runtime, cublas_workspace_bytes, CUBLASLT_WORKSPACE_OLD,
                   ddp_broadcast_sizes, ddp_bucket_sizes)
 
@@ -358,6 +358,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                                                 runtime.ddp_side_stream)
         else:
             alloc(states.buffer_bytes)
+    for size in rotary_table_bytes(shape, dt, runtime):  # an older transformers' per-layer rotary tables
+        alloc(size)
     forward_ws, backward_ws = gemm_workspaces(gpu_model, runtime) if dt.gpu else ((), ())
     for size in forward_ws:  # the forward's first GEMM; kept for the process
         alloc(size)

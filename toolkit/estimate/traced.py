@@ -189,6 +189,9 @@ def estimate_traced(model_config: Mapping[str, Any] | None, task: str, plan: Pla
     if runtime is not None and runtime.model_code != "transformers":
         notes_extra.append(f"traced the transformers class of the config, not {runtime.model_code}'s model "
                            "(the analytic method models its differences)")
+    if runtime is not None and runtime.rotary_tables:
+        notes_extra.append("traced the installed transformers, which computes its rotary tables per forward, not the "
+                           "older per-layer tables (the analytic method counts them)")
     if runtime is not None and runtime.loss_chunk_rows:
         notes_extra.append(f"traced one cross-entropy over all rows, not chunks of {runtime.loss_chunk_rows} "
                            "(the analytic method models the chunked loss)")
