@@ -2300,3 +2300,26 @@ def test_an_older_transformers_keeps_rotary_tables_on_the_device_for_every_layer
         an.estimate_analytic(GPT2, plan(precision="bf16-true"), A100, runtime=old)
     with pytest.raises(ValueError, match="rotary_tables"):
         Runtime(rotary_tables="yes")
+
+
+def test_the_stream_frees_the_heads_saved_tensors_with_the_heads_backward_and_the_embeddings_last():
+    """Autograd releases the final norm's and the head's saved tensors as their backward runs, right after the
+    loss's, and the embeddings' (ids, position ids) only at the end: the stream frees them so, and the layers'
+    backward, where the stream was 512 MiB high for a Llama-2-7B micro-batch of 8 x 2048, holds neither."""
+    from toolkit.estimate.stream import _outside, step_events
+
+    p = plan(precision="bf16-mixed", micro_batch=8, seq_len=2048)
+    dt = an.dtypes_for(p, True)
+    states, acts = an.model_states(LLAMA7B, p, dt), inv.activations(LLAMA7B, p, dt)
+    embedded, outside, _ = _outside(LLAMA7B, p, dt, acts)
+    assert sum(embedded) == acts.input_bytes == 8 * 2048 * inv.ID_BYTES * (1 + 1 / 8)  # ids and position ids
+    events = step_events(LLAMA7B, p, dt, states, acts, steps=2)
+    start = events.index(("mark", "step 2"))
+    allocs = [e for e in events[start:] if e[0] == "alloc"][:len(embedded) + len(outside)]
+    assert [e[2] for e in allocs] == embedded + outside
+    where = {e[1]: i for i, e in enumerate(events) if e[0] == "free"}
+    layer_frees = [i for i, e in enumerate(events) if i > start and e[0] == "free"]
+    head_end = max(where[e[1]] for e in allocs[len(embedded):])
+    assert head_end < where[allocs[0][1]] < events.index(("mark", "step 2 optimizer"))
+    # the layers' saved tensors are freed between the two (before, the head's went with the embeddings' at the end)
+    assert sum(1 for i in layer_frees if head_end < i < where[allocs[0][1]]) >= LLAMA7B.layers

@@ -301,6 +301,22 @@ def outside_bytes_per_token(shape: ModelShape, dt: Dtypes, runtime: Runtime = DE
     return ids + final_norm + h * c + logprobs + softcap
 
 
+def embedding_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
+    """Per token, the part of ``outside_bytes_per_token`` the embeddings saved, kept to the end of the backward
+    (their backward comes last): the input ids, OPT's position ids, the embedding dropout's mask and BERT's
+    embedding LayerNorm (token types, its input and statistics). The rest (the final norm, the head's input, the
+    loss's tensors) is freed as the head's backward ends."""
+    h = shape.hidden
+    drop = h * dt.mask if shape.embd_dropout > 0 else 0
+    if shape.family == "vit":
+        return drop
+    if shape.family == "bert":
+        return ID_BYTES + ID_BYTES + h * dt.param + LN_STATS_BYTES + drop
+    if shape.family in ("gpt2", "opt"):
+        return ID_BYTES + (ID_BYTES if shape.family == "opt" else 0) + drop
+    return ID_BYTES
+
+
 def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
     """Per sample, what the patch convolution saves and keeps to the end of the backward: its
     input pixels in the compute dtype (the batch's own fp32 tensor in fp32, else a 16-bit copy).
@@ -352,7 +368,8 @@ class Activations:
     outside_bytes: float
     """saved outside the layers (embeddings, final norm, head input, log-probs, ids)"""
     input_bytes: float
-    """the part of outside_bytes kept through the whole backward: an image model's pixels (0 for text)"""
+    """the part of outside_bytes kept through the whole backward: an image model's pixels, the embeddings' saved
+    ids, masks and norm input (``embedding_bytes_per_token``), a text model's position ids"""
     layer_cast_bytes: float
     """autocast's 16-bit copies of one layer's matmul weights"""
     head_cast_bytes: float
@@ -473,7 +490,9 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
     if shape.image is None:
         outside += ID_BYTES * seq  # position ids
     return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
-                       input_bytes=plan.micro_batch * input_bytes_per_sample(shape, dt),
+                       input_bytes=(plan.micro_batch * input_bytes_per_sample(shape, dt)
+                                    + tokens * embedding_bytes_per_token(shape, dt)
+                                    + (ID_BYTES * seq if shape.image is None else 0)),
                        layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
                        loss_forward_temp_bytes=loss_fwd, loss_forward_order=loss_order,
                        kept_output=kept_name, kept_output_bytes=kept_bytes, loss_chunk_bytes=chunk,

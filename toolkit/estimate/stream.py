@@ -226,18 +226,20 @@ def _torchvision_vit(shape: ModelShape, runtime: Runtime) -> bool:
     return shape.family == "vit" and runtime.model_code == "torchvision"
 
 
-def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], int]:
-    """(tensors saved outside the layers except the log-probs, the log-probs' bytes: fp32 when the
-    loss upcasts the logits, else the compute dtype)."""
+def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], list[int], int]:
+    """(the tensors the embeddings saved, kept to the end of the backward: ``Activations.input_bytes``, one block;
+    the other tensors saved outside the layers except the log-probs, freed as the head's backward ends; the
+    log-probs' bytes: fp32 when the loss upcasts the logits, else the compute dtype)."""
     from .activations import sequence_length
 
     tokens = plan.micro_batch * sequence_length(shape, plan)
     elem = 4 if runtime.logits_fp32 else dt.compute
     causal = shape.task == "causal-lm"
     logprobs = elem * tokens * shape.vocab if causal else 0
-    rest = acts.outside_bytes - logprobs
+    kept = [int(acts.input_bytes)] if acts.input_bytes >= 1 else []
+    rest = acts.outside_bytes - logprobs - sum(kept)
     softcap = [int(tokens * shape.vocab * dt.compute)] if causal and shape.final_softcap else []  # one tensor
-    return softcap + _split(rest - sum(softcap), tokens * shape.hidden * dt.param), int(logprobs)
+    return kept, softcap + _split(rest - sum(softcap), tokens * shape.hidden * dt.param), int(logprobs)
 
 
 def gemm_workspaces(gpu_model: str | None, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -365,7 +367,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         alloc(size)
 
     layer = layer_tensors(shape, plan, dt, acts, runtime)
-    outside, logprobs = _outside(shape, plan, dt, acts, runtime)
+    embedded, outside, logprobs = _outside(shape, plan, dt, acts, runtime)
     head_casts = [int(acts.head_cast_bytes)] if acts.head_cast_bytes > 0 else []
     grads: dict[int, int] = {}  # param index -> id
     head_idx, layer_idx, emb_idx = _backward_groups(params)
@@ -434,6 +436,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             ddp_rebuild(ddp_first_bucket, [dt.grad * prod(e[1]) for e in params], alloc, free)
         for mb in range(micro):
             # forward
+            emb_ids = [alloc(x) for x in embedded]
             out_ids = [alloc(x) for x in outside]
             cast_ids: list[int] = []
             kept_ids: list[list[int]] = []
@@ -537,6 +540,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 flush.within(head_reduce)
             for i in head_tmp:
                 free(i)
+            for i in out_ids:  # the final norm's and the head's saved tensors: their backward is done
+                free(i)
             for li in reversed(range(shape.layers)):
                 if unlimited:
                     if shard_copy:
@@ -596,7 +601,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             late.drain()  # the epilogue synchronizes the reduce stream, which waited for the compute stream
             for i in grad_buckets:
                 free(i)
-            for i in out_ids:
+            for i in emb_ids:
                 free(i)
             if states.grads_end_with_backward:  # the backward's final callback drops the device grads
                 for i in grads.values():
