@@ -2323,3 +2323,23 @@ def test_the_stream_frees_the_heads_saved_tensors_with_the_heads_backward_and_th
     assert head_end < where[allocs[0][1]] < events.index(("mark", "step 2 optimizer"))
     # the layers' saved tensors are freed between the two (before, the head's went with the embeddings' at the end)
     assert sum(1 for i in layer_frees if head_end < i < where[allocs[0][1]]) >= LLAMA7B.layers
+
+
+def test_the_zero3_stream_holds_what_its_schedule_gathers_beyond_the_layers():
+    """ZeRO-3's coordinator (gathered_moments) holds at the forward's end the head's weights and its prefetch
+    beside every layer's weights that torch's linear keeps (a model built outside zero.Init), and the embeddings'
+    in their backward: the stream holds them as blocks of their own, so its peak is the phases' (it was the
+    head's weights short: 1 GB for a Llama-7B-sized vocabulary)."""
+    from toolkit.estimate.allocator import replay
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import step_events
+
+    p = plan(precision="fp16-mixed", launcher="deepspeed", zero_stage=3, gpus_per_node=8, micro_batch=1, seq_len=2048)
+    dt = an.dtypes_for(p, True)
+    rt = Runtime(zero3_linear_wrapped=False, deepspeed_version="0.14.2")
+    states, acts = an.model_states(LLAMA7B, p, dt, rt), inv.activations(LLAMA7B, p, dt, rt)
+    layer = 2 * LLAMA7B.layer_params  # one layer's fp16 weights, the window's block
+    assert states.gathered_moments.forward_end > LLAMA7B.layers * layer  # every layer's, and the head's
+    peak = max(ph.total for ph in an.phases(LLAMA7B, p, dt, states, acts, rt))
+    r = replay(step_events(LLAMA7B, p, dt, states, acts, runtime=rt, steps=2, sharded=True))
+    assert r.peak_allocated == pytest.approx(peak, rel=0.005)

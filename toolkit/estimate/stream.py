@@ -352,6 +352,10 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
         g_block, g_depth = unit, 1 if reshard else shape.layers
     elif states.gathered_moments is not None and unit > 0:
         g_block, g_depth = unit, max(1, floor(states.gathered_bytes / unit))  # depth + 1 blocks in a layer
+    # ZeRO-3's schedule (gathered_moments): what the layer-sized window cannot hold at the forward's end (the head's
+    # weights, the prefetch past the last layer) and the embeddings' weights in their backward, as blocks of their own
+    zero3_at = (states.gathered_moments if states.gathered_moments is not None and sharded and not fsdp_units
+                and not unlimited and states.gathered_bytes > 0 and unit > 0 else None)
     ddp_first_bucket = None  # DDP's all-gradient bucket until its rebuild
     if states.buffer_bytes > 0 and not unlimited and not states.startup:
         if per_tensor and builds_ddp(plan, runtime.ddp_single_process):
@@ -477,6 +481,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 for i in gathered:
                     free(i)
                 gathered = []
+            head_gather = None
+            if zero3_at is not None and zero3_at.forward_end - len(gathered) * g_block >= 1:
+                head_gather = alloc(int(zero3_at.forward_end - len(gathered) * g_block), g_stream)
             cast_ids += [alloc(x) for x in head_casts]
             # the loss: a causal LM's logits tensors in their order, then the log-probs it saves; another model's
             # transients after its log-probs
@@ -542,6 +549,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             for i in out_ids:  # the final norm's and the head's saved tensors: their backward is done
                 free(i)
+            if head_gather is not None:  # released after the head's backward (record_stream)
+                late.free(head_gather)
             for li in reversed(range(shape.layers)):
                 if unlimited:
                     if shard_copy:
@@ -578,6 +587,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 late.free(i)
             for i in pending:
                 free(i)
+            emb_gather = alloc(int(zero3_at.backward_end), g_stream) if zero3_at and zero3_at.backward_end >= 1 else None
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
             emb = emb_idx
             vocab_grad = dt.grad * shape.vocab * shape.hidden
@@ -586,6 +596,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
             grads_of(emb, mb == micro - 1)
             for i in t:
                 free(i)
+            if emb_gather is not None:
+                late.free(emb_gather)
             # the root's post-backward: its resharding, then its unsharded gradients (the held head's among them)
             # with the reduce-scatter's buffers
             if root_id is not None:
