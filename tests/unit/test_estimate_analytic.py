@@ -2343,3 +2343,24 @@ def test_the_zero3_stream_holds_what_its_schedule_gathers_beyond_the_layers():
     peak = max(ph.total for ph in an.phases(LLAMA7B, p, dt, states, acts, rt))
     r = replay(step_events(LLAMA7B, p, dt, states, acts, runtime=rt, steps=2, sharded=True))
     assert r.peak_allocated == pytest.approx(peak, rel=0.005)
+
+
+def test_deepspeed_before_0_15_4_prefetches_further_from_its_stale_count_of_available_parameters():
+    """DeepSpeed < 0.15.4 reset the coordinator's count at the backward's end while the embeddings and persistent
+    parameters were still gathered; the step's release then took them off, so each later step's prefetch window
+    is wider by their elements (a checkpointed run, whose window the layers' recompute fills, shows it)."""
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.strategies.deepspeed import ZeroSettings, zero3_gathered
+
+    zs = ZeroSettings.from_config({"stage": 3}, stage=3, hidden=LLAMA7B.hidden, offload=False)
+    new = zero3_gathered(LLAMA7B, zs, checkpointing=True, causal=True)
+    old = zero3_gathered(LLAMA7B, zs, checkpointing=True, causal=True, stale_counter=True)
+    embedding = LLAMA7B.vocab * LLAMA7B.hidden
+    assert old["forward_end"] > new["forward_end"]
+    assert old["forward_end"] - new["forward_end"] <= embedding + zs.prefetch_bucket_size  # at most the offset
+    p = plan(precision="fp16-mixed", launcher="deepspeed", zero_stage=3, gpus_per_node=8, micro_batch=1, seq_len=2048,
+             checkpointing=True)
+    dt = an.dtypes_for(p, True)
+    moments = {v: an.model_states(LLAMA7B, p, dt, Runtime(deepspeed_version=v)).gathered_moments.forward_end
+               for v in ("0.14.2", "0.15.4")}
+    assert moments["0.14.2"] == 2 * old["forward_end"] and moments["0.15.4"] == 2 * new["forward_end"]

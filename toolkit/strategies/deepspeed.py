@@ -323,7 +323,7 @@ def zero3_gathers(plan) -> bool:
 
 
 def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool,
-                   linear_wrapped: bool = True) -> dict[str, int]:
+                   linear_wrapped: bool = True, stale_counter: bool = False) -> dict[str, int]:
     """Elements of gathered (unsharded) weights DeepSpeed ZeRO-3 holds at each moment of a steady-state step,
     from a run of its parameter coordinator's policy (``PartitionedParameterCoordinator`` in
     runtime/zero/partitioned_param_coordinator.py, DeepSpeed 0.19.8) over the step's module trace:
@@ -342,13 +342,18 @@ def zero3_gathered(shape, zs: ZeroSettings, *, checkpointing: bool, causal: bool
       autograd saves a view of the weight (``weight.t()``); releasing the parameter swaps its ``.data`` but the
       view keeps the gathered storage, so a linear weight used with grad (a forward outside checkpointing, a
       recompute) stays gathered until its module's backward. HF GPT-2's ``Conv1D`` (``addmm`` on the parameter
-      itself, which autograd saves as the parameter) keeps nothing; its tied head is an ``nn.Linear``.
+      itself, which autograd saves as the parameter) keeps nothing; its tied head is an ``nn.Linear``;
+    - ``stale_counter`` (DeepSpeed before 0.15.4): the coordinator's count of available elements was reset at the
+      backward's end (``stage3.py backward``: ``reset_step``), while the embeddings and the persistent parameters
+      were still gathered; the step's ``release_and_reset_all`` then subtracted them (``__release_param``), so every
+      later step starts that many elements below zero and its prefetch window is that much wider. PR #6662
+      (2024-11-05, v0.15.4) resets it at the forward's start instead (read in v0.14.2 and 0.19.8).
 
     Keys: the moments of ``base.Gathered``; each value is the largest count over that moment's modules."""
     conv1d = shape.model_type == "gpt2"
     return dict(_zero3_moments(tuple(shape.other_tensors), tuple(shape.layer_tensors), shape.layers,
                                bool(shape.tied), causal, checkpointing, zs,
-                               "none" if linear_wrapped else ("head" if conv1d else "all")))
+                               "none" if linear_wrapped else ("head" if conv1d else "all"), stale_counter))
 
 
 def zero3_linear_wrapped(engine_wrapped: bool, zs: ZeroSettings) -> bool:
@@ -363,12 +368,16 @@ def zero3_linear_wrapped(engine_wrapped: bool, zs: ZeroSettings) -> bool:
 
 @lru_cache(maxsize=256)
 def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: bool, checkpointing: bool,
-                   zs: ZeroSettings, saves: str = "none") -> tuple[tuple[str, int], ...]:
+                   zs: ZeroSettings, saves: str = "none", stale_counter: bool = False) -> tuple[tuple[str, int], ...]:
     """``saves``: which modules' autograd keeps views of their linear weights (``zero3_gathered``): "none",
-    "head" (the modules after the layers only) or "all"."""
+    "head" (the modules after the layers only) or "all". ``stale_counter``: see ``zero3_gathered``."""
     modules, sizes, layer_first, viewed = _zero3_modules(other, layer, layers, tied, causal)
     persistent = {p for p, n in enumerate(sizes) if n <= zs.param_persistence_threshold}
     resident = sum(sizes[p] for p in persistent)
+    # the coordinator's count starts this far below what is live (DeepSpeed < 0.15.4): the embeddings' and the
+    # persistent parameters' elements, subtracted by the previous step's release after its reset
+    below = (resident + sum(sizes[p] for m in range(layer_first[0]) for p in modules[m] if p not in persistent)
+             if stale_counter else 0)
     n_fwd = len(modules)
     trace = list(range(n_fwd))
     with_grad = [not (checkpointing and layer_first[0] <= m < layer_first[-1]) for m in trace]
@@ -425,7 +434,7 @@ def _zero3_moments(other: tuple, layer: tuple, layers: int, tied: bool, causal: 
         for _ in range(min(need, len(queue))):  # this module's own entries leave the queue
             p, used_at = queue.popleft()
             fetched_for[p] = used_at
-        budget = min(zs.max_live_parameters - n_live, zs.prefetch_bucket_size)
+        budget = min(zs.max_live_parameters - n_live + below, zs.prefetch_bucket_size)
         inflight = 0
         while queue and inflight < budget:
             p, used_at = queue.popleft()
@@ -603,8 +612,9 @@ class DeepSpeed(Strategy):
         gathered = 0.0
         if zero3_gathers(plan):  # the parameter coordinator's gathered weights, moment by moment (zero3_gathered)
             wrapped = zero3_linear_wrapped(getattr(runtime, "zero3_linear_wrapped", True), zs)
+            stale = runtime is not None and runtime._deepspeed_before((0, 15, 4))
             held = zero3_gathered(shape, zs, checkpointing=plan.checkpointing, causal=shape.task == "causal-lm",
-                                  linear_wrapped=wrapped)
+                                  linear_wrapped=wrapped, stale_counter=stale)
             moments = Gathered(**{name: dt.param * n for name, n in held.items()})
             gathered = max(dt.param * n for n in held.values())
         # The step makes an fp32 copy of the gradient partition for the optimizer, which lives through the
