@@ -226,7 +226,8 @@ def _torchvision_vit(shape: ModelShape, runtime: Runtime) -> bool:
     return shape.family == "vit" and runtime.model_code == "torchvision"
 
 
-def _outside(shape: ModelShape, plan, dt, acts, runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], list[int], int]:
+def _outside(shape: ModelShape, plan, dt, acts,
+             runtime: Runtime = DEFAULT_RUNTIME) -> tuple[list[int], list[int], int]:
     """(the tensors the embeddings saved, kept to the end of the backward: ``Activations.input_bytes``, one block;
     the other tensors saved outside the layers except the log-probs, freed as the head's backward ends; the
     log-probs' bytes: fp32 when the loss upcasts the logits, else the compute dtype)."""
@@ -587,7 +588,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 late.free(i)
             for i in pending:
                 free(i)
-            emb_gather = alloc(int(zero3_at.backward_end), g_stream) if zero3_at and zero3_at.backward_end >= 1 else None
+            emb_gather = None
+            if zero3_at is not None and zero3_at.backward_end >= 1:  # the embeddings' weights, for their backward
+                emb_gather = alloc(int(zero3_at.backward_end), g_stream)
             # embeddings' gradients (the tied head's adds a second vocab x hidden transient)
             emb = emb_idx
             vocab_grad = dt.grad * shape.vocab * shape.hidden
