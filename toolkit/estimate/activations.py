@@ -273,39 +273,12 @@ def rms_norm_bytes(shape: ModelShape, width: int, elem: int, rows: int = 1, styl
     return 4 * width + 4 * rows + width * normed
 
 
-def outside_bytes_per_token(shape: ModelShape, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> float:
-    """Per token, what is saved outside the layers: ids, embeddings, final norm, head input, log-probs."""
-    h, p, c = shape.hidden, dt.param, dt.compute
-    if shape.family == "vit":
-        # embedding dropout, the final LayerNorm's input; the classifier's CLS view keeps the whole
-        # normalised output alive unless autocast copied the CLS rows (see outside_bytes_per_sample)
-        emb = h * dt.mask if shape.embd_dropout > 0 else 0
-        return emb + h * p + LN_STATS_BYTES + (0 if dt.autocast else h * p)
-    causal = shape.task == "causal-lm"
-    ids = ID_BYTES * (3 if causal else 1)  # input ids; labels and their shifted copy for the loss
-    logprobs = 4 * shape.vocab if causal else 0  # transformers upcasts the logits; log_softmax keeps fp32
-    if shape.family in ("gpt2", "opt"):
-        emb = h * dt.mask if shape.embd_dropout > 0 else 0
-        # OPT's position ids are per sample (a cumsum of the attention mask): the embedding saves them, offset
-        pos = ID_BYTES if shape.family == "opt" else 0
-        return ids + pos + emb + h * p + LN_STATS_BYTES + h * c + logprobs
-    if shape.family == "bert":
-        emb = ID_BYTES + h * p + LN_STATS_BYTES + (h * dt.mask if shape.embd_dropout > 0 else 0)  # token types, LN
-        if causal:  # transform dense, GELU, LayerNorm, decoder inputs (CUDA autocast: LayerNorm in fp32)
-            head = 3 * h * c + 4 * h + LN_STATS_BYTES if dt.autocast and dt.gpu else 4 * h * c + LN_STATS_BYTES
-        else:  # the pooler's first-token view keeps the whole last hidden state, unless autocast copied it
-            head = 0 if dt.autocast else h * p
-        return ids + emb + head + logprobs
-    softcap = shape.vocab * c if causal and shape.final_softcap else 0  # the logits' tanh output, kept for backward
-    final_norm = rms_norm_bytes(shape, h, p, style=litgpt_rms_norm(litgpt_code(shape, runtime)))
-    return ids + final_norm + h * c + logprobs + softcap
-
-
 def embedding_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
     """Per token, the part of ``outside_bytes_per_token`` the embeddings saved, kept to the end of the backward
-    (their backward comes last): the input ids, OPT's position ids, the embedding dropout's mask and BERT's
-    embedding LayerNorm (token types, its input and statistics). The rest (the final norm, the head's input, the
-    loss's tensors) is freed as the head's backward ends."""
+    (their backward comes last): the input ids, OPT's position ids (per sample, a cumsum of the attention mask:
+    the embedding saves them, offset), the embedding dropout's mask and BERT's embedding LayerNorm (token types,
+    its input and statistics). The rest (the final norm, the head's input, the loss's tensors) is freed as the
+    head's backward ends."""
     h = shape.hidden
     drop = h * dt.mask if shape.embd_dropout > 0 else 0
     if shape.family == "vit":
@@ -315,6 +288,31 @@ def embedding_bytes_per_token(shape: ModelShape, dt: Dtypes) -> float:
     if shape.family in ("gpt2", "opt"):
         return ID_BYTES + (ID_BYTES if shape.family == "opt" else 0) + drop
     return ID_BYTES
+
+
+def outside_bytes_per_token(shape: ModelShape, dt: Dtypes, runtime: Runtime = DEFAULT_RUNTIME) -> float:
+    """Per token, what is saved outside the layers: the embeddings' (``embedding_bytes_per_token``), then the
+    labels, final norm, head input and log-probs."""
+    h, p, c = shape.hidden, dt.param, dt.compute
+    emb = embedding_bytes_per_token(shape, dt)
+    if shape.family == "vit":
+        # the final LayerNorm's input; the classifier's CLS view keeps the whole normalised output alive unless
+        # autocast copied the CLS rows (see outside_bytes_per_sample)
+        return emb + h * p + LN_STATS_BYTES + (0 if dt.autocast else h * p)
+    causal = shape.task == "causal-lm"
+    labels = ID_BYTES * 2 if causal else 0  # the labels and their shifted copy for the loss
+    logprobs = 4 * shape.vocab if causal else 0  # transformers upcasts the logits; log_softmax keeps fp32
+    if shape.family in ("gpt2", "opt"):
+        return emb + labels + h * p + LN_STATS_BYTES + h * c + logprobs
+    if shape.family == "bert":
+        if causal:  # transform dense, GELU, LayerNorm, decoder inputs (CUDA autocast: LayerNorm in fp32)
+            head = 3 * h * c + 4 * h + LN_STATS_BYTES if dt.autocast and dt.gpu else 4 * h * c + LN_STATS_BYTES
+        else:  # the pooler's first-token view keeps the whole last hidden state, unless autocast copied it
+            head = 0 if dt.autocast else h * p
+        return emb + labels + head + logprobs
+    softcap = shape.vocab * c if causal and shape.final_softcap else 0  # the logits' tanh output, kept for backward
+    final_norm = rms_norm_bytes(shape, h, p, style=litgpt_rms_norm(litgpt_code(shape, runtime)))
+    return emb + labels + final_norm + h * c + logprobs + softcap
 
 
 def input_bytes_per_sample(shape: ModelShape, dt: Dtypes) -> float:
@@ -487,12 +485,11 @@ def activations(shape: ModelShape, plan: Plan, dt: Dtypes, runtime: Runtime = DE
                + plan.micro_batch * outside_bytes_per_sample(shape, dt))
     if not upcast:
         outside -= logits * (4 - c)  # the log-probs kept in the compute dtype
-    if shape.image is None:
-        outside += ID_BYTES * seq  # position ids
+    positions = ID_BYTES * seq if shape.image is None else 0  # position ids, kept with the embeddings' tensors
+    outside += positions
     return Activations(layer_bytes=layer, kept_layer_bytes=kept, outside_bytes=outside,
                        input_bytes=(plan.micro_batch * input_bytes_per_sample(shape, dt)
-                                    + tokens * embedding_bytes_per_token(shape, dt)
-                                    + (ID_BYTES * seq if shape.image is None else 0)),
+                                    + tokens * embedding_bytes_per_token(shape, dt) + positions),
                        layer_cast_bytes=layer_cast, head_cast_bytes=head_cast,
                        loss_forward_temp_bytes=loss_fwd, loss_forward_order=loss_order,
                        kept_output=kept_name, kept_output_bytes=kept_bytes, loss_chunk_bytes=chunk,

@@ -259,8 +259,8 @@ class Runtime:
 
     deepspeed_version: str | None = None
     """the DeepSpeed the job ran, where its code allocates differently (``zero3_master_from_clone``,
-    ``zero_offload_step_fp32_copy``, ``zero_overflow_check``); None: the one installed beside hpcmem
-    (``installed_deepspeed``: hpcmem's jobs run it), else ``CURRENT_DEEPSPEED``"""
+    ``zero_offload_step_fp32_copy``, ``zero_overflow_check``, ``zero3_stale_available_count``); None: the one
+    installed beside hpcmem (``installed_deepspeed``: hpcmem's jobs run it), else ``CURRENT_DEEPSPEED``"""
 
     zero3_linear_wrapped: bool = True
     """DeepSpeed ZeRO-3 installs its memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``, whose
@@ -331,6 +331,14 @@ class Runtime:
         ``CURRENT_DEEPSPEED``) is older than ``release``."""
         m = re.match(_VERSION, self.deepspeed_version or installed_deepspeed() or CURRENT_DEEPSPEED)
         return bool(m) and (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) < release
+
+    @property
+    def zero3_stale_available_count(self) -> bool:
+        """ZeRO-3's coordinator reset its count of available parameters at the backward's end, so each later step
+        started below zero by the embeddings' and persistent parameters' elements and prefetched further
+        (``strategies.deepspeed.zero3_gathered``), before DeepSpeed PR #6662 (v0.15.4, 2024-11; read in v0.9.2,
+        v0.12.0, v0.14.2 and 0.19.8)."""
+        return self._deepspeed_before((0, 15, 4))
 
     @property
     def zero3_master_from_clone(self) -> bool:

@@ -612,9 +612,9 @@ class DeepSpeed(Strategy):
         gathered = 0.0
         if zero3_gathers(plan):  # the parameter coordinator's gathered weights, moment by moment (zero3_gathered)
             wrapped = zero3_linear_wrapped(getattr(runtime, "zero3_linear_wrapped", True), zs)
-            stale = runtime is not None and runtime._deepspeed_before((0, 15, 4))
             held = zero3_gathered(shape, zs, checkpointing=plan.checkpointing, causal=shape.task == "causal-lm",
-                                  linear_wrapped=wrapped, stale_counter=stale)
+                                  linear_wrapped=wrapped,
+                                  stale_counter=getattr(runtime, "zero3_stale_available_count", False))
             moments = Gathered(**{name: dt.param * n for name, n in held.items()})
             gathered = max(dt.param * n for n in held.values())
         # The step makes an fp32 copy of the gradient partition for the optimizer, which lives through the
