@@ -237,7 +237,7 @@ RUNTIME_FIELDS = {"torch_version": str, "logits_fp32": bool, "grads_set_to_none"
                   "output_kept": str, "loss_chunk_rows": int, "rotary_tables": bool,
                   "zero3_linear_wrapped": bool, "logits_upcast_in_model": bool, "deepspeed_version": str,
                   "fsdp_limit_all_gathers": bool, "fsdp_use_orig_params": bool, "fsdp_no_sync": bool, "fsdp_api": str,
-                  "fsdp_embedding_unit": bool,
+                  "fsdp_embedding_unit": bool, "fsdp_keep_last_block": bool,
                   "eager_clamps_scores": bool,
                   "ddp_side_stream": bool, "ddp_single_process": bool, "engine_config": dict}
 

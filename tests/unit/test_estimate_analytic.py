@@ -2047,6 +2047,70 @@ def test_fsdp_gathers_unit_by_unit_on_the_stream_each_version_allocates_them():
             assert flat_most == (1 if api == "fsdp2" else 0)
 
 
+def test_fsdp_gathers_an_embedding_unit_twice_and_a_kept_last_block_once():
+    """Two wraps of torchtitan's, read in its code (session 24). Since its PR #1094 (2025-07-28) the embeddings are a
+    unit of their own (Runtime.fsdp_embedding_unit), resharded after their forward: the stream gathers them before
+    the layers and frees them before the first layer's unit, then gathers them again when the first block's backward
+    prefetches them, so the root no longer holds them through the loss. From its PR #165 to #1094 the last block was
+    not resharded after its forward (Runtime.fsdp_keep_last_block): gathered once per step, there by the loss (the
+    phases' forward_end), not prefetched again by the root's pre-backward."""
+    from math import prod
+
+    from toolkit.estimate.gpu import Runtime
+    from toolkit.estimate.stream import DEFAULT_STREAM, GATHER_STREAM, step_events
+
+    shape = LLAMA7B
+    unit = 2 * shape.layer_params
+    root = 2 * (shape.n_params - shape.layers * shape.layer_params)
+    emb = 2 * sum(prod(d) for _n, d, k in shape.other_tensors if k == "embedding")
+    p = plan(launcher="fsdp", gpus_per_node=4, precision="bf16-mixed", micro_batch=1, seq_len=512, checkpointing=True)
+    dt = an.dtypes_for(p, True)
+
+    def gathers(rt):
+        """(size, event index, live unit-sized gathers) of each FSDP2 copy-out (the block after a flat output)"""
+        states, acts = an.model_states(shape, p, dt, rt), inv.activations(shape, p, dt, rt)
+        events = step_events(shape, p, dt, states, acts, runtime=rt, steps=2, sharded=True)
+        out, live, flat = [], {}, False
+        for k, e in enumerate(events):
+            if e[0] == "alloc":
+                stream = e[3] if len(e) == 4 else DEFAULT_STREAM
+                if stream == GATHER_STREAM:
+                    flat = True
+                elif flat:
+                    out.append((e[2], k, sum(1 for v in live.values() if v == unit)))
+                    live[e[1]] = e[2]
+                    flat = False
+            elif e[0] == "free":
+                live.pop(e[1], None)
+        return states, events, out
+
+    base = Runtime(fsdp_api="fsdp2", torch_version="2.7")
+    states, _events, plain = gathers(base)
+    assert states.embedding_unit_bytes == 0 and not states.keep_last_block
+    assert [g[0] for g in plain].count(root) == 2 and [g[0] for g in plain].count(unit) == 4 * shape.layers
+
+    own_states, own_events, own = gathers(dataclasses.replace(base, fsdp_embedding_unit=True))
+    assert own_states.embedding_unit_bytes == emb
+    sizes = [g[0] for g in own]
+    assert sizes.count(root - emb) == 2 and sizes.count(emb) == 4 and sizes.count(unit) == 4 * shape.layers
+    step1 = own[:len(own) // 2]
+    first, again = [k for k, g in enumerate(step1) if g[0] == emb]
+    assert first == 1 and step1[first + 1][0] == unit  # right after the root, before the first layer's unit
+    # freed before that unit is made: its id is not live when the first unit comes
+    emb_id = own_events[step1[first][1]][1]
+    freed_at = next(k for k, e in enumerate(own_events) if e[0] == "free" and e[1] == emb_id)
+    assert freed_at < step1[first + 1][1]
+    assert step1[again][2] == 1 and again == len(step1) - 1  # prefetched in the first block's backward, last of all
+
+    kept_states, _e, kept = gathers(dataclasses.replace(base, fsdp_keep_last_block=True))
+    assert kept_states.keep_last_block
+    assert [g[0] for g in kept].count(unit) == 4 * shape.layers - 2  # one gather fewer per step
+    assert kept_states.gathered_moments.forward_end == pytest.approx(root + unit)
+    assert states.gathered_moments.forward_end == pytest.approx(root)
+    with pytest.raises(ValueError, match="fsdp_keep_last_block"):
+        Runtime(fsdp_keep_last_block="yes")
+
+
 # -- litgpt's model code and its loss ---------------------------------------------------------------------------
 
 

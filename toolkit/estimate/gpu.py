@@ -165,7 +165,15 @@ class Runtime:
     as Lambda's distributed-training guide does), so the root unit keeps the final norm and an untied head only
     and is reduced as soon as their gradients exist, in the head's backward; False: hpcmem's, HF Accelerate's and
     Lightning's wrap (the transformer blocks, the rest in the root), whose root is reduced at the backward's end.
-    A tied head shares the embedding's weight and so its unit: no difference there"""
+    A tied head shares the embedding's weight and so its unit: no difference there. Under FSDP a unit that is not the
+    root is resharded after its forward, so the embedding's weights are gathered for its forward and again for its
+    backward only (torchtitan since its PR #1094, 2025-07-28, wraps ``tok_embeddings`` so, and ``[norm, output]`` as
+    one unit kept gathered: the root here)"""
+    fsdp_keep_last_block: bool = False
+    """the job's FSDP does not reshard the last transformer block after its forward (``reshard_after_forward=False``
+    on that block only, "since FSDP would prefetch it immediately"), so its weights stay gathered from its forward
+    through the loss to its backward: torchtitan from its first FSDP2 wrap (PR #165, 2024-03) to its PR #1094
+    (2025-07-28, read in the mirror of pytorch/torchtitan). False: every block is resharded alike"""
 
     ddp_side_stream: bool = False
     """DistributedDataParallel is built inside a stream of its own: Lightning's ``DDPStrategy`` (Fabric's and the
@@ -290,7 +298,7 @@ class Runtime:
     def __post_init__(self):
         for name in ("logits_fp32", "sdpa_repeats_kv", "logits_upcast_in_model", "zero3_linear_wrapped",
                      "fsdp_no_sync", "ddp_side_stream", "eager_clamps_scores", "fsdp_embedding_unit",
-                     "ddp_single_process", "rotary_tables"):
+                     "fsdp_keep_last_block", "ddp_single_process", "rotary_tables"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Runtime.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.shifted_logits_copy not in SHIFTED_COPIES:

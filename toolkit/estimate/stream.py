@@ -327,7 +327,6 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     fsdp1_offload = (sharded and plan.launcher == "fsdp" and plan.offload_params == "cpu"
                      and runtime.fsdp_flat_params and states.gathered_bytes > 0)
     shard_copy = -(-int(unit) // world) if fsdp1_offload else 0
-    root_copy = -(-int(root) // world) if fsdp1_offload else 0
     # gathered weights: where the engine schedules them module by module (ZeRO-3's coordinator:
     # ModelStates.gathered_moments) a rolling window of layer-sized blocks as large as its peak. FSDP (with its rate
     # limiter, or FSDP2) gathers unit by unit: the root unit (what no block holds: embeddings, final norm, head) from
@@ -346,6 +345,12 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     fsdp_units = (sharded and plan.launcher == "fsdp" and states.gathered_bytes > 0 and not unlimited
                   and unit > 0)
     ag_buffer = fsdp_units and not runtime.fsdp_flat_params  # FSDP2's flat all-gather output
+    # FSDP with the embeddings a unit of their own (ModelStates.embedding_unit_bytes): out of the root, gathered for
+    # their forward and again for their backward (from the first block's backward, which prefetches them)
+    emb_unit = int(states.embedding_unit_bytes) if fsdp_units else 0
+    root -= emb_unit
+    root_copy = -(-int(root) // world) if fsdp1_offload else 0
+    emb_copy = -(-emb_unit // world) if fsdp1_offload else 0
     if fsdp_units and runtime.fsdp_flat_params:
         g_stream = GATHER_STREAM
     reshard = getattr(plan, "reshard_after_forward", True)
@@ -454,6 +459,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 root_id = _gather(alloc, free, root, root_copy, g_stream, ag_buffer)
             elif root_copy:
                 free(alloc(root_copy))
+            if emb_unit:  # gathered, used and resharded: a non-root unit is resharded after its forward
+                free(_gather(alloc, free, emb_unit, emb_copy, g_stream, ag_buffer))
             for li in range(shape.layers):
                 if unlimited:
                     if shard_copy:
@@ -478,7 +485,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     kept_ids.append([alloc(x) for x in layer.saved])
                 if gathered and len(gathered) > g_depth:
                     free(gathered.pop(0))
-            if fsdp_units and reshard:  # the last unit is resharded after its forward too
+            if fsdp_units and reshard and not states.keep_last_block:  # the last unit is resharded after its forward
                 for i in gathered:
                     free(i)
                 gathered = []
@@ -530,7 +537,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
                 if lp is not None:
                     free(lp)
-            if fsdp_units and reshard:  # the root's pre-backward prefetches the last block's unit
+            if fsdp_units and reshard and not states.keep_last_block:  # the root's pre-backward prefetches it
                 gathered.append(_gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
             head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
             for i in loss_bwd:
@@ -552,6 +559,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             if head_gather is not None:  # released after the head's backward (record_stream)
                 late.free(head_gather)
+            emb_id = None
             for li in reversed(range(shape.layers)):
                 if unlimited:
                     if shard_copy:
@@ -560,6 +568,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 elif fsdp_units:
                     if reshard and li > 0:  # this unit's pre-backward prefetches the next one
                         gathered.insert(0, _gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
+                    elif li == 0 and emb_unit:  # the first block's prefetches the embeddings' unit
+                        emb_id = _gather(alloc, free, emb_unit, emb_copy, g_stream, ag_buffer)
                 elif gathered:
                     late.free(gathered.pop())
                 if sharded and states.gathered_bytes > 0 and not unlimited and not fsdp_units:
@@ -601,6 +611,8 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 free(i)
             if emb_gather is not None:
                 late.free(emb_gather)
+            if emb_id is not None:  # the embeddings' unit resharded after its backward, then reduced
+                free(emb_id)
             # the root's post-backward: its resharding, then its unsharded gradients (the held head's among them)
             # with the reduce-scatter's buffers
             if root_id is not None:

@@ -164,6 +164,11 @@ class ModelStates:
     it reduces its gradients); 0: nothing of the kind"""
     end_reduce_share: float = 0.0
     """the part of ``grads_bytes`` that reduction makes (the unit's gradient shard, its output), not there yet"""
+    embedding_unit_bytes: float = 0.0
+    """gathered bytes of the embeddings where FSDP wraps them as a unit of their own (``Runtime.fsdp_embedding_unit``),
+    out of the root's: resharded after their forward, gathered again for their backward; 0: in the root"""
+    keep_last_block: bool = False
+    """FSDP keeps the last block's unit gathered from its forward to its backward (``Runtime.fsdp_keep_last_block``)"""
 
 
 AUTOGRAD_GRADIENT = "gradient"

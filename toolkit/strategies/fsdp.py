@@ -299,7 +299,9 @@ class FSDP(Strategy):
         if flat:
             moments = None
         elif plan.reshard_after_forward:
-            moments = Gathered(forward_end=r, head_backward=r + u * min(1, layers),
+            # a last block kept gathered after its forward (Runtime.fsdp_keep_last_block) is there by the loss
+            kept = u * min(1, layers) if getattr(runtime, "fsdp_keep_last_block", False) else 0.0
+            moments = Gathered(forward_end=r + kept, head_backward=r + u * min(1, layers),
                                last_layer=r + u * min(PREFETCHED_UNITS, layers), first_layer=r + u * min(1, layers),
                                backward_end=whole)
         else:
@@ -311,7 +313,10 @@ class FSDP(Strategy):
                            reduce_extra_bytes=buffers - block * dt.grad, gathered_bytes=gathered, step_temp_bytes=step,
                            host_bytes_per_rank=host, accumulated_grads_bytes=accumulated, paged_optimizer_bytes=paged,
                            held_head_bytes=held_head, head_reduce_bytes=head_reduce, end_reduce_bytes=reducing(last),
-                           end_reduce_share=grads * last / psi if psi else 0.0, gathered_moments=moments)
+                           end_reduce_share=grads * last / psi if psi else 0.0, gathered_moments=moments,
+                           embedding_unit_bytes=dt.param * sum(embeddings) if own_embeddings else 0.0,
+                           keep_last_block=bool(getattr(runtime, "fsdp_keep_last_block", False))
+                           and plan.reshard_after_forward)
 
     def placement(self, plan) -> Placement:
         share = 1.0 / plan.world_size
