@@ -354,6 +354,9 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
     if fsdp_units and runtime.fsdp_flat_params:
         g_stream = GATHER_STREAM
     reshard = getattr(plan, "reshard_after_forward", True)
+    # the last unit resharded after its forward (then prefetched again by the root's pre-backward), unless the job
+    # keeps it gathered (Runtime.fsdp_keep_last_block)
+    reshard_last = fsdp_units and reshard and not runtime.fsdp_keep_last_block
     if fsdp_units:
         g_block, g_depth = unit, 1 if reshard else shape.layers
     elif states.gathered_moments is not None and unit > 0:
@@ -485,7 +488,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                     kept_ids.append([alloc(x) for x in layer.saved])
                 if gathered and len(gathered) > g_depth:
                     free(gathered.pop(0))
-            if fsdp_units and reshard and not states.keep_last_block:  # the last unit is resharded after its forward
+            if reshard_last:
                 for i in gathered:
                     free(i)
                 gathered = []
@@ -537,7 +540,7 @@ def step_events(shape: ModelShape, plan, dt, states, acts, *, gpu_model: str | N
                 loss_bwd = [alloc(x) for x in _split(acts.loss_backward_temp_bytes, max(logprobs, 1))]
                 if lp is not None:
                     free(lp)
-            if fsdp_units and reshard and not states.keep_last_block:  # the root's pre-backward prefetches it
+            if reshard_last:  # the root's pre-backward prefetches the last unit
                 gathered.append(_gather(alloc, free, unit, shard_copy, g_stream, ag_buffer))
             head_tmp = [alloc(x) for x in _split(acts.head_backward_temp_bytes, max(logprobs // 4 * dt.compute, 1))]
             for i in loss_bwd:

@@ -167,8 +167,6 @@ class ModelStates:
     embedding_unit_bytes: float = 0.0
     """gathered bytes of the embeddings where FSDP wraps them as a unit of their own (``Runtime.fsdp_embedding_unit``),
     out of the root's: resharded after their forward, gathered again for their backward; 0: in the root"""
-    keep_last_block: bool = False
-    """FSDP keeps the last block's unit gathered from its forward to its backward (``Runtime.fsdp_keep_last_block``)"""
 
 
 AUTOGRAD_GRADIENT = "gradient"

@@ -314,9 +314,7 @@ class FSDP(Strategy):
                            host_bytes_per_rank=host, accumulated_grads_bytes=accumulated, paged_optimizer_bytes=paged,
                            held_head_bytes=held_head, head_reduce_bytes=head_reduce, end_reduce_bytes=reducing(last),
                            end_reduce_share=grads * last / psi if psi else 0.0, gathered_moments=moments,
-                           embedding_unit_bytes=dt.param * sum(embeddings) if own_embeddings else 0.0,
-                           keep_last_block=bool(getattr(runtime, "fsdp_keep_last_block", False))
-                           and plan.reshard_after_forward)
+                           embedding_unit_bytes=dt.param * sum(embeddings) if own_embeddings else 0.0)
 
     def placement(self, plan) -> Placement:
         share = 1.0 / plan.world_size
